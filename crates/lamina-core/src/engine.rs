@@ -1,0 +1,1744 @@
+//! The engine: the single owner of where every block goes.
+//!
+//! One thread drives an [`Engine`] by feeding it requests ([`Engine::submit`]), device
+//! completions ([`Engine::io_completed`]) and clock ticks ([`Engine::tick`]), and by
+//! carrying out the device operations it asks for ([`Engine::drain_io`]). It makes no
+//! system calls of its own, so tests and the simulator drive it deterministically.
+//!
+//! ## The write path
+//! A write is copied block by block into the open write unit of its volume's user
+//! stream, its map entries are pointed at the buffer slots, and it is acknowledged.
+//! When a unit is full (or a flush needs it) it is *sealed*: it takes the next
+//! version, records that were overwritten while it was open are marked dead, the
+//! header is checksummed and the unit is written at the stream's write pointer. When
+//! the write completes, map entries move from the buffer to the device.
+//!
+//! ## Durability
+//! A flush seals every open unit, waits for every write issued so far to complete,
+//! then syncs every device; only then does it reply. Each such round is a *flush
+//! generation*; segments emptied by garbage collection wait for a generation that
+//! covers the writes that emptied them, then for another that makes their release
+//! record durable, before they may be reused (see docs/design.md, "Recovery").
+
+use crate::error::EngineError;
+use crate::gc::{policy_by_name, VictimPolicy};
+use crate::geometry::Geometry;
+use crate::io::{IoCompletion, IoKind, IoOp};
+use crate::map::{decode, encode_buffer, encode_device, Entry, UNMAPPED};
+use crate::shared::{Shared, VolumeShared};
+use crate::types::{Pba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
+use lamina_format::summary::SummaryHeader;
+use lamina_format::unit::{kind, put_record, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT};
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+pub(crate) fn dbg_lba() -> Option<u64> {
+    std::env::var("LAMINA_DEBUG_LBA").ok().and_then(|s| s.parse().ok())
+}
+
+/// How far ahead of the persisted lease versions may run before the lease is renewed.
+pub const VERSION_LEASE: u64 = 1 << 32;
+
+/// Tunables of a running engine (not part of the on-disk format).
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Write-unit buffers in the DRAM write buffer.
+    pub buffer_units: u32,
+    /// Unit headers whose checksums the read path keeps in memory.
+    pub crc_cache_entries: usize,
+    /// Garbage collection victim policy (see [`crate::gc::POLICY_NAMES`]).
+    pub gc_policy: String,
+    /// Start a checkpoint after this many blocks were written since the last one.
+    /// Bounds recovery time: replay reads the headers of what was written since.
+    pub checkpoint_interval_blocks: u64,
+    /// Seal a partly filled unit after it has been idle this long.
+    pub idle_seal_ms: u64,
+    /// Run a background flush at least this often when there are unsynced writes.
+    pub auto_sync_ms: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            buffer_units: 8,
+            crc_cache_entries: 2048,
+            gc_policy: "greedy".into(),
+            checkpoint_interval_blocks: (1 << 30) / BLOCK_SIZE_U64,
+            idle_seal_ms: 200,
+            auto_sync_ms: 5000,
+        }
+    }
+}
+
+/// Who a reply goes to: a connection and the client's handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Token {
+    pub conn: u32,
+    pub handle: u64,
+}
+
+/// A client request the engine handles (reads do not come here; see [`Shared::read`]).
+#[derive(Debug)]
+pub enum Request {
+    /// Write `data` at byte `offset` of a volume. Any alignment.
+    Write {
+        volume: VolumeId,
+        offset: u64,
+        data: Vec<u8>,
+        fua: bool,
+    },
+    /// Unmap (trim or write-zeroes) `length` bytes at `offset`: afterwards the range
+    /// reads as zeros. Partial blocks at the edges are zeroed by writing.
+    Zero {
+        volume: VolumeId,
+        offset: u64,
+        length: u64,
+        fua: bool,
+    },
+    /// Make every write acknowledged so far durable.
+    Flush,
+    /// Create a volume (replies once a checkpoint records it).
+    CreateVolume { name: String, size_bytes: u64 },
+    /// Delete a volume and release its space.
+    DeleteVolume { name: String },
+    /// Write a checkpoint now (replies when committed).
+    Checkpoint,
+    /// Report counters.
+    Status,
+}
+
+/// What comes back for a request.
+#[derive(Debug)]
+pub struct Reply {
+    pub token: Token,
+    pub result: Result<(), EngineError>,
+    /// The data buffer of a write, handed back for reuse.
+    pub buf: Option<Vec<u8>>,
+    pub status: Option<Box<crate::status::StatusReport>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SegState {
+    Free,
+    /// Head of a stream.
+    Open,
+    /// All units sealed; some writes (or the summary) still in flight.
+    Closing,
+    /// Holds data; a garbage collection candidate.
+    Closed,
+    /// Empty; waiting for a flush generation that makes its emptiness durable.
+    Draining,
+    /// Emptiness durable; waiting for its release record to be written.
+    ReleaseReady,
+    /// Release record sealed; waiting for a flush generation to make it durable.
+    Releasing,
+    /// Written by the metadata stream (checkpoints, release records).
+    Meta,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Seg {
+    pub state: SegState,
+    pub kind: StreamKind,
+    pub class: u8,
+    pub volume: u16,
+    pub valid: u32,
+    pub write_ptr: u32,
+    pub data_blocks: u32,
+    pub incarnation: u64,
+    pub close_version: u64,
+    pub erase_count: u32,
+    pub has_summary: bool,
+    pub writes_inflight: u32,
+    /// Draining / Releasing: flush generation to wait for. Meta: checkpoint generation.
+    pub gen: u64,
+}
+
+impl Seg {
+    pub(crate) fn free(erase_count: u32) -> Self {
+        Seg {
+            state: SegState::Free,
+            kind: StreamKind::User,
+            class: 0,
+            volume: 0,
+            valid: 0,
+            write_ptr: 0,
+            data_blocks: 0,
+            incarnation: 0,
+            close_version: 0,
+            erase_count,
+            has_summary: false,
+            writes_inflight: 0,
+            gen: 0,
+        }
+    }
+}
+
+pub(crate) struct OpenUnit {
+    pub buf: u32,
+    pub offset: u32,
+    pub data: u32,
+    pub max_data: u32,
+    pub opened_ms: u64,
+}
+
+pub(crate) struct Stream {
+    pub kind: StreamKind,
+    pub class: u8,
+    pub volume: u16,
+    pub seg: Option<u32>,
+    /// Metadata stream only: the segment it continues in.
+    pub next_seg: Option<u32>,
+    pub write_ptr: u32,
+    pub unit: Option<OpenUnit>,
+    /// Non-data records (trims, releases) for the open unit.
+    pub extras: Vec<RawRecord>,
+    /// Records of the sealed units of the open segment, for its summary.
+    pub summary: Vec<RawRecord>,
+}
+
+impl Stream {
+    pub(crate) fn new(kind: StreamKind, class: u8, volume: u16) -> Self {
+        Stream {
+            kind,
+            class,
+            volume,
+            seg: None,
+            next_seg: None,
+            write_ptr: 0,
+            unit: None,
+            extras: Vec::new(),
+            summary: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BufState {
+    Free,
+    Open { stream: u32 },
+    InFlight { seg: u32, offset: u32, data: u32, stream: u32 },
+    /// Written; waiting for readers to unpin.
+    Done,
+}
+
+pub(crate) struct Vol {
+    pub shared: Arc<VolumeShared>,
+    pub user_stream: usize,
+    pub gc_stream: usize,
+    pub created_version: u64,
+    pub user_blocks: u64,
+    pub gc_blocks: u64,
+    pub media_blocks: u64,
+    pub live_blocks: u64,
+}
+
+/// Counters of the whole array, in blocks.
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    pub user_blocks: u64,
+    pub media_blocks: u64,
+    pub gc_blocks: u64,
+    pub meta_blocks: u64,
+    pub flushes: u64,
+    pub syncs: u64,
+    pub checkpoints: u64,
+    pub corrupt_blocks: u64,
+}
+
+impl Counters {
+    pub(crate) fn to_vec(&self) -> Vec<u64> {
+        vec![
+            self.user_blocks,
+            self.media_blocks,
+            self.gc_blocks,
+            self.meta_blocks,
+            self.flushes,
+            self.syncs,
+            self.checkpoints,
+            self.corrupt_blocks,
+        ]
+    }
+    pub(crate) fn from_slice(v: &[u64]) -> Self {
+        let g = |i: usize| v.get(i).copied().unwrap_or(0);
+        Counters {
+            user_blocks: g(0),
+            media_blocks: g(1),
+            gc_blocks: g(2),
+            meta_blocks: g(3),
+            flushes: g(4),
+            syncs: g(5),
+            checkpoints: g(6),
+            corrupt_blocks: g(7),
+        }
+    }
+}
+
+/// What an I/O tag stands for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Purpose {
+    UnitWrite { buf: u32, ticket: u64 },
+    SummaryWrite { seg: u32, ticket: u64 },
+    Sync,
+    GcRead { batch_index: u32 },
+    GcMeta,
+    SuperblockWrite { ticket: u64 },
+    SuperblockSync,
+}
+
+/// Monotonic tickets for writes, so a sync can wait for "every write issued so far".
+#[derive(Default)]
+pub(crate) struct Tickets {
+    base: u64,
+    done: VecDeque<bool>,
+}
+
+impl Tickets {
+    fn issue(&mut self) -> u64 {
+        self.done.push_back(false);
+        self.base + self.done.len() as u64 - 1
+    }
+    fn complete(&mut self, t: u64) {
+        let i = (t - self.base) as usize;
+        self.done[i] = true;
+        while self.done.front() == Some(&true) {
+            self.done.pop_front();
+            self.base += 1;
+        }
+    }
+    /// The last ticket issued (0 when none).
+    pub(crate) fn last_issued(&self) -> u64 {
+        (self.base + self.done.len() as u64).saturating_sub(1)
+    }
+    /// Every ticket up to and including `t` has completed.
+    fn completed_through(&self, t: u64) -> bool {
+        t < self.base
+    }
+}
+
+enum Pending {
+    Write {
+        token: Token,
+        volume: u16,
+        offset: u64,
+        data: Vec<u8>,
+        /// Blocks already applied.
+        done: u64,
+        fua: bool,
+        checked_space: bool,
+    },
+    Zero {
+        token: Token,
+        volume: u16,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        /// 0: edges not yet zeroed; 1: head done; 2: tail done.
+        stage: u8,
+    },
+}
+
+/// A flush waiting for its generation to be synced.
+struct FlushWaiter {
+    gen: u64,
+    token: Token,
+    buf: Option<Vec<u8>>,
+}
+
+#[derive(Clone, Copy)]
+struct SyncTarget {
+    ticket: u64,
+    version: Version,
+    gen: u64,
+}
+
+/// Resources a step could not get; the request waits and is retried.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Blocked;
+
+pub struct Engine {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) geo: Geometry,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) policy: Box<dyn VictimPolicy>,
+    pub(crate) sb: Superblock,
+    pub(crate) segs: Vec<Seg>,
+    pub(crate) free: VecDeque<u32>,
+    pub(crate) volumes: Vec<Option<Vol>>,
+    pub(crate) streams: Vec<Stream>,
+    pub(crate) meta_stream: usize,
+    pub(crate) bufs: Vec<BufState>,
+    free_bufs: Vec<u32>,
+    tickets: Tickets,
+    pub(crate) next_version: Version,
+    pub(crate) durable_version: Version,
+    pending: VecDeque<Pending>,
+    flush_waiters: Vec<FlushWaiter>,
+    pub(crate) flush_gen: u64,
+    pub(crate) synced_gen: u64,
+    sync_wanted: Option<SyncTarget>,
+    sync_inflight: Option<(SyncTarget, usize)>,
+    pub(crate) draining: Vec<u32>,
+    pub(crate) release_ready: Vec<u32>,
+    pub(crate) releasing: Vec<u32>,
+    pub(crate) gc: crate::engine_gc::GcState,
+    pub(crate) ckpt: crate::engine_ckpt::CkptState,
+    io_out: Vec<IoOp>,
+    replies: Vec<Reply>,
+    tags: Vec<Option<Purpose>>,
+    free_tags: Vec<u64>,
+    pub(crate) counters: Counters,
+    pub(crate) live_blocks: u64,
+    pub(crate) usable_blocks: u64,
+    pub(crate) blocks_since_checkpoint: u64,
+    pub(crate) failed: Option<String>,
+    pub(crate) now_ms: u64,
+    last_sync_ms: u64,
+    unsynced_writes: bool,
+    pub(crate) shutting_down: bool,
+    pub(crate) sb_busy: bool,
+    sb_seq: SbSeq,
+}
+
+/// Free segments below which user streams may not open a new segment; the rest is
+/// kept for garbage collection and the metadata stream so they can always progress.
+pub(crate) const USER_FLOOR_SEGMENTS: usize = 4;
+
+impl Engine {
+    /// Builds an engine around recovered state. Used by [`crate::recovery`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn assemble(
+        shared: Arc<Shared>,
+        cfg: EngineConfig,
+        sb: Superblock,
+        segs: Vec<Seg>,
+        free: VecDeque<u32>,
+        next_version: Version,
+        counters: Counters,
+        last_ckpt_gen: u64,
+    ) -> Result<Self, EngineError> {
+        let geo = shared.geo.clone();
+        let policy = policy_by_name(&cfg.gc_policy)
+            .ok_or_else(|| EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy)))?;
+        let nbufs = shared.buffers.count();
+        let usable_blocks = Self::compute_usable(&geo, &sb);
+        let mut e = Engine {
+            shared,
+            cfg,
+            policy,
+            sb,
+            segs,
+            free,
+            volumes: Vec::new(),
+            streams: vec![Stream::new(StreamKind::Meta, 0, u16::MAX)],
+            meta_stream: 0,
+            bufs: vec![BufState::Free; nbufs as usize],
+            free_bufs: (0..nbufs).rev().collect(),
+            tickets: Tickets::default(),
+            next_version,
+            durable_version: next_version - 1,
+            pending: VecDeque::new(),
+            flush_waiters: Vec::new(),
+            flush_gen: 0,
+            synced_gen: 0,
+            sync_wanted: None,
+            sync_inflight: None,
+            draining: Vec::new(),
+            release_ready: Vec::new(),
+            releasing: Vec::new(),
+            gc: Default::default(),
+            ckpt: crate::engine_ckpt::CkptState::new(last_ckpt_gen),
+            io_out: Vec::new(),
+            replies: Vec::new(),
+            tags: Vec::new(),
+            free_tags: Vec::new(),
+            counters,
+            live_blocks: 0,
+            usable_blocks,
+            blocks_since_checkpoint: 0,
+            failed: None,
+            now_ms: 0,
+            last_sync_ms: 0,
+            unsynced_writes: false,
+            shutting_down: false,
+            sb_busy: false,
+            sb_seq: SbSeq::default(),
+            geo,
+        };
+        e.tickets.issue();
+        e.tickets.complete(0);
+        Ok(e)
+    }
+
+    /// Blocks of live data the array accepts: data capacity less the segments kept
+    /// in reserve, divided by 1 + over-provisioning.
+    pub(crate) fn compute_usable(geo: &Geometry, sb: &Superblock) -> u64 {
+        let per_seg = geo.data_blocks_per_segment();
+        let total_blocks = geo.segment_count as u64 * per_seg;
+        // A checkpoint holds up to one map page per 1024 live blocks plus its table;
+        // two may coexist. Keep room for both, plus stream heads and the GC floor.
+        let ckpt_blocks = total_blocks / 1024 + geo.segment_count as u64 / 100 + 4;
+        let reserve = 2 * ckpt_blocks.div_ceil(per_seg) + USER_FLOOR_SEGMENTS as u64 + 4;
+        let segs = (geo.segment_count as u64).saturating_sub(reserve);
+        let op = sb.overprovision_ppm as f64 / 1e6;
+        ((segs * per_seg) as f64 / (1.0 + op)) as u64
+    }
+
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.geo
+    }
+
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn usable_bytes(&self) -> u64 {
+        self.usable_blocks * BLOCK_SIZE_U64
+    }
+
+    pub fn free_segments(&self) -> usize {
+        self.free.len()
+    }
+
+    // ---------------------------------------------------------------- versions
+
+    pub(crate) fn take_version(&mut self) -> Version {
+        let v = self.next_version;
+        assert!(
+            v < self.sb.version_reserved,
+            "version {v} beyond the persisted lease {}",
+            self.sb.version_reserved
+        );
+        self.next_version += 1;
+        v
+    }
+
+    // ---------------------------------------------------------------- I/O plumbing
+
+    fn tag(&mut self, p: Purpose) -> u64 {
+        if let Some(t) = self.free_tags.pop() {
+            self.tags[t as usize] = Some(p);
+            t
+        } else {
+            self.tags.push(Some(p));
+            self.tags.len() as u64 - 1
+        }
+    }
+
+    pub(crate) fn submit_io(&mut self, p: Purpose, device: usize, offset: u64, kind: IoKind) {
+        let tag = self.tag(p);
+        self.io_out.push(IoOp {
+            tag,
+            device,
+            offset,
+            kind,
+        });
+    }
+
+    pub(crate) fn issue_ticket(&mut self) -> u64 {
+        self.tickets.issue()
+    }
+
+    /// Moves queued device operations to `out`.
+    pub fn drain_io(&mut self, out: &mut Vec<IoOp>) {
+        out.append(&mut self.io_out);
+    }
+
+    /// Moves ready replies to `out`.
+    pub fn drain_replies(&mut self, out: &mut Vec<Reply>) {
+        out.append(&mut self.replies);
+    }
+
+    pub(crate) fn reply(&mut self, token: Token, result: Result<(), EngineError>, buf: Option<Vec<u8>>) {
+        self.replies.push(Reply {
+            token,
+            result,
+            buf,
+            status: None,
+        });
+    }
+
+    /// True when nothing is queued, in flight or in progress.
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_empty()
+            && self.io_out.is_empty()
+            && self.tags.len() == self.free_tags.len()
+            && self.flush_waiters.is_empty()
+            && self.ckpt.is_idle()
+            && self.gc.is_idle()
+    }
+
+    /// Requests waiting for resources.
+    pub fn pending_requests(&self) -> usize {
+        self.pending.len()
+    }
+
+    // ---------------------------------------------------------------- entry points
+
+    /// Accepts a request. Its reply appears in [`Engine::drain_replies`], possibly
+    /// right away.
+    pub fn submit(&mut self, token: Token, req: Request) {
+        match req {
+            Request::Write {
+                volume,
+                offset,
+                data,
+                fua,
+            } => {
+                if let Err(e) = self.check_io(volume, offset, data.len() as u64) {
+                    self.reply(token, Err(e), Some(data));
+                } else if data.is_empty() {
+                    self.reply(token, Ok(()), Some(data));
+                } else {
+                    self.pending.push_back(Pending::Write {
+                        token,
+                        volume: volume.0,
+                        offset,
+                        data,
+                        done: 0,
+                        fua,
+                        checked_space: false,
+                    });
+                }
+            }
+            Request::Zero {
+                volume,
+                offset,
+                length,
+                fua,
+            } => {
+                if let Err(e) = self.check_io(volume, offset, length) {
+                    self.reply(token, Err(e), None);
+                } else if length == 0 {
+                    self.reply(token, Ok(()), None);
+                } else {
+                    self.pending.push_back(Pending::Zero {
+                        token,
+                        volume: volume.0,
+                        offset,
+                        length,
+                        fua,
+                        stage: 0,
+                    });
+                }
+            }
+            Request::Flush => {
+                if let Some(f) = &self.failed {
+                    let e = EngineError::Failed(f.clone());
+                    self.reply(token, Err(e), None);
+                } else {
+                    self.counters.flushes += 1;
+                    let gen = self.start_flush();
+                    self.flush_waiters.push(FlushWaiter {
+                        gen,
+                        token,
+                        buf: None,
+                    });
+                }
+            }
+            Request::CreateVolume { name, size_bytes } => {
+                match self.create_volume(&name, size_bytes) {
+                    Ok(()) => self.start_checkpoint(Some(token)),
+                    Err(e) => self.reply(token, Err(e), None),
+                }
+            }
+            Request::DeleteVolume { name } => match self.delete_volume(&name) {
+                Ok(()) => self.start_checkpoint(Some(token)),
+                Err(e) => self.reply(token, Err(e), None),
+            },
+            Request::Checkpoint => self.start_checkpoint(Some(token)),
+            Request::Status => {
+                let status = self.status();
+                self.replies.push(Reply {
+                    token,
+                    result: Ok(()),
+                    buf: None,
+                    status: Some(Box::new(status)),
+                });
+            }
+        }
+        self.progress();
+    }
+
+    fn check_io(&self, volume: VolumeId, offset: u64, length: u64) -> Result<(), EngineError> {
+        if let Some(f) = &self.failed {
+            return Err(EngineError::Failed(f.clone()));
+        }
+        if self.shutting_down {
+            return Err(EngineError::ShuttingDown);
+        }
+        let vol = self
+            .volumes
+            .get(volume.0 as usize)
+            .and_then(|v| v.as_ref())
+            .ok_or_else(|| EngineError::Invalid(format!("no {volume}")))?;
+        let size = vol.shared.size_bytes;
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(EngineError::Invalid(format!(
+                "range {offset}+{length} is past the end of volume {:?} ({size} bytes)",
+                vol.shared.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Feeds a device completion back.
+    pub fn io_completed(&mut self, c: IoCompletion) {
+        let purpose = self.tags[c.tag as usize]
+            .take()
+            .expect("completion for an unknown tag");
+        self.free_tags.push(c.tag);
+        match purpose {
+            Purpose::UnitWrite { buf, ticket } => {
+                self.tickets.complete(ticket);
+                match c.result {
+                    Ok(()) => self.unit_written(buf),
+                    Err(e) => self.fail(format!("unit write failed: {e}")),
+                }
+            }
+            Purpose::SummaryWrite { seg, ticket } => {
+                self.tickets.complete(ticket);
+                if let Err(e) = c.result {
+                    self.fail(format!("summary write failed: {e}"));
+                }
+                self.segment_write_done(seg);
+            }
+            Purpose::Sync => {
+                if let Err(e) = c.result {
+                    self.fail(format!("sync failed: {e}"));
+                }
+                self.sync_part_done();
+            }
+            Purpose::GcRead { batch_index } => self.gc_read_done(batch_index, c),
+            Purpose::GcMeta => self.gc_meta_done(c),
+            Purpose::SuperblockWrite { ticket } => {
+                self.tickets.complete(ticket);
+                if let Err(e) = c.result {
+                    self.fail(format!("superblock write failed: {e}"));
+                }
+                self.sb_step_done();
+            }
+            Purpose::SuperblockSync => {
+                if let Err(e) = c.result {
+                    self.fail(format!("superblock sync failed: {e}"));
+                }
+                self.sb_step_done();
+            }
+        }
+        self.progress();
+    }
+
+    /// Advances timers: idle units are sealed, background flushes and checkpoints
+    /// start when due.
+    pub fn tick(&mut self, now_ms: u64) {
+        self.now_ms = now_ms;
+        let idle = self.cfg.idle_seal_ms;
+        for s in 0..self.streams.len() {
+            if let Some(u) = &self.streams[s].unit {
+                if u.data > 0 && now_ms.saturating_sub(u.opened_ms) >= idle {
+                    self.seal_unit(s);
+                }
+            }
+        }
+        if self.unsynced_writes
+            && self.failed.is_none()
+            && now_ms.saturating_sub(self.last_sync_ms) >= self.cfg.auto_sync_ms
+            && self.sync_inflight.is_none()
+        {
+            self.start_flush();
+        }
+        self.progress();
+    }
+
+    pub(crate) fn fail(&mut self, msg: String) {
+        if self.failed.is_none() {
+            tracing::error!("array stops accepting writes: {msg}");
+            self.failed = Some(msg.clone());
+        }
+        // Everything waiting for durability or space now fails.
+        for w in std::mem::take(&mut self.flush_waiters) {
+            self.reply(w.token, Err(EngineError::Failed(msg.clone())), w.buf);
+        }
+        while let Some(p) = self.pending.pop_front() {
+            let (token, buf) = match p {
+                Pending::Write { token, data, .. } => (token, Some(data)),
+                Pending::Zero { token, .. } => (token, None),
+            };
+            self.reply(token, Err(EngineError::Failed(msg.clone())), buf);
+        }
+        self.ckpt.fail_waiters(&mut self.replies, &msg);
+    }
+
+    // ---------------------------------------------------------------- progress
+
+    /// Moves everything along as far as resources allow.
+    pub(crate) fn progress(&mut self) {
+        for _ in 0..4 {
+            let before = (self.pending.len(), self.io_out.len(), self.free.len());
+            self.progress_pending();
+            self.progress_gc();
+            self.progress_checkpoint();
+            self.progress_releases();
+            self.progress_sync();
+            self.recycle_buffers();
+            if (self.pending.len(), self.io_out.len(), self.free.len()) == before {
+                break;
+            }
+        }
+    }
+
+    fn progress_pending(&mut self) {
+        while let Some(mut p) = self.pending.pop_front() {
+            if self.failed.is_some() {
+                self.pending.push_front(p);
+                let msg = self.failed.clone().unwrap();
+                self.fail(msg);
+                return;
+            }
+            let r = match &mut p {
+                Pending::Write { .. } => self.apply_write(&mut p),
+                Pending::Zero { .. } => self.apply_zero(&mut p),
+            };
+            match r {
+                Ok(true) => self.finish_pending(p, Ok(())),
+                Ok(false) => {
+                    self.pending.push_front(p);
+                    if self.stuck_without_space() {
+                        let p = self.pending.pop_front().unwrap();
+                        self.finish_pending(
+                            p,
+                            Err(EngineError::NoSpace(
+                                "no free segment and nothing left to garbage-collect".into(),
+                            )),
+                        );
+                        continue;
+                    }
+                    return;
+                }
+                Err(e) => self.finish_pending(p, Err(e)),
+            }
+        }
+    }
+
+    fn finish_pending(&mut self, p: Pending, result: Result<(), EngineError>) {
+        let (token, buf, fua) = match p {
+            Pending::Write { token, data, fua, .. } => (token, Some(data), fua),
+            Pending::Zero { token, fua, .. } => (token, None, fua),
+        };
+        if result.is_ok() && fua {
+            let gen = self.start_flush();
+            self.flush_waiters.push(FlushWaiter { gen, token, buf });
+        } else {
+            self.reply(token, result, buf);
+        }
+    }
+
+    /// True when user writes wait for a segment that nothing can free.
+    fn stuck_without_space(&self) -> bool {
+        self.free.len() <= USER_FLOOR_SEGMENTS
+            && self.gc.is_idle()
+            && self.draining.is_empty()
+            && self.release_ready.is_empty()
+            && self.releasing.is_empty()
+            && self.sync_inflight.is_none()
+            && self.sync_wanted.is_none()
+            && self.tags.len() == self.free_tags.len()
+            && self.pick_victim().is_none()
+    }
+
+    // ---------------------------------------------------------------- writes
+
+    /// Applies as much of a pending write as resources allow. `Ok(true)` when done.
+    fn apply_write(&mut self, p: &mut Pending) -> Result<bool, EngineError> {
+        let Pending::Write {
+            volume,
+            offset,
+            data,
+            done,
+            checked_space,
+            ..
+        } = p
+        else {
+            unreachable!()
+        };
+        let bs = BLOCK_SIZE_U64;
+        let first_lba = *offset / bs;
+        let last_lba = (*offset + data.len() as u64 - 1) / bs;
+        let vol_shared = self.volumes[*volume as usize].as_ref().unwrap().shared.clone();
+        if !*checked_space {
+            let new_blocks = (first_lba..=last_lba)
+                .filter(|&l| vol_shared.map.load(l) == UNMAPPED)
+                .count() as u64;
+            if self.live_blocks + new_blocks > self.usable_blocks {
+                return Err(EngineError::NoSpace(format!(
+                    "{} of {} usable blocks are in use",
+                    self.live_blocks, self.usable_blocks
+                )));
+            }
+            *checked_space = true;
+        }
+        let stream = self.volumes[*volume as usize].as_ref().unwrap().user_stream;
+        let mut block = [0u8; BLOCK_SIZE];
+        while first_lba + *done <= last_lba {
+            let lba = first_lba + *done;
+            if self.ensure_unit(stream, 1, 0).is_err() {
+                return Ok(false);
+            }
+            let block_start = lba * bs;
+            let src_lo = block_start.max(*offset);
+            let src_hi = (block_start + bs).min(*offset + data.len() as u64);
+            let data_slice: &[u8] = if src_lo == block_start && src_hi == block_start + bs {
+                let o = (block_start - *offset) as usize;
+                &data[o..o + BLOCK_SIZE]
+            } else {
+                // Partial block: merge with its current content.
+                if let Err(e) = self.shared.read_blocks(&vol_shared, lba, &mut block) {
+                    return Err(EngineError::Io(format!(
+                        "read-modify-write of block {lba}: {e}"
+                    )));
+                }
+                let a = (src_lo - block_start) as usize;
+                let b = (src_hi - block_start) as usize;
+                let so = (src_lo - *offset) as usize;
+                block[a..b].copy_from_slice(&data[so..so + (b - a)]);
+                &block
+            };
+            self.append_data(stream, *volume, lba, data_slice, None);
+            *done += 1;
+        }
+        let vol = self.volumes[*volume as usize].as_mut().unwrap();
+        vol.user_blocks += (last_lba - first_lba) + 1;
+        self.counters.user_blocks += (last_lba - first_lba) + 1;
+        Ok(true)
+    }
+
+    /// Applies a zero / trim request: unmaps whole blocks, zeroes partial edges.
+    fn apply_zero(&mut self, p: &mut Pending) -> Result<bool, EngineError> {
+        let Pending::Zero {
+            volume,
+            offset,
+            length,
+            stage,
+            ..
+        } = p
+        else {
+            unreachable!()
+        };
+        let bs = BLOCK_SIZE_U64;
+        let (start, end) = (*offset, *offset + *length);
+        let full_first = start.div_ceil(bs);
+        let full_end = end / bs; // exclusive
+        let vol_shared = self.volumes[*volume as usize].as_ref().unwrap().shared.clone();
+        let stream = self.volumes[*volume as usize].as_ref().unwrap().user_stream;
+        // Partial edges first (they are writes of zeros merged into the old block).
+        let edges: [(u64, u64); 2] = if full_first > full_end {
+            // The whole range lies inside one block.
+            [(start, end), (0, 0)]
+        } else {
+            [
+                (start, (full_first * bs).min(end)),
+                ((full_end * bs).max(start), end),
+            ]
+        };
+        while *stage < 2 {
+            let (lo, hi) = edges[*stage as usize];
+            if lo < hi {
+                let lba = lo / bs;
+                if vol_shared.map.load(lba) != UNMAPPED {
+                    if self.ensure_unit(stream, 1, 0).is_err() {
+                        return Ok(false);
+                    }
+                    let mut block = [0u8; BLOCK_SIZE];
+                    self.shared
+                        .read_blocks(&vol_shared, lba, &mut block)
+                        .map_err(|e| EngineError::Io(format!("zeroing block {lba}: {e}")))?;
+                    block[(lo - lba * bs) as usize..(hi - lba * bs) as usize].fill(0);
+                    self.append_data(stream, *volume, lba, &block, None);
+                }
+            }
+            *stage += 1;
+        }
+        if full_first < full_end {
+            let count = full_end - full_first;
+            // Trim records go to the metadata stream, not the volume's data stream:
+            // a data segment is released once its blocks are dead, and the trim
+            // records in it would go with it, while metadata segments live until a
+            // later checkpoint (which reflects the trim) commits.
+            let ms = self.meta_stream;
+            // Trim records carry at most u32::MAX blocks; one record pair per chunk.
+            let chunks = count.div_ceil(u32::MAX as u64) as usize;
+            if self.ensure_unit(ms, 0, 2 * chunks).is_err() {
+                return Ok(false);
+            }
+            for lba in full_first..full_end {
+                let old = vol_shared.map.load(lba);
+                if old != UNMAPPED {
+                    vol_shared.map.store(lba, UNMAPPED);
+                    self.unref(old);
+                    self.live_blocks -= 1;
+                    self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
+                }
+            }
+            let mut lba = full_first;
+            while lba < full_end {
+                let n = (full_end - lba).min(u32::MAX as u64);
+                let v = self.take_version();
+                let st = &mut self.streams[ms];
+                st.extras.push(RawRecord::trim(*volume, lba, n as u32));
+                st.extras.push(RawRecord::version(v));
+                lba += n;
+            }
+            self.unsynced_writes = true;
+        }
+        Ok(true)
+    }
+
+    /// Drops one reference held by map entry `old` (the block moved or went away).
+    pub(crate) fn unref(&mut self, old: u32) {
+        let seg = match decode(old) {
+            Entry::Device(pba) => self.geo.split(pba).0 .0,
+            Entry::Buffer(slot) => self.slot_segment(slot),
+            Entry::Unmapped | Entry::Bad => return,
+        };
+        let s = &mut self.segs[seg as usize];
+        s.valid -= 1;
+        if s.valid == 0 && s.state == SegState::Closed {
+            self.segment_emptied(seg);
+        }
+    }
+
+    /// The segment a buffer slot will be (or was) written to.
+    pub(crate) fn slot_segment(&self, slot: u32) -> u32 {
+        let (buf, _) = self.shared.buffers.unslot(slot);
+        match self.bufs[buf as usize] {
+            BufState::Open { stream } => self.streams[stream as usize].seg.unwrap(),
+            BufState::InFlight { seg, .. } => seg,
+            s => panic!("map names slot {slot} of buffer in state {s:?}"),
+        }
+    }
+
+    /// The physical block a buffer slot will be (or was) written to.
+    pub(crate) fn slot_pba(&self, slot: u32) -> Pba {
+        let (buf, block) = self.shared.buffers.unslot(slot);
+        let (seg, offset) = match self.bufs[buf as usize] {
+            BufState::Open { stream } => {
+                let st = &self.streams[stream as usize];
+                (st.seg.unwrap(), st.unit.as_ref().unwrap().offset)
+            }
+            BufState::InFlight { seg, offset, .. } => (seg, offset),
+            s => panic!("map names slot {slot} of buffer in state {s:?}"),
+        };
+        self.geo.pba(SegmentId(seg), offset + block)
+    }
+
+    /// Appends one data block to a stream's open unit (which must have room) and
+    /// points the map at it. `crc` may be passed when already known.
+    pub(crate) fn append_data(&mut self, s: usize, volume: u16, lba: u64, data: &[u8], crc: Option<u32>) {
+        let h = self.geo.header_blocks as u32;
+        let st = &mut self.streams[s];
+        let u = st.unit.as_mut().expect("append without an open unit");
+        let block = h + u.data;
+        // SAFETY: the slot is beyond every published slot of this buffer.
+        unsafe { self.shared.buffers.blocks_mut(u.buf, block, 1) }.copy_from_slice(data);
+        let crc = crc.unwrap_or_else(|| lamina_format::crc32c(data));
+        // SAFETY: header blocks are never read by clients.
+        let hdr = unsafe { self.shared.buffers.blocks_mut(u.buf, 0, h) };
+        put_record(hdr, u.data as usize, &RawRecord::data(volume, lba, crc));
+        let slot = self.shared.buffers.slot(u.buf, block);
+        u.data += 1;
+        let seg = st.seg.unwrap() as usize;
+        if dbg_lba() == Some(lba) {
+            eprintln!("ENGINE append lba {lba} v{:?} stream {s} kind {:?} seg {seg} unit_off {} slot {block} crc {crc:#x} nextv {}", &data[8..16], st.kind, u.offset, self.next_version);
+        }
+        let vol = self.volumes[volume as usize].as_mut().unwrap();
+        let old = vol.shared.map.load(lba);
+        vol.shared.map.store(lba, encode_buffer(slot));
+        if old == UNMAPPED {
+            vol.live_blocks += 1;
+            self.live_blocks += 1;
+        }
+        self.segs[seg].valid += 1;
+        self.unref(old);
+        self.unsynced_writes = true;
+        self.blocks_since_checkpoint += 1;
+    }
+
+    // ---------------------------------------------------------------- units
+
+    /// Makes sure stream `s` has an open unit with room for `data` more data blocks and
+    /// `extras` more non-data records.
+    pub(crate) fn ensure_unit(&mut self, s: usize, data: u32, extras: usize) -> Result<(), Blocked> {
+        let records = self.geo.unit_records as usize;
+        if let Some(u) = &self.streams[s].unit {
+            let used = u.data as usize + self.streams[s].extras.len();
+            if u.data + data <= u.max_data && used + data as usize + extras <= records {
+                return Ok(());
+            }
+            self.seal_unit(s);
+        }
+        let h = self.geo.header_blocks as u32;
+        // The segment must hold a header and at least one data block (or just a
+        // header for a records-only unit).
+        let need = h + data.max(1);
+        let full = {
+            let st = &self.streams[s];
+            st.seg.is_none() || st.write_ptr + need > self.geo.data_end
+        };
+        if full {
+            if self.streams[s].seg.is_some() {
+                self.close_segment(s);
+            }
+            self.open_segment(s)?;
+        }
+        let buf = self.alloc_buffer(s)?;
+        let st = &mut self.streams[s];
+        let room = self.geo.data_end - st.write_ptr - h;
+        st.unit = Some(OpenUnit {
+            buf,
+            offset: st.write_ptr,
+            data: 0,
+            max_data: room.min(self.geo.unit_data_max),
+            opened_ms: self.now_ms,
+        });
+        self.bufs[buf as usize] = BufState::Open { stream: s as u32 };
+        Ok(())
+    }
+
+    fn alloc_buffer(&mut self, requester: usize) -> Result<u32, Blocked> {
+        if let Some(b) = self.free_bufs.pop() {
+            return Ok(b);
+        }
+        // Every buffer is open in some stream: seal the fullest other one so that
+        // its write frees a buffer (otherwise nothing would ever complete).
+        let inflight = self
+            .bufs
+            .iter()
+            .any(|b| matches!(b, BufState::InFlight { .. } | BufState::Done));
+        if !inflight {
+            let victim = (0..self.streams.len())
+                .filter(|&s| s != requester)
+                .filter_map(|s| self.streams[s].unit.as_ref().map(|u| (u.data, s)))
+                .max();
+            if let Some((_, s)) = victim {
+                self.seal_unit(s);
+            }
+        }
+        Err(Blocked)
+    }
+
+    /// Opens a fresh segment for stream `s` from the free queue.
+    pub(crate) fn open_segment(&mut self, s: usize) -> Result<(), Blocked> {
+        let kind = self.streams[s].kind;
+        let seg = if kind == StreamKind::Meta {
+            // The metadata stream always knows its next segment, so a reader of a
+            // checkpoint can follow it; it reserves a new one as it moves on.
+            let seg = match self.streams[s].next_seg.take() {
+                Some(seg) => seg,
+                None => self.pop_free().ok_or(Blocked)?,
+            };
+            match self.pop_free() {
+                Some(next) => {
+                    self.segs[next as usize].state = SegState::Meta;
+                    self.segs[next as usize].gen = self.ckpt.meta_gen;
+                    self.streams[s].next_seg = Some(next);
+                }
+                None => {
+                    self.streams[s].next_seg = Some(seg);
+                    return Err(Blocked);
+                }
+            }
+            seg
+        } else {
+            let floor = match kind {
+                StreamKind::User => USER_FLOOR_SEGMENTS,
+                _ => 1,
+            };
+            if self.free.len() <= floor {
+                return Err(Blocked);
+            }
+            self.pop_free().unwrap()
+        };
+        let incarnation = self.take_version();
+        let st = &mut self.streams[s];
+        let erase_count = self.segs[seg as usize].erase_count + 1;
+        self.segs[seg as usize] = Seg {
+            state: if kind == StreamKind::Meta {
+                SegState::Meta
+            } else {
+                SegState::Open
+            },
+            kind,
+            class: st.class,
+            volume: st.volume,
+            incarnation,
+            erase_count,
+            gen: self.ckpt.meta_gen,
+            ..Seg::free(erase_count)
+        };
+        self.shared.reset_segment(SegmentId(seg), incarnation);
+        st.seg = Some(seg);
+        st.write_ptr = 0;
+        st.summary.clear();
+        Ok(())
+    }
+
+    /// Takes the next segment of the free queue, waiting out any last readers.
+    fn pop_free(&mut self) -> Option<u32> {
+        let seg = self.free.pop_front()?;
+        while self.shared.segment_pinned(SegmentId(seg)) {
+            std::thread::yield_now();
+        }
+        Some(seg)
+    }
+
+    /// Seals stream `s`'s open unit and queues its write.
+    pub(crate) fn seal_unit(&mut self, s: usize) {
+        let Some(u) = self.streams[s].unit.take() else {
+            return;
+        };
+        let h = self.geo.header_blocks;
+        if u.data == 0 && self.streams[s].extras.is_empty() {
+            self.bufs[u.buf as usize] = BufState::Free;
+            self.free_bufs.push(u.buf);
+            return;
+        }
+        let version = self.take_version();
+        let seg = self.streams[s].seg.unwrap();
+        // SAFETY: header blocks are never read by clients; the engine owns them.
+        let hdr = unsafe { self.shared.buffers.blocks_mut(u.buf, 0, h as u32) };
+        // Records overwritten while the unit was open are marked dead, so that
+        // recovery never resurrects them (see docs/design.md, "Ordering rule").
+        let mut live = 0u32;
+        for i in 0..u.data as usize {
+            let mut r = record_at(hdr, i);
+            if r.kind == kind::DATA {
+                let slot = self.shared.buffers.slot(u.buf, h as u32 + i as u32);
+                let current = self.volumes[r.volume() as usize]
+                    .as_ref()
+                    .is_some_and(|v| v.shared.map.load(r.lba()) == encode_buffer(slot));
+                if dbg_lba() == Some(r.lba()) {
+                    eprintln!("ENGINE seal seg {seg} off {} v{version} lba {} alive {current}", u.offset, r.lba());
+                }
+                if current {
+                    live += 1;
+                } else {
+                    r.kind = kind::DEAD;
+                    put_record(hdr, i, &r);
+                }
+            }
+        }
+        let st = &mut self.streams[s];
+        for (k, r) in st.extras.iter().enumerate() {
+            put_record(hdr, u.data as usize + k, r);
+        }
+        let header = UnitHeader {
+            header_blocks: h,
+            record_count: u.data + st.extras.len() as u32,
+            array_id: self.geo.array_id,
+            segment: seg,
+            offset: u.offset,
+            incarnation: self.segs[seg as usize].incarnation,
+            version,
+            data_blocks: u.data,
+            stream_kind: st.kind,
+            stream_class: st.class,
+            volume: st.volume,
+            next_segment: st.next_seg.unwrap_or(NO_SEGMENT),
+            durable_version: self.durable_version,
+        };
+        header.seal_into(hdr);
+        st.extras.clear();
+        if st.kind != StreamKind::Meta {
+            st.summary.push(RawRecord::unit(u.offset, u.data, h));
+            for i in 0..u.data as usize {
+                st.summary.push(record_at(hdr, i));
+            }
+        }
+        let _ = live;
+        let blocks = h as u32 + u.data;
+        st.write_ptr = u.offset + blocks;
+        let stream_kind = st.kind;
+        let volume = st.volume;
+        self.shared.mark_unit_start(self.geo.pba(SegmentId(seg), u.offset));
+        let sg = &mut self.segs[seg as usize];
+        sg.writes_inflight += 1;
+        sg.write_ptr = u.offset + blocks;
+        sg.data_blocks += u.data;
+        self.bufs[u.buf as usize] = BufState::InFlight {
+            seg,
+            offset: u.offset,
+            data: u.data,
+            stream: s as u32,
+        };
+        self.counters.media_blocks += blocks as u64;
+        match stream_kind {
+            StreamKind::Meta => self.counters.meta_blocks += blocks as u64,
+            _ => {
+                if let Some(v) = self.volumes[volume as usize].as_mut() {
+                    v.media_blocks += blocks as u64;
+                }
+            }
+        }
+        let ticket = self.issue_ticket();
+        let (dev, off) = self.geo.locate(SegmentId(seg), u.offset);
+        self.submit_io(
+            Purpose::UnitWrite { buf: u.buf, ticket },
+            dev,
+            off,
+            IoKind::WriteUnit {
+                unit: u.buf,
+                blocks,
+            },
+        );
+        // Close the segment if another unit would not fit.
+        if self.streams[s].write_ptr + h as u32 + 1 > self.geo.data_end {
+            self.close_segment(s);
+        }
+    }
+
+    /// Closes stream `s`'s segment: writes its summary (data streams) and detaches it.
+    pub(crate) fn close_segment(&mut self, s: usize) {
+        self.seal_unit(s);
+        let Some(seg) = self.streams[s].seg.take() else {
+            return;
+        };
+        let st = &mut self.streams[s];
+        if st.kind == StreamKind::Meta {
+            // Metadata segments have no summary; they live until a later checkpoint
+            // supersedes them.
+            return;
+        }
+        let records = std::mem::take(&mut st.summary);
+        let close_version = self.next_version - 1;
+        let sb_blocks = self.geo.summary_blocks;
+        let mut buf = vec![0u8; sb_blocks as usize * BLOCK_SIZE];
+        for (i, r) in records.iter().enumerate() {
+            put_record(&mut buf, i, r);
+        }
+        let sg = &mut self.segs[seg as usize];
+        SummaryHeader {
+            summary_blocks: sb_blocks as u16,
+            record_count: records.len() as u32,
+            array_id: self.geo.array_id,
+            segment: seg,
+            data_end: sg.write_ptr,
+            incarnation: sg.incarnation,
+            close_version,
+        }
+        .seal_into(&mut buf);
+        sg.state = SegState::Closing;
+        sg.has_summary = true;
+        sg.close_version = close_version;
+        sg.writes_inflight += 1;
+        let volume = sg.volume;
+        self.counters.media_blocks += sb_blocks as u64;
+        if let Some(v) = self.volumes[volume as usize].as_mut() {
+            v.media_blocks += sb_blocks as u64;
+        }
+        let ticket = self.issue_ticket();
+        let (dev, off) = self.geo.locate(SegmentId(seg), self.geo.data_end);
+        self.submit_io(
+            Purpose::SummaryWrite { seg, ticket },
+            dev,
+            off,
+            IoKind::WriteOwned { data: buf },
+        );
+        // Give the records vector back for the next segment.
+        let mut records = records;
+        records.clear();
+        self.streams[s].summary = records;
+    }
+
+    /// A unit write completed: its blocks are now readable from the device.
+    fn unit_written(&mut self, buf: u32) {
+        let BufState::InFlight { seg, offset, data, .. } = self.bufs[buf as usize] else {
+            panic!("completion for buffer {buf} not in flight");
+        };
+        let h = self.geo.header_blocks as u32;
+        // SAFETY: the engine owns the buffer until it is recycled.
+        let hdr = unsafe { self.shared.buffers.blocks(buf, 0, h) };
+        for i in 0..data {
+            let r = record_at(hdr, i as usize);
+            if r.kind != kind::DATA {
+                continue;
+            }
+            let slot = self.shared.buffers.slot(buf, h + i);
+            if let Some(v) = self.volumes[r.volume() as usize].as_ref() {
+                if v.shared.map.load(r.lba()) == encode_buffer(slot) {
+                    let pba = self.geo.pba(SegmentId(seg), offset + h + i);
+                    v.shared.map.store(r.lba(), encode_device(pba));
+                }
+            }
+        }
+        self.bufs[buf as usize] = BufState::Done;
+        self.segment_write_done(seg);
+        self.recycle_buffers();
+    }
+
+    fn recycle_buffers(&mut self) {
+        for b in 0..self.bufs.len() {
+            if self.bufs[b] == BufState::Done && !self.shared.buffers.pinned(b as u32) {
+                self.bufs[b] = BufState::Free;
+                self.free_bufs.push(b as u32);
+            }
+        }
+    }
+
+    /// One of a segment's writes completed.
+    fn segment_write_done(&mut self, seg: u32) {
+        let sg = &mut self.segs[seg as usize];
+        sg.writes_inflight -= 1;
+        if sg.writes_inflight == 0 && sg.state == SegState::Closing {
+            sg.state = SegState::Closed;
+            if sg.valid == 0 {
+                self.segment_emptied(seg);
+            }
+        }
+    }
+
+    /// A closed segment has no live block left: start releasing it.
+    pub(crate) fn segment_emptied(&mut self, seg: u32) {
+        let sg = &mut self.segs[seg as usize];
+        debug_assert_eq!(sg.state, SegState::Closed);
+        sg.state = SegState::Draining;
+        // The writes that emptied it are in units sealed by the next flush at the
+        // latest; that flush's generation must be synced first.
+        sg.gen = self.flush_gen + 1;
+        self.draining.push(seg);
+    }
+
+    // ---------------------------------------------------------------- flush & sync
+
+    /// Seals every open unit and asks for a sync covering everything issued so far.
+    /// Returns the flush generation a caller waits for.
+    pub(crate) fn start_flush(&mut self) -> u64 {
+        self.add_release_records();
+        for s in 0..self.streams.len() {
+            self.seal_unit(s);
+        }
+        self.flush_gen += 1;
+        let target = SyncTarget {
+            ticket: self.tickets.last_issued(),
+            version: self.next_version - 1,
+            gen: self.flush_gen,
+        };
+        self.sync_wanted = Some(target);
+        self.last_sync_ms = self.now_ms;
+        self.unsynced_writes = false;
+        self.flush_gen
+    }
+
+    /// Puts release records for segments whose emptiness is durable into the
+    /// metadata stream.
+    fn add_release_records(&mut self) {
+        if self.release_ready.is_empty() {
+            return;
+        }
+        let ms = self.meta_stream;
+        let mut i = 0;
+        while i < self.release_ready.len() {
+            if self.ensure_unit(ms, 0, 1).is_err() {
+                break;
+            }
+            let seg = self.release_ready[i];
+            let inc = self.segs[seg as usize].incarnation;
+            self.streams[ms].extras.push(RawRecord::release(seg, inc));
+            let sg = &mut self.segs[seg as usize];
+            sg.state = SegState::Releasing;
+            sg.gen = self.flush_gen + 1;
+            self.releasing.push(seg);
+            i += 1;
+        }
+        self.release_ready.drain(..i);
+    }
+
+    fn progress_sync(&mut self) {
+        if self.sync_inflight.is_some() {
+            return;
+        }
+        let Some(t) = self.sync_wanted else {
+            return;
+        };
+        if !self.tickets.completed_through(t.ticket) {
+            return;
+        }
+        self.sync_wanted = None;
+        let n = self.shared.devices.len();
+        self.sync_inflight = Some((t, n));
+        self.counters.syncs += 1;
+        for d in 0..n {
+            self.submit_io(Purpose::Sync, d, 0, IoKind::Sync);
+        }
+    }
+
+    fn sync_part_done(&mut self) {
+        let (t, remaining) = self.sync_inflight.take().expect("sync completion without a sync");
+        if remaining > 1 {
+            self.sync_inflight = Some((t, remaining - 1));
+            return;
+        }
+        if self.failed.is_some() {
+            return;
+        }
+        self.durable_version = self.durable_version.max(t.version);
+        self.synced_gen = self.synced_gen.max(t.gen);
+        let synced = self.synced_gen;
+        let mut i = 0;
+        while i < self.flush_waiters.len() {
+            if self.flush_waiters[i].gen <= synced {
+                let w = self.flush_waiters.swap_remove(i);
+                self.reply(w.token, Ok(()), w.buf);
+            } else {
+                i += 1;
+            }
+        }
+        self.ckpt_synced();
+    }
+
+    /// Moves emptied segments along the release protocol as flushes complete.
+    fn progress_releases(&mut self) {
+        let synced = self.synced_gen;
+        let segs = &mut self.segs;
+        let mut ready = Vec::new();
+        self.draining.retain(|&s| {
+            if segs[s as usize].gen <= synced {
+                segs[s as usize].state = SegState::ReleaseReady;
+                ready.push(s);
+                false
+            } else {
+                true
+            }
+        });
+        self.release_ready.extend(ready);
+        let mut freed = Vec::new();
+        self.releasing.retain(|&s| {
+            if segs[s as usize].gen <= synced {
+                freed.push(s);
+                false
+            } else {
+                true
+            }
+        });
+        for s in freed {
+            if dbg_lba().is_some() { eprintln!("ENGINE freed seg {s} (inc {})", self.segs[s as usize].incarnation); }
+            let erase_count = self.segs[s as usize].erase_count;
+            self.segs[s as usize] = Seg::free(erase_count);
+            self.free.push_back(s);
+        }
+        // When free segments run low, run a flush to move the protocol forward.
+        let low = self.free.len() < self.gc_start_segments();
+        let stalled = !self.pending.is_empty() || !self.gc.is_idle();
+        if (low || stalled)
+            && (!self.draining.is_empty() || !self.release_ready.is_empty() || !self.releasing.is_empty())
+            && self.sync_inflight.is_none()
+            && self.sync_wanted.is_none()
+            && self.failed.is_none()
+        {
+            self.start_flush();
+        }
+    }
+
+    // ---------------------------------------------------------------- superblock
+
+    /// Writes the superblock (both copies, every device, with syncs between) and
+    /// calls `sb_done` when finished.
+    pub(crate) fn start_superblock_write(&mut self) {
+        assert!(!self.sb_busy);
+        self.sb_busy = true;
+        self.sb.generation += 1;
+        self.sb_seq.copy = 0;
+        self.sb_write_copy();
+    }
+
+    fn sb_write_copy(&mut self) {
+        let n = self.shared.devices.len();
+        self.sb_seq.remaining = n;
+        for d in 0..n {
+            let mut sb = self.sb.clone();
+            sb.device_index = d as u32;
+            let data = sb.encode().to_vec();
+            let ticket = self.issue_ticket();
+            self.counters.meta_blocks += 1;
+            self.counters.media_blocks += 1;
+            self.submit_io(
+                Purpose::SuperblockWrite { ticket },
+                d,
+                SUPERBLOCK_OFFSETS[self.sb_seq.copy],
+                IoKind::WriteOwned { data },
+            );
+        }
+    }
+
+    fn sb_step_done(&mut self) {
+        self.sb_seq.remaining -= 1;
+        if self.sb_seq.remaining > 0 {
+            return;
+        }
+        if self.sb_seq.syncing {
+            self.sb_seq.syncing = false;
+            self.sb_seq.copy += 1;
+            if self.sb_seq.copy < SUPERBLOCK_OFFSETS.len() {
+                self.sb_write_copy();
+            } else {
+                self.sb_busy = false;
+                self.sb_done();
+            }
+        } else {
+            self.sb_seq.syncing = true;
+            let n = self.shared.devices.len();
+            self.sb_seq.remaining = n;
+            for d in 0..n {
+                self.submit_io(Purpose::SuperblockSync, d, 0, IoKind::Sync);
+            }
+        }
+    }
+
+    /// Renews the version lease when versions approach it.
+    pub(crate) fn maybe_renew_lease(&mut self) {
+        if !self.sb_busy && self.next_version + VERSION_LEASE / 2 > self.sb.version_reserved {
+            self.sb.version_reserved = self.next_version + VERSION_LEASE;
+            self.start_superblock_write();
+        }
+    }
+
+    // ---------------------------------------------------------------- volumes
+
+    fn create_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
+        if name.is_empty() || name.len() > 64 || name.contains(['/', '\0']) {
+            return Err(EngineError::Invalid(format!(
+                "volume name {name:?} must be 1 to 64 bytes without '/'"
+            )));
+        }
+        if size_bytes == 0 || size_bytes % BLOCK_SIZE_U64 != 0 {
+            return Err(EngineError::Invalid(format!(
+                "volume size {size_bytes} must be a positive multiple of 4096 bytes"
+            )));
+        }
+        if size_bytes / BLOCK_SIZE_U64 > lamina_format::unit::MAX_RECORD_LBA {
+            return Err(EngineError::Invalid("volume too large".into()));
+        }
+        if self.volumes.iter().flatten().any(|v| v.shared.name == name) {
+            return Err(EngineError::Invalid(format!("volume {name:?} already exists")));
+        }
+        let id = (0..u16::MAX)
+            .find(|&i| self.volumes.get(i as usize).is_none_or(|v| v.is_none()))
+            .ok_or_else(|| EngineError::Invalid("too many volumes".into()))?;
+        let created = self.take_version();
+        self.install_volume(VolumeId(id), name.to_string(), size_bytes, created);
+        Ok(())
+    }
+
+    /// Adds a volume and its streams (also used by recovery).
+    pub(crate) fn install_volume(&mut self, id: VolumeId, name: String, size_bytes: u64, created_version: u64) -> &mut Vol {
+        let shared = Arc::new(VolumeShared {
+            id,
+            name,
+            size_bytes,
+            map: crate::map::Map::new(size_bytes / BLOCK_SIZE_U64),
+            deleted: AtomicBool::new(false),
+        });
+        self.attach_volume(shared, created_version)
+    }
+
+    /// Attaches a volume whose map already exists, creating its streams.
+    pub(crate) fn attach_volume(&mut self, shared: Arc<VolumeShared>, created_version: u64) -> &mut Vol {
+        let id = shared.id;
+        self.shared.set_volume(shared.clone());
+        self.streams.push(Stream::new(StreamKind::User, 0, id.0));
+        self.streams.push(Stream::new(StreamKind::Gc, 0, id.0));
+        let n = self.streams.len();
+        let i = id.0 as usize;
+        if self.volumes.len() <= i {
+            self.volumes.resize_with(i + 1, || None);
+        }
+        self.volumes[i] = Some(Vol {
+            shared,
+            user_stream: n - 2,
+            gc_stream: n - 1,
+            created_version,
+            user_blocks: 0,
+            gc_blocks: 0,
+            media_blocks: 0,
+            live_blocks: 0,
+        });
+        self.volumes[i].as_mut().unwrap()
+    }
+
+    /// Writes the superblock to every device directly (both copies, synced), outside
+    /// the engine's I/O queue. Only used before the engine starts serving.
+    pub(crate) fn write_superblock_sync(&mut self, devices: &[Arc<dyn lamina_device::BlockDevice>]) -> Result<(), EngineError> {
+        self.sb.generation += 1;
+        for off in SUPERBLOCK_OFFSETS {
+            for (i, d) in devices.iter().enumerate() {
+                let mut sb = self.sb.clone();
+                sb.device_index = i as u32;
+                d.write_at(&sb.encode()[..], off)?;
+                self.counters.meta_blocks += 1;
+                self.counters.media_blocks += 1;
+            }
+            for d in devices {
+                d.sync()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn delete_volume(&mut self, name: &str) -> Result<(), EngineError> {
+        let id = self
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.shared.name == name)
+            .map(|v| v.shared.id)
+            .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
+        if self.pending.iter().any(|p| match p {
+            Pending::Write { volume, .. } | Pending::Zero { volume, .. } => *volume == id.0,
+        }) {
+            return Err(EngineError::Invalid(format!("volume {name:?} has requests in progress")));
+        }
+        let vol = self.volumes[id.0 as usize].as_ref().unwrap();
+        let (us, gs) = (vol.user_stream, vol.gc_stream);
+        let map = vol.shared.clone();
+        for s in [us, gs] {
+            self.close_segment(s);
+        }
+        for lba in 0..map.blocks() {
+            let old = map.map.load(lba);
+            if old != UNMAPPED {
+                map.map.store(lba, UNMAPPED);
+                self.unref(old);
+                self.live_blocks -= 1;
+            }
+        }
+        self.shared.remove_volume(id);
+        self.volumes[id.0 as usize] = None;
+        Ok(())
+    }
+
+    /// Blocks the engine will reserve for GC before letting users write.
+    pub(crate) fn gc_start_segments(&self) -> usize {
+        USER_FLOOR_SEGMENTS + 2.max(self.geo.segment_count as usize / 50)
+    }
+
+    pub(crate) fn gc_stop_segments(&self) -> usize {
+        self.gc_start_segments() + 1.max(self.geo.segment_count as usize / 100)
+    }
+}
+
+/// Progress of a superblock update: which copy, how many writes or syncs remain.
+#[derive(Default)]
+pub(crate) struct SbSeq {
+    pub copy: usize,
+    pub remaining: usize,
+    pub syncing: bool,
+}

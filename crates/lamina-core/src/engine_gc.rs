@@ -1,0 +1,390 @@
+//! Garbage collection: relocating the live blocks of victim segments.
+//!
+//! When free segments fall below the start watermark the engine picks a victim with
+//! the configured policy, reads its summary (or walks its unit headers when it has
+//! none) to learn who owns each block, keeps the blocks the map still points at, and
+//! reads them in batches. Each block's checksum is verified before it is appended to
+//! its volume's GC stream, which is separate from the user stream so that relocated
+//! (colder) data does not mix with fresh writes. When the victim holds nothing live it
+//! enters the release protocol like any emptied segment.
+//!
+//! User writes are only held back when free segments reach the floor; between the
+//! floor and the start watermark they run alongside GC.
+
+use crate::engine::{Engine, Purpose, SegState};
+use crate::gc::{select, Candidate};
+use crate::io::{IoCompletion, IoKind};
+use crate::map::{encode_device, BAD};
+use crate::types::{Pba, SegmentId, BLOCK_SIZE};
+use lamina_format::summary::SummaryHeader;
+use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
+
+/// Live blocks read per GC batch.
+const BATCH_BLOCKS: usize = 64;
+
+#[derive(Default)]
+pub(crate) struct GcState {
+    phase: Phase,
+    /// GC runs from the start watermark until the stop watermark (hysteresis).
+    active: bool,
+    pub victims: u64,
+    spare: Vec<Vec<u8>>,
+}
+
+#[derive(Default)]
+enum Phase {
+    #[default]
+    Idle,
+    /// Reading the victim's summary, or its unit header at `offset` when walking.
+    Owners {
+        seg: u32,
+        walking: bool,
+        offset: u32,
+        live: Vec<(Pba, RawRecord)>,
+    },
+    Relocate {
+        seg: u32,
+        live: Vec<(Pba, RawRecord)>,
+        next: usize,
+        batch: Vec<Run>,
+        reads_pending: u32,
+        run_pos: usize,
+        block_pos: usize,
+    },
+}
+
+struct Run {
+    first: usize,
+    count: usize,
+    data: Option<Vec<u8>>,
+    failed: bool,
+}
+
+impl GcState {
+    pub(crate) fn is_idle(&self) -> bool {
+        matches!(self.phase, Phase::Idle)
+    }
+}
+
+impl Engine {
+    /// The best victim by the configured policy, if any segment has space to reclaim.
+    pub(crate) fn pick_victim(&self) -> Option<u32> {
+        let now = self.next_version;
+        let candidates = self.segs.iter().enumerate().filter_map(|(i, s)| {
+            (s.state == SegState::Closed && s.kind != StreamKind::Meta && s.valid < s.data_blocks).then(|| Candidate {
+                segment: i as u32,
+                valid: s.valid,
+                capacity: s.data_blocks,
+                age: now.saturating_sub(s.close_version),
+                erase_count: s.erase_count,
+            })
+        });
+        select(self.policy.as_ref(), candidates).map(|c| c.segment)
+    }
+
+    fn is_live(&self, pba: Pba, r: &RawRecord) -> bool {
+        r.kind == kind::DATA
+            && self
+                .volumes
+                .get(r.volume() as usize)
+                .and_then(|v| v.as_ref())
+                .is_some_and(|v| r.lba() < v.shared.map.len() && v.shared.map.load(r.lba()) == encode_device(pba))
+    }
+
+    pub(crate) fn progress_gc(&mut self) {
+        if self.failed.is_some() {
+            return;
+        }
+        match &self.gc.phase {
+            Phase::Idle => {
+                let free = self.free.len();
+                if free < self.gc_start_segments() {
+                    self.gc.active = true;
+                }
+                if free >= self.gc_stop_segments() {
+                    self.gc.active = false;
+                }
+                if !self.gc.active {
+                    return;
+                }
+                let Some(seg) = self.pick_victim() else {
+                    return;
+                };
+                self.gc.victims += 1;
+                let has_summary = self.segs[seg as usize].has_summary;
+                self.gc.phase = Phase::Owners {
+                    seg,
+                    walking: !has_summary,
+                    offset: 0,
+                    live: Vec::new(),
+                };
+                self.gc_read_owners();
+            }
+            Phase::Owners { .. } => {}
+            Phase::Relocate { .. } => self.gc_relocate(),
+        }
+    }
+
+    /// Issues the read for the current owners step (summary or one unit header).
+    fn gc_read_owners(&mut self) {
+        let Phase::Owners { seg, walking, offset, .. } = &self.gc.phase else {
+            return;
+        };
+        let (seg, walking, offset) = (*seg, *walking, *offset);
+        let (start, blocks) = if walking {
+            (offset, self.geo.header_blocks as u32)
+        } else {
+            (self.geo.data_end, self.geo.summary_blocks)
+        };
+        let (dev, off) = self.geo.locate(SegmentId(seg), start);
+        let buf = vec![0u8; blocks as usize * BLOCK_SIZE];
+        self.submit_io(Purpose::GcMeta, dev, off, IoKind::Read { buf });
+    }
+
+    /// The summary or a unit header of the victim arrived.
+    pub(crate) fn gc_meta_done(&mut self, c: IoCompletion) {
+        let Phase::Owners { seg, walking, offset, mut live } = std::mem::take(&mut self.gc.phase) else {
+            panic!("GC metadata completion outside the owners phase");
+        };
+        let sg = self.segs[seg as usize].clone();
+        let buf = c.buf.unwrap_or_default();
+        let ok = c.result.is_ok();
+        if !walking {
+            let parsed = if ok { SummaryHeader::decode(&buf).ok() } else { None };
+            match parsed {
+                Some(h) if h.segment == seg && h.incarnation == sg.incarnation && h.array_id == self.geo.array_id => {
+                    let mut i = 0usize;
+                    while i < h.record_count as usize {
+                        let u = record_at(&buf, i);
+                        i += 1;
+                        if u.kind != kind::UNIT {
+                            continue;
+                        }
+                        let (uoff, d, hb) = (u.a as u32, u.b, u.c as u32);
+                        for k in 0..d as usize {
+                            if i + k >= h.record_count as usize {
+                                break;
+                            }
+                            let r = record_at(&buf, i + k);
+                            let pba = self.geo.pba(SegmentId(seg), uoff + hb + k as u32);
+                            if self.is_live(pba, &r) {
+                                live.push((pba, r));
+                            }
+                        }
+                        i += d as usize;
+                    }
+                    self.gc_start_relocation(seg, live);
+                }
+                _ => {
+                    tracing::warn!(segment = seg, "summary unreadable; walking unit headers instead");
+                    self.gc.phase = Phase::Owners {
+                        seg,
+                        walking: true,
+                        offset: 0,
+                        live,
+                    };
+                    self.gc_read_owners();
+                }
+            }
+            return;
+        }
+        // Walking unit headers.
+        let header = if ok { UnitHeader::decode(&buf).ok() } else { None };
+        let next = match header {
+            Some(h)
+                if h.segment == seg
+                    && h.offset == offset
+                    && h.incarnation == sg.incarnation
+                    && h.array_id == self.geo.array_id =>
+            {
+                for k in 0..h.data_blocks as usize {
+                    let r = record_at(&buf, k);
+                    let pba = self.geo.pba(SegmentId(seg), offset + h.header_blocks as u32 + k as u32);
+                    if self.is_live(pba, &r) {
+                        live.push((pba, r));
+                    }
+                }
+                Some(offset + h.total_blocks())
+            }
+            _ => None,
+        };
+        match next {
+            Some(n) if n < sg.write_ptr => {
+                self.gc.phase = Phase::Owners {
+                    seg,
+                    walking: true,
+                    offset: n,
+                    live,
+                };
+                self.gc_read_owners();
+            }
+            Some(_) => self.gc_start_relocation(seg, live),
+            None => {
+                // A header we cannot read: the blocks it describes cannot be checked.
+                // Anything still mapped there is unreadable from now on.
+                tracing::error!(segment = seg, offset, "unit header damaged during garbage collection");
+                self.gc_start_relocation(seg, live);
+            }
+        }
+    }
+
+    fn gc_start_relocation(&mut self, seg: u32, live: Vec<(Pba, RawRecord)>) {
+        self.gc.phase = Phase::Relocate {
+            seg,
+            live,
+            next: 0,
+            batch: Vec::new(),
+            reads_pending: 0,
+            run_pos: 0,
+            block_pos: 0,
+        };
+        self.gc_relocate();
+    }
+
+    /// Reads the next batch, or relocates the blocks of the batch that arrived.
+    fn gc_relocate(&mut self) {
+        loop {
+            let Phase::Relocate { seg, live, next, batch, reads_pending, .. } = &mut self.gc.phase else {
+                return;
+            };
+            if *reads_pending > 0 {
+                return;
+            }
+            if batch.is_empty() {
+                if *next >= live.len() {
+                    let seg = *seg;
+                    self.gc.phase = Phase::Idle;
+                    let s = &self.segs[seg as usize];
+                    if s.state == SegState::Closed && s.valid > 0 {
+                        // Blocks we could not move (damaged header) stay where they are.
+                        tracing::warn!(segment = seg, valid = s.valid, "victim keeps blocks that could not be relocated");
+                    }
+                    return;
+                }
+                // Group the next live blocks into runs of consecutive physical blocks.
+                let end = (*next + BATCH_BLOCKS).min(live.len());
+                let mut i = *next;
+                while i < end {
+                    let mut n = 1;
+                    while i + n < end && live[i + n].0 .0 == live[i].0 .0 + n as u32 {
+                        n += 1;
+                    }
+                    batch.push(Run {
+                        first: i,
+                        count: n,
+                        data: None,
+                        failed: false,
+                    });
+                    i += n;
+                }
+                *next = end;
+                let seg = *seg;
+                let runs: Vec<(usize, Pba, usize)> = batch.iter().enumerate().map(|(k, r)| (k, live[r.first].0, r.count)).collect();
+                *reads_pending = runs.len() as u32;
+                for (k, pba, count) in runs {
+                    let (_, off_in_seg) = self.geo.split(pba);
+                    let (dev, off) = self.geo.locate(SegmentId(seg), off_in_seg);
+                    let mut buf = self.gc.spare.pop().unwrap_or_default();
+                    buf.resize(count * BLOCK_SIZE, 0);
+                    self.submit_io(Purpose::GcRead { batch_index: k as u32 }, dev, off, IoKind::Read { buf });
+                }
+                return;
+            }
+            if !self.gc_relocate_batch() {
+                return; // blocked on a buffer or segment
+            }
+        }
+    }
+
+    /// Relocates the blocks of the current batch. False when blocked.
+    fn gc_relocate_batch(&mut self) -> bool {
+        let Phase::Relocate { seg, live, batch, run_pos, block_pos, .. } = &mut self.gc.phase else {
+            return true;
+        };
+        let seg = *seg;
+        let mut live_local = std::mem::take(live);
+        let mut batch_local = std::mem::take(batch);
+        let (mut rp, mut bp) = (*run_pos, *block_pos);
+        let mut blocked = false;
+        'runs: while rp < batch_local.len() {
+            let run = &batch_local[rp];
+            while bp < run.count {
+                let (pba, r) = live_local[run.first + bp];
+                if self.is_live(pba, &r) {
+                    let volume = r.volume();
+                    let data_ok = !run.failed && run.data.is_some();
+                    let block = run.data.as_deref().map(|d| &d[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE]);
+                    let crc_ok = data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b);
+                    if crc_ok {
+                        let gc_stream = self.volumes[volume as usize].as_ref().unwrap().gc_stream;
+                        if self.ensure_unit(gc_stream, 1, 0).is_err() {
+                            blocked = true;
+                            break 'runs;
+                        }
+                        let run = &batch_local[rp];
+                        let block = &run.data.as_deref().unwrap()[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE];
+                        self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
+                        self.counters.gc_blocks += 1;
+                        self.blocks_since_checkpoint = self.blocks_since_checkpoint.saturating_sub(1);
+                        if let Some(v) = self.volumes[volume as usize].as_mut() {
+                            v.gc_blocks += 1;
+                        }
+                    } else {
+                        // The only copy is unreadable or damaged: report it and make
+                        // reads of the block fail rather than return wrong data.
+                        tracing::error!(
+                            segment = seg,
+                            volume,
+                            lba = r.lba(),
+                            "block failed verification during garbage collection; marked bad"
+                        );
+                        let v = self.volumes[volume as usize].as_ref().unwrap().shared.clone();
+                        let old = v.map.load(r.lba());
+                        v.map.store(r.lba(), BAD);
+                        self.unref(old);
+                        self.counters.corrupt_blocks += 1;
+                    }
+                }
+                bp += 1;
+            }
+            rp += 1;
+            bp = 0;
+        }
+        if blocked {
+            if let Phase::Relocate { live, batch, run_pos, block_pos, .. } = &mut self.gc.phase {
+                *live = live_local;
+                *batch = batch_local;
+                *run_pos = rp;
+                *block_pos = bp;
+            }
+            return false;
+        }
+        for run in batch_local.drain(..) {
+            if let Some(d) = run.data {
+                self.gc.spare.push(d);
+            }
+        }
+        live_local.truncate(live_local.len()); // keep
+        if let Phase::Relocate { live, batch, run_pos, block_pos, .. } = &mut self.gc.phase {
+            *live = live_local;
+            *batch = batch_local;
+            *run_pos = 0;
+            *block_pos = 0;
+        }
+        true
+    }
+
+    /// A GC data read completed.
+    pub(crate) fn gc_read_done(&mut self, batch_index: u32, c: IoCompletion) {
+        let Phase::Relocate { batch, reads_pending, seg, .. } = &mut self.gc.phase else {
+            panic!("GC read completion outside relocation");
+        };
+        let run = &mut batch[batch_index as usize];
+        if let Err(e) = &c.result {
+            tracing::error!(segment = *seg, "GC read failed: {e}");
+            run.failed = true;
+        }
+        run.data = c.buf;
+        *reads_pending -= 1;
+    }
+}

@@ -1,0 +1,28 @@
+//! The Lamina engine: log-structured placement, mapping, garbage collection,
+//! checkpoints and recovery, with no operating system calls of its own.
+//!
+//! * [`recovery::format`] writes a new array; [`recovery::open`] opens one.
+//! * [`engine::Engine`] owns all placement decisions; one thread drives it.
+//! * [`shared::Shared`] is what client threads read through, without the engine.
+//! * [`io`] is the boundary to devices: the engine asks, a driver executes.
+
+pub mod buffer;
+pub mod engine;
+mod engine_ckpt;
+mod engine_gc;
+pub mod error;
+pub mod gc;
+pub mod geometry;
+pub mod io;
+pub mod map;
+pub mod recovery;
+pub mod shared;
+pub mod status;
+pub mod types;
+
+pub use engine::{Engine, EngineConfig, Reply, Request, Token};
+pub use error::EngineError;
+pub use recovery::{format, open, run_inline, FormatParams, OpenMode, RecoveryReport};
+pub use shared::{Shared, VolumeShared};
+pub use status::{StatusReport, VolumeStatus};
+pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

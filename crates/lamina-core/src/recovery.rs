@@ -1,0 +1,1039 @@
+//! Creating an array, and opening one: superblocks, checkpoint, replay.
+//!
+//! Opening reads the superblocks of every device, loads the checkpoint they name, and
+//! then finds every unit written after the checkpoint's version `C`:
+//!
+//! 1. the stream heads recorded in the checkpoint, from their write pointers;
+//! 2. the free queue recorded in the checkpoint, in order: segments are allocated in
+//!    exactly that order, so the walk stops after a run of empty segments longer than
+//!    the number of streams (only stream heads can be allocated and still empty);
+//! 3. segments released after `C` (release records found in the walk), in the order
+//!    of their release records, which is the order the engine appended them.
+//!
+//! Units above the highest durability mark found may be torn; their data checksums
+//! are verified and failing blocks ignored. Replay then applies block records (by
+//! unit version) and trims (by trim version) in version order. Everything recovery
+//! needs comes from the devices; nothing is read from the configuration directory.
+
+use crate::engine::{Counters, Engine, EngineConfig, Seg, SegState, Token, VERSION_LEASE};
+use crate::error::EngineError;
+use crate::geometry::Geometry;
+use crate::io::execute;
+use crate::map::{encode_device, Map, BAD, UNMAPPED};
+use crate::shared::{Shared, VolumeShared};
+use crate::types::{SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use lamina_device::BlockDevice;
+use lamina_format::checkpoint::{CheckpointHeader, CheckpointMeta, SegmentState, MAP_ENTRIES_PER_PAGE};
+use lamina_format::superblock::{
+    CheckpointRef, DeviceEntry, Layout, Superblock, DEFAULT_DATA_OFFSET, MAX_DEVICES, MAX_NAME_LEN,
+    SUPERBLOCK_OFFSETS,
+};
+use lamina_format::summary::SummaryHeader;
+use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+/// Fewest segments an array may have: stream heads, GC reserve and checkpoint space
+/// need room to turn over.
+pub const MIN_SEGMENTS: u32 = 16;
+
+/// Parameters of a new array.
+#[derive(Clone, Debug)]
+pub struct FormatParams {
+    pub name: String,
+    pub layout: Layout,
+    pub segment_blocks: u32,
+    pub write_unit_blocks: u32,
+    /// Spare space as a fraction of user space (0.10 = 10%).
+    pub overprovision: f64,
+    /// Overwrite devices that already hold a Lamina superblock.
+    pub force: bool,
+}
+
+impl Default for FormatParams {
+    fn default() -> Self {
+        FormatParams {
+            name: "lamina".into(),
+            layout: Layout::Jbod,
+            segment_blocks: 2048,
+            write_unit_blocks: 128,
+            overprovision: 0.10,
+            force: false,
+        }
+    }
+}
+
+/// How to open an array.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpenMode {
+    /// Recover, make the result durable, and accept writes.
+    ReadWrite,
+    /// Recover in memory only (inspecting a stopped array); nothing is written.
+    ReadOnly,
+}
+
+/// What recovery found and did.
+#[derive(Clone, Debug, Default)]
+pub struct RecoveryReport {
+    pub checkpoint_generation: u64,
+    pub checkpoint_version: u64,
+    pub checkpoint_blocks: u64,
+    pub segments_scanned: u64,
+    pub units_replayed: u64,
+    pub blocks_replayed: u64,
+    pub trims_replayed: u64,
+    pub releases_seen: u64,
+    pub torn_blocks_ignored: u64,
+    pub bytes_read: u64,
+    pub warnings: Vec<String>,
+}
+
+fn read_blocks(
+    shared: &Shared,
+    report: &mut RecoveryReport,
+    seg: u32,
+    offset: u32,
+    blocks: u32,
+) -> Result<Vec<u8>, EngineError> {
+    let (dev, off) = shared.geo.locate(SegmentId(seg), offset);
+    let mut buf = vec![0u8; blocks as usize * BLOCK_SIZE];
+    shared.devices[dev].read_at(&mut buf, off)?;
+    report.bytes_read += buf.len() as u64;
+    Ok(buf)
+}
+
+/// Writes fresh superblocks to `devices`, making them one new, empty array.
+pub fn format(
+    devices: &[Arc<dyn BlockDevice>],
+    params: &FormatParams,
+    array_uuid: [u8; 16],
+    device_uuids: &[[u8; 16]],
+    created_unix: u64,
+) -> Result<Superblock, EngineError> {
+    let invalid = |m: String| Err(EngineError::Invalid(m));
+    if devices.is_empty() {
+        return invalid("an array needs at least one device".into());
+    }
+    if devices.len() > MAX_DEVICES {
+        return invalid(format!("an array holds at most {MAX_DEVICES} devices"));
+    }
+    if params.layout != Layout::Jbod {
+        return invalid(format!(
+            "layout {} is not available yet (only jbod)",
+            params.layout.name()
+        ));
+    }
+    if params.name.is_empty() || params.name.len() > MAX_NAME_LEN {
+        return invalid(format!("array name must be 1 to {MAX_NAME_LEN} bytes"));
+    }
+    if !(0.0..=10.0).contains(&params.overprovision) || params.overprovision.is_nan() {
+        return invalid(format!(
+            "over-provisioning {} must be between 0 and 10 (spare / user)",
+            params.overprovision
+        ));
+    }
+    if params.write_unit_blocks < 2 || params.write_unit_blocks > 4096 {
+        return invalid(format!(
+            "write unit of {} blocks must be 8 KiB to 16 MiB",
+            params.write_unit_blocks
+        ));
+    }
+    let summary = lamina_format::summary::summary_blocks(params.segment_blocks);
+    if params.segment_blocks < 4 * params.write_unit_blocks.max(8)
+        || params.segment_blocks < summary + params.write_unit_blocks
+    {
+        return invalid(format!(
+            "segment of {} blocks is too small for write units of {} blocks (need at least 4 units per segment)",
+            params.segment_blocks, params.write_unit_blocks
+        ));
+    }
+    if !params.force {
+        for d in devices {
+            for off in SUPERBLOCK_OFFSETS {
+                let mut b = vec![0u8; BLOCK_SIZE];
+                if d.read_at(&mut b, off).is_ok() {
+                    if let Ok(sb) = Superblock::decode(&b) {
+                        return invalid(format!(
+                            "device {} already belongs to Lamina array {:?}; refusing to overwrite it",
+                            d.describe(),
+                            sb.array_name
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    let mut entries = Vec::new();
+    let mut first = 0u32;
+    for (i, d) in devices.iter().enumerate() {
+        let size = d.size_bytes();
+        let segs = Geometry::segments_on_device(size, DEFAULT_DATA_OFFSET, params.segment_blocks);
+        if segs == 0 {
+            return invalid(format!(
+                "device {} ({} bytes) is too small for one segment of {} bytes",
+                d.describe(),
+                size,
+                params.segment_blocks as u64 * BLOCK_SIZE_U64
+            ));
+        }
+        entries.push(DeviceEntry {
+            uuid: device_uuids[i],
+            size_bytes: size,
+            segment_count: segs,
+            first_segment: first,
+            state: 0,
+        });
+        first = first
+            .checked_add(segs)
+            .ok_or_else(|| EngineError::Invalid("array too large".into()))?;
+    }
+    if first < MIN_SEGMENTS {
+        return invalid(format!(
+            "array of {first} segments is too small: need at least {MIN_SEGMENTS} segments of {} bytes",
+            params.segment_blocks as u64 * BLOCK_SIZE_U64
+        ));
+    }
+    if first as u64 * params.segment_blocks as u64 >= crate::map::PBA_LIMIT as u64 {
+        return invalid("array exceeds 16 TiB, the limit of 32-bit block addresses".into());
+    }
+    let sb = Superblock {
+        array_uuid,
+        array_name: params.name.clone(),
+        generation: 1,
+        device_index: 0,
+        layout: params.layout,
+        block_size: BLOCK_SIZE as u32,
+        segment_blocks: params.segment_blocks,
+        write_unit_blocks: params.write_unit_blocks,
+        overprovision_ppm: (params.overprovision * 1e6).round() as u32,
+        data_offset: DEFAULT_DATA_OFFSET,
+        created_unix,
+        version_reserved: 1,
+        checkpoint: None,
+        devices: entries,
+    };
+    for off in SUPERBLOCK_OFFSETS {
+        for (i, d) in devices.iter().enumerate() {
+            let mut s = sb.clone();
+            s.device_index = i as u32;
+            d.write_at(&s.encode()[..], off)?;
+        }
+        for d in devices {
+            d.sync()?;
+        }
+    }
+    Ok(sb)
+}
+
+/// Reads and cross-checks the superblocks of all devices; returns the newest and
+/// the devices ordered by their index in the array.
+pub fn read_superblocks(
+    devices: Vec<Arc<dyn BlockDevice>>,
+    warnings: &mut Vec<String>,
+) -> Result<(Superblock, Vec<Arc<dyn BlockDevice>>), EngineError> {
+    let mut per_device = Vec::new();
+    for d in &devices {
+        let mut best: Option<Superblock> = None;
+        let mut errors = Vec::new();
+        for (copy, off) in SUPERBLOCK_OFFSETS.iter().enumerate() {
+            let mut b = vec![0u8; BLOCK_SIZE];
+            match d.read_at(&mut b, *off).map_err(EngineError::from).and_then(|_| {
+                Superblock::decode(&b).map_err(EngineError::from)
+            }) {
+                Ok(sb) => {
+                    if best.as_ref().is_none_or(|x| sb.generation > x.generation) {
+                        best = Some(sb);
+                    }
+                }
+                Err(e) => errors.push(format!("copy {copy}: {e}")),
+            }
+        }
+        match best {
+            Some(sb) => {
+                if !errors.is_empty() {
+                    warnings.push(format!(
+                        "{}: superblock {} (using the other copy)",
+                        d.describe(),
+                        errors.join("; ")
+                    ));
+                }
+                per_device.push(sb);
+            }
+            None => {
+                return Err(EngineError::Format(format!(
+                    "{}: no valid Lamina superblock ({})",
+                    d.describe(),
+                    errors.join("; ")
+                )))
+            }
+        }
+    }
+    let newest = per_device
+        .iter()
+        .max_by_key(|s| s.generation)
+        .unwrap()
+        .clone();
+    let mut ordered: Vec<Option<Arc<dyn BlockDevice>>> = vec![None; newest.devices.len()];
+    for (d, sb) in devices.iter().zip(&per_device) {
+        if sb.array_uuid != newest.array_uuid {
+            return Err(EngineError::Invalid(format!(
+                "{} belongs to another array ({:?}), not to {:?}",
+                d.describe(),
+                sb.array_name,
+                newest.array_name
+            )));
+        }
+        let i = sb.device_index as usize;
+        if i >= ordered.len() {
+            return Err(EngineError::Format(format!(
+                "{}: member index {i} outside the array's {} devices",
+                d.describe(),
+                ordered.len()
+            )));
+        }
+        if ordered[i].is_some() {
+            return Err(EngineError::Invalid(format!(
+                "{} and another device both claim to be member {i} of {:?}",
+                d.describe(),
+                newest.array_name
+            )));
+        }
+        if d.size_bytes() < newest.devices[i].size_bytes {
+            return Err(EngineError::Invalid(format!(
+                "{} is smaller ({} bytes) than when it joined the array ({} bytes)",
+                d.describe(),
+                d.size_bytes(),
+                newest.devices[i].size_bytes
+            )));
+        }
+        ordered[i] = Some(d.clone());
+    }
+    let missing: Vec<usize> = (0..ordered.len()).filter(|&i| ordered[i].is_none()).collect();
+    if !missing.is_empty() {
+        return Err(EngineError::Invalid(format!(
+            "array {:?} has {} devices; members {missing:?} were not given",
+            newest.array_name,
+            ordered.len()
+        )));
+    }
+    Ok((newest, ordered.into_iter().map(|d| d.unwrap()).collect()))
+}
+
+/// One unit found by the walk.
+struct FoundUnit {
+    offset: u32,
+    header_blocks: u32,
+    data_blocks: u32,
+    version: u64,
+    durable_version: u64,
+    records: Vec<RawRecord>,
+}
+
+/// One segment incarnation found by the walk.
+struct Found {
+    seg: u32,
+    incarnation: u64,
+    kind: StreamKind,
+    class: u8,
+    volume: u16,
+    /// Where the walk started (non-zero for stream heads continuing a segment).
+    start: u32,
+    units: Vec<FoundUnit>,
+    end: u32,
+    has_summary: bool,
+}
+
+/// Scans units of `seg` from `start`. `expect` is the incarnation when known;
+/// otherwise the first unit sets it and it must exceed `min_version`.
+fn scan_segment(
+    shared: &Shared,
+    report: &mut RecoveryReport,
+    seg: u32,
+    start: u32,
+    expect: Option<u64>,
+    min_version: u64,
+) -> Option<Found> {
+    let geo = &shared.geo;
+    let h = geo.header_blocks as u32;
+    let mut offset = start;
+    let mut prev = min_version;
+    let mut incarnation = expect;
+    let mut units = Vec::new();
+    let mut meta = (StreamKind::User, 0u8, 0u16);
+    report.segments_scanned += 1;
+    while offset + h <= geo.data_end {
+        let Ok(buf) = read_blocks(shared, report, seg, offset, h) else {
+            break;
+        };
+        let Ok(u) = UnitHeader::decode(&buf) else {
+            break;
+        };
+        let inc_ok = match incarnation {
+            Some(i) => u.incarnation == i,
+            None => u.incarnation > min_version,
+        };
+        if u.array_id != geo.array_id
+            || u.segment != seg
+            || u.offset != offset
+            || !inc_ok
+            || u.version <= prev
+            || u.header_blocks as u32 != h
+            || offset + u.total_blocks() > geo.data_end
+        {
+            break;
+        }
+        incarnation = Some(u.incarnation);
+        meta = (u.stream_kind, u.stream_class, u.volume);
+        let records = (0..u.record_count as usize).map(|i| record_at(&buf, i)).collect();
+        units.push(FoundUnit {
+            offset,
+            header_blocks: h,
+            data_blocks: u.data_blocks,
+            version: u.version,
+            durable_version: u.durable_version,
+            records,
+        });
+        prev = u.version;
+        offset += u.total_blocks();
+    }
+    if units.is_empty() && start == 0 {
+        return None;
+    }
+    let incarnation = incarnation?;
+    let mut has_summary = false;
+    if offset + h + 1 > geo.data_end && meta.0 != StreamKind::Meta {
+        if let Ok(buf) = read_blocks(shared, report, seg, geo.data_end, geo.summary_blocks) {
+            has_summary = SummaryHeader::decode(&buf)
+                .is_ok_and(|s| s.segment == seg && s.incarnation == incarnation && s.array_id == geo.array_id);
+        }
+    }
+    Some(Found {
+        seg,
+        incarnation,
+        kind: meta.0,
+        class: meta.1,
+        volume: meta.2,
+        start,
+        units,
+        end: offset,
+        has_summary,
+    })
+}
+
+/// Reads the checkpoint payload blocks in order, following the metadata stream.
+struct CheckpointReader<'a> {
+    shared: &'a Shared,
+    cref: CheckpointRef,
+    seg: u32,
+    offset: u32,
+    incarnation: Option<u64>,
+    next_index: u64,
+    queue: VecDeque<Vec<u8>>,
+    visited: HashSet<u32>,
+    last_next_segment: u32,
+}
+
+impl<'a> CheckpointReader<'a> {
+    fn new(shared: &'a Shared, cref: CheckpointRef) -> Self {
+        CheckpointReader {
+            shared,
+            cref,
+            seg: cref.first_segment,
+            offset: 0,
+            incarnation: Some(cref.first_incarnation),
+            next_index: 0,
+            queue: VecDeque::new(),
+            visited: HashSet::from([cref.first_segment]),
+            last_next_segment: NO_SEGMENT,
+        }
+    }
+
+    fn next_block(&mut self, report: &mut RecoveryReport) -> Result<Vec<u8>, EngineError> {
+        let damaged = |m: String| EngineError::Format(format!("checkpoint generation {}: {m}", self.cref.generation));
+        while self.queue.is_empty() {
+            let geo = &self.shared.geo;
+            let h = geo.header_blocks as u32;
+            let header = if self.offset + h <= geo.data_end {
+                read_blocks(self.shared, report, self.seg, self.offset, h)
+                    .ok()
+                    .and_then(|b| UnitHeader::decode(&b).ok().map(|u| (u, b)))
+            } else {
+                None
+            };
+            let usable = header.filter(|(u, _)| {
+                u.array_id == geo.array_id
+                    && u.segment == self.seg
+                    && u.offset == self.offset
+                    && u.stream_kind == StreamKind::Meta
+                    && self.incarnation.is_none_or(|i| u.incarnation == i)
+                    && u.incarnation > self.cref.version
+            });
+            let Some((u, hbuf)) = usable else {
+                // End of this segment: continue where its units said the stream goes.
+                let next = self.last_next_segment;
+                if next == NO_SEGMENT || !self.visited.insert(next) {
+                    return Err(damaged(format!(
+                        "payload ends after {} of {} blocks",
+                        self.next_index, self.cref.payload_blocks
+                    )));
+                }
+                self.seg = next;
+                self.offset = 0;
+                self.incarnation = None;
+                continue;
+            };
+            self.incarnation = Some(u.incarnation);
+            self.last_next_segment = u.next_segment;
+            let data = if u.data_blocks > 0 {
+                read_blocks(self.shared, report, self.seg, self.offset + h, u.data_blocks)?
+            } else {
+                Vec::new()
+            };
+            for i in 0..u.data_blocks as usize {
+                let r = record_at(&hbuf, i);
+                if r.kind != kind::CHECKPOINT || r.c != self.cref.generation as u16 || u.version <= self.cref.version {
+                    continue;
+                }
+                let block = &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+                if r.a != self.next_index + self.queue.len() as u64 {
+                    return Err(damaged(format!("block {} found where {} was expected", r.a, self.next_index)));
+                }
+                if lamina_format::crc32c(block) != r.b {
+                    return Err(damaged(format!("payload block {} fails its checksum", r.a)));
+                }
+                self.queue.push_back(block.to_vec());
+            }
+            self.offset += u.total_blocks();
+        }
+        self.next_index += 1;
+        Ok(self.queue.pop_front().unwrap())
+    }
+}
+
+/// Opens an array: reads superblocks, loads the checkpoint, replays what followed.
+pub fn open(
+    devices: Vec<Arc<dyn BlockDevice>>,
+    cfg: EngineConfig,
+    mode: OpenMode,
+) -> Result<(Engine, RecoveryReport), EngineError> {
+    let mut report = RecoveryReport::default();
+    if mode == OpenMode::ReadWrite {
+        // What a killed process left in the page cache is not yet durable; make it
+        // so before building on it.
+        for d in &devices {
+            d.sync()?;
+        }
+    }
+    let (sb, devices) = read_superblocks(devices, &mut report.warnings)?;
+    let geo = Geometry::from_superblock(&sb);
+    let shared = Arc::new(Shared::new(
+        geo.clone(),
+        devices,
+        cfg.buffer_units,
+        cfg.crc_cache_entries,
+    ));
+    let nsegs = geo.segment_count as usize;
+
+    // ---- checkpoint
+    let (c_version, meta, ckpt_gen, volumes) = match sb.checkpoint {
+        None => (
+            0u64,
+            CheckpointMeta {
+                free_queue: (0..geo.segment_count).collect(),
+                segments: Vec::new(),
+                ..Default::default()
+            },
+            0u64,
+            Vec::new(),
+        ),
+        Some(cref) => {
+            let mut rd = CheckpointReader::new(&shared, cref);
+            let block0 = rd.next_block(&mut report)?;
+            if lamina_format::crc32c(&block0) != cref.root_crc {
+                return Err(EngineError::Format(format!(
+                    "checkpoint generation {}: header does not match the superblock",
+                    cref.generation
+                )));
+            }
+            let hdr = CheckpointHeader::decode(&block0)?;
+            if hdr.generation != cref.generation || hdr.start_version != cref.version || hdr.payload_blocks != cref.payload_blocks {
+                return Err(EngineError::Format("checkpoint header disagrees with the superblock".into()));
+            }
+            let mut meta_bytes = Vec::with_capacity(hdr.meta_bytes as usize);
+            for _ in 0..hdr.meta_blocks() {
+                meta_bytes.extend_from_slice(&rd.next_block(&mut report)?);
+            }
+            meta_bytes.truncate(hdr.meta_bytes as usize);
+            if lamina_format::crc32c(&meta_bytes) != hdr.meta_crc {
+                return Err(EngineError::Format("checkpoint metadata fails its checksum".into()));
+            }
+            let meta = CheckpointMeta::decode(&meta_bytes)?;
+            if meta.segments.len() != nsegs {
+                return Err(EngineError::Format(format!(
+                    "checkpoint lists {} segments, the array has {nsegs}",
+                    meta.segments.len()
+                )));
+            }
+            let limit = geo.segment_count * geo.segment_blocks;
+            let mut volumes = Vec::new();
+            for v in &meta.volumes {
+                let vs = Arc::new(VolumeShared {
+                    id: VolumeId(v.id),
+                    name: v.name.clone(),
+                    size_bytes: v.size_bytes,
+                    map: Map::new(v.size_bytes / BLOCK_SIZE_U64),
+                    deleted: AtomicBool::new(false),
+                });
+                for &page in &v.pages {
+                    let block = rd.next_block(&mut report)?;
+                    for i in 0..MAP_ENTRIES_PER_PAGE {
+                        let lba = page as u64 * MAP_ENTRIES_PER_PAGE as u64 + i as u64;
+                        let e = u32::from_le_bytes(block[i * 4..i * 4 + 4].try_into().unwrap());
+                        if e == UNMAPPED || lba >= vs.map.len() {
+                            continue;
+                        }
+                        let ok = e == BAD || (e - 1) < limit;
+                        if !ok {
+                            return Err(EngineError::Format(format!(
+                                "checkpoint maps volume {} block {lba} to an invalid place ({e:#x})",
+                                v.name
+                            )));
+                        }
+                        vs.map.store(lba, e);
+                    }
+                }
+                volumes.push((vs, v.clone()));
+            }
+            report.checkpoint_generation = cref.generation;
+            report.checkpoint_version = cref.version;
+            report.checkpoint_blocks = cref.payload_blocks;
+            (cref.version, meta, cref.generation, volumes)
+        }
+    };
+
+    // ---- segment table as of the checkpoint
+    let mut segs: Vec<Seg> = (0..nsegs).map(|_| Seg::free(0)).collect();
+    for (i, r) in meta.segments.iter().enumerate() {
+        let s = &mut segs[i];
+        s.erase_count = r.erase_count;
+        s.incarnation = r.incarnation;
+        s.write_ptr = r.write_ptr;
+        s.data_blocks = r.data_blocks;
+        s.close_version = r.close_version;
+        s.has_summary = r.has_summary != 0;
+        s.volume = r.volume;
+        s.class = r.stream_class;
+        s.kind = StreamKind::from_u8(r.stream_kind).unwrap_or(StreamKind::User);
+        s.state = match r.state {
+            SegmentState::Free => SegState::Free,
+            SegmentState::Open | SegmentState::Closed => SegState::Closed,
+            SegmentState::Checkpoint => SegState::Meta,
+        };
+    }
+
+    // ---- walk
+    let mut found: Vec<Found> = Vec::new();
+    let mut scanned_heads: HashSet<u32> = HashSet::new();
+    for st in &meta.streams {
+        if st.segment != NO_SEGMENT && (st.segment as usize) < nsegs {
+            let s = &segs[st.segment as usize];
+            if let Some(f) = scan_segment(&shared, &mut report, st.segment, s.write_ptr, Some(s.incarnation), c_version) {
+                found.push(f);
+            }
+            scanned_heads.insert(st.segment);
+        }
+        if st.next_segment != NO_SEGMENT && (st.next_segment as usize) < nsegs {
+            if let Some(f) = scan_segment(&shared, &mut report, st.next_segment, 0, None, c_version) {
+                found.push(f);
+            }
+            scanned_heads.insert(st.next_segment);
+        }
+    }
+    let k_stop = meta.streams.len() + 3;
+    let mut empties = 0usize;
+    let mut releases: BinaryHeap<Reverse<(u64, usize, u32, u64)>> = BinaryHeap::new();
+    let mut released: HashSet<(u32, u64)> = HashSet::new();
+    let harvest = |f: &Found, heap: &mut BinaryHeap<Reverse<(u64, usize, u32, u64)>>, set: &mut HashSet<(u32, u64)>| {
+        for u in &f.units {
+            for (i, r) in u.records.iter().enumerate().skip(u.data_blocks as usize) {
+                if r.kind == kind::RELEASE {
+                    heap.push(Reverse((u.version, i, r.b, r.a)));
+                    set.insert((r.b, r.a));
+                }
+            }
+        }
+    };
+    for f in &found {
+        harvest(f, &mut releases, &mut released);
+    }
+    let mut walked_queue = Vec::new();
+    let mut queue_iter = meta.free_queue.iter().copied();
+    loop {
+        if empties >= k_stop {
+            break;
+        }
+        let (seg, min_version) = if let Some(seg) = queue_iter.next() {
+            walked_queue.push(seg);
+            (seg, c_version)
+        } else if let Some(Reverse((version, _, seg, _))) = releases.pop() {
+            (seg, version)
+        } else {
+            break;
+        };
+        if seg as usize >= nsegs {
+            continue;
+        }
+        match scan_segment(&shared, &mut report, seg, 0, None, min_version) {
+            Some(f) => {
+                empties = 0;
+                harvest(&f, &mut releases, &mut released);
+                found.push(f);
+            }
+            None => empties += 1,
+        }
+    }
+    report.releases_seen = released.len() as u64;
+
+    // ---- torn units: verify data of units above the highest durability mark
+    let d_max = found
+        .iter()
+        .flat_map(|f| f.units.iter().map(|u| u.durable_version))
+        .max()
+        .unwrap_or(0)
+        .max(c_version);
+    let mut torn: HashSet<(u32, u32, usize)> = HashSet::new();
+    for f in &found {
+        if released.contains(&(f.seg, f.incarnation)) {
+            continue;
+        }
+        for u in f.units.iter().filter(|u| u.version > d_max && u.data_blocks > 0) {
+            let data = read_blocks(&shared, &mut report, f.seg, u.offset + u.header_blocks, u.data_blocks);
+            for i in 0..u.data_blocks as usize {
+                let r = &u.records[i];
+                if r.kind != kind::DATA {
+                    continue;
+                }
+                let ok = data
+                    .as_ref()
+                    .is_ok_and(|d| lamina_format::crc32c(&d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]) == r.b);
+                if !ok {
+                    torn.insert((f.seg, u.offset, i));
+                    report.torn_blocks_ignored += 1;
+                }
+            }
+        }
+    }
+
+    // ---- replay in version order
+    enum Ev {
+        Data { volume: u16, lba: u64, pba: u32 },
+        Trim { volume: u16, start: u64, count: u64 },
+    }
+    let mut events: Vec<(u64, Ev)> = Vec::new();
+    let mut counters = Counters::from_slice(&meta.counters);
+    let mut vol_media: std::collections::HashMap<u16, (u64, u64, u64)> = Default::default();
+    for f in &found {
+        if released.contains(&(f.seg, f.incarnation)) {
+            continue;
+        }
+        for u in &f.units {
+            report.units_replayed += 1;
+            let blocks = (u.header_blocks + u.data_blocks) as u64;
+            counters.media_blocks += blocks;
+            match f.kind {
+                StreamKind::Meta => counters.meta_blocks += blocks,
+                StreamKind::User => {
+                    counters.user_blocks += u.data_blocks as u64;
+                    let e = vol_media.entry(f.volume).or_default();
+                    e.0 += u.data_blocks as u64;
+                    e.2 += blocks;
+                }
+                StreamKind::Gc => {
+                    counters.gc_blocks += u.data_blocks as u64;
+                    let e = vol_media.entry(f.volume).or_default();
+                    e.1 += u.data_blocks as u64;
+                    e.2 += blocks;
+                }
+            }
+            for i in 0..u.data_blocks as usize {
+                let r = &u.records[i];
+                if r.kind == kind::DATA && !torn.contains(&(f.seg, u.offset, i)) {
+                    events.push((
+                        u.version,
+                        Ev::Data {
+                            volume: r.volume(),
+                            lba: r.lba(),
+                            pba: geo.pba(SegmentId(f.seg), u.offset + u.header_blocks + i as u32).0,
+                        },
+                    ));
+                    report.blocks_replayed += 1;
+                }
+            }
+            let extras = &u.records[u.data_blocks as usize..];
+            for (i, r) in extras.iter().enumerate() {
+                if r.kind == kind::TRIM {
+                    if let Some(v) = extras.get(i + 1).filter(|v| v.kind == kind::VERSION) {
+                        events.push((
+                            v.a,
+                            Ev::Trim {
+                                volume: r.volume(),
+                                start: r.lba(),
+                                count: r.b as u64,
+                            },
+                        ));
+                        report.trims_replayed += 1;
+                    }
+                }
+            }
+        }
+    }
+    events.sort_by_key(|(v, _)| *v);
+    if let Some(dbg) = std::env::var("LAMINA_DEBUG_LBA").ok().and_then(|s| s.parse::<u64>().ok()) {
+        eprintln!("recovery: C={c_version} d_max={d_max} released={released:?}");
+        for f in &found {
+            eprintln!("  found seg {} inc {} kind {:?} start {} end {} units {:?}", f.seg, f.incarnation, f.kind, f.start, f.end,
+                f.units.iter().map(|u| (u.offset, u.version, u.data_blocks)).collect::<Vec<_>>());
+        }
+        for (v, ev) in &events {
+            match ev {
+                Ev::Data { lba, pba, .. } if *lba == dbg => eprintln!("  event v{v}: data lba {lba} at pba {pba} (seg {})", pba / geo.segment_blocks),
+                Ev::Trim { start, count, .. } if (*start..*start + *count).contains(&dbg) => eprintln!("  event v{v}: trim"),
+                _ => {}
+            }
+        }
+        eprintln!("  walked queue {walked_queue:?}");
+    }
+    let vol_of = |id: u16| volumes.iter().find(|(v, _)| v.id.0 == id).map(|(v, _)| v.clone());
+    for (_, ev) in &events {
+        match *ev {
+            Ev::Data { volume, lba, pba } => {
+                if let Some(v) = vol_of(volume) {
+                    if lba < v.map.len() {
+                        v.map.store(lba, encode_device(crate::types::Pba(pba)));
+                    }
+                }
+            }
+            Ev::Trim { volume, start, count } => {
+                if let Some(v) = vol_of(volume) {
+                    let end = (start + count).min(v.map.len());
+                    for lba in start..end {
+                        v.map.store(lba, UNMAPPED);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- segment states after replay
+    for (seg, inc) in &released {
+        let s = &mut segs[*seg as usize];
+        if s.incarnation == *inc {
+            let ec = s.erase_count;
+            *s = Seg::free(ec);
+        }
+    }
+    // Metadata segments recorded by the checkpoint belong to earlier generations,
+    // except the stream head and its reserved successor, which the walk revisits.
+    for (i, s) in segs.iter_mut().enumerate() {
+        if s.state == SegState::Meta && !scanned_heads.contains(&(i as u32)) {
+            *s = Seg::free(s.erase_count);
+        }
+    }
+    for f in &found {
+        if released.contains(&(f.seg, f.incarnation)) {
+            continue;
+        }
+        let s = &mut segs[f.seg as usize];
+        let new_incarnation = f.start == 0 && s.incarnation != f.incarnation;
+        if new_incarnation {
+            s.erase_count += 1;
+            s.data_blocks = 0;
+        }
+        s.incarnation = f.incarnation;
+        s.kind = f.kind;
+        s.class = f.class;
+        s.volume = f.volume;
+        s.write_ptr = f.end;
+        s.data_blocks += f.units.iter().map(|u| u.data_blocks).sum::<u32>();
+        s.close_version = f.units.last().map_or(s.close_version, |u| u.version);
+        s.has_summary = f.has_summary;
+        s.state = if f.kind == StreamKind::Meta {
+            SegState::Meta
+        } else {
+            SegState::Closed
+        };
+        s.gen = ckpt_gen;
+    }
+    // Stream heads that received nothing: closed where they stood, or free if empty.
+    for seg in &scanned_heads {
+        let s = &mut segs[*seg as usize];
+        if s.state == SegState::Meta && !found.iter().any(|f| f.seg == *seg) {
+            *s = Seg::free(s.erase_count);
+        } else if s.state == SegState::Closed && s.write_ptr == 0 {
+            *s = Seg::free(s.erase_count);
+        }
+    }
+
+    // ---- valid counts and live blocks from the final map
+    let limit_blocks = geo.segment_count as u64 * geo.segment_blocks as u64;
+    let mut live_per_volume = Vec::new();
+    for (v, _) in &volumes {
+        let mut live = 0u64;
+        for lba in 0..v.map.len() {
+            let e = v.map.load(lba);
+            if e == UNMAPPED {
+                continue;
+            }
+            live += 1;
+            if e == BAD {
+                continue;
+            }
+            let pba = (e - 1) as u64;
+            let ok = pba < limit_blocks && {
+                let s = &segs[(pba / geo.segment_blocks as u64) as usize];
+                s.state == SegState::Closed
+            };
+            if ok {
+                segs[(pba / geo.segment_blocks as u64) as usize].valid += 1;
+            } else {
+                report.warnings.push(format!(
+                    "volume {:?} block {lba} pointed into an unused segment; marked bad",
+                    v.name
+                ));
+                v.map.store(lba, BAD);
+            }
+        }
+        live_per_volume.push(live);
+    }
+    for s in segs.iter_mut() {
+        if s.state == SegState::Closed && s.valid == 0 {
+            *s = Seg::free(s.erase_count);
+        }
+    }
+
+    // ---- the free queue: the walked order first, then the rest
+    let mut in_queue = vec![false; nsegs];
+    let mut free = VecDeque::new();
+    for seg in walked_queue.iter().copied().chain(meta.free_queue.iter().copied()) {
+        if (seg as usize) < nsegs && segs[seg as usize].state == SegState::Free && !in_queue[seg as usize] {
+            in_queue[seg as usize] = true;
+            free.push_back(seg);
+        }
+    }
+    for (i, s) in segs.iter().enumerate() {
+        if s.state == SegState::Free && !in_queue[i] {
+            free.push_back(i as u32);
+        }
+    }
+    for (i, s) in segs.iter().enumerate() {
+        shared.set_incarnation(SegmentId(i as u32), s.incarnation);
+    }
+    // Readers locate unit headers through the unit-start bitmap: rebuild it for every
+    // segment holding data, from its summary or by walking its headers.
+    rebuild_unit_starts(&shared, &segs, &mut report);
+
+    // ---- the engine
+    let next_version = sb.version_reserved.max(1);
+    let mut sb = sb;
+    sb.version_reserved = next_version + VERSION_LEASE;
+    let mut engine = Engine::assemble(
+        shared.clone(),
+        cfg,
+        sb,
+        segs,
+        free,
+        next_version,
+        counters,
+        ckpt_gen,
+    )?;
+    for ((vs, rec), live) in volumes.into_iter().zip(live_per_volume) {
+        let (u, g, m) = vol_media.get(&rec.id).copied().unwrap_or_default();
+        let vol = engine.attach_volume(vs, rec.created_version);
+        vol.user_blocks = rec.user_blocks_written + u;
+        vol.gc_blocks = rec.gc_blocks_relocated + g;
+        vol.media_blocks = rec.media_blocks_written + m;
+        vol.live_blocks = live;
+        engine.live_blocks += live;
+    }
+    if mode == OpenMode::ReadWrite {
+        // Persist the new version lease before any version from it is used.
+        let devs = shared.devices.clone();
+        engine.write_superblock_sync(&devs)?;
+        // Record the recovered state so that later recoveries start from here.
+        let token = Token { conn: u32::MAX, handle: 0 };
+        engine.submit(token, crate::engine::Request::Checkpoint);
+        run_inline(&mut engine);
+        let mut replies = Vec::new();
+        engine.drain_replies(&mut replies);
+        if let Some(r) = replies.into_iter().find(|r| r.token == token) {
+            r.result?;
+        } else {
+            return Err(EngineError::Io("post-recovery checkpoint did not complete".into()));
+        }
+    }
+    for w in &report.warnings {
+        tracing::warn!("{w}");
+    }
+    Ok((engine, report))
+}
+
+/// Marks where units start in every segment that holds data.
+fn rebuild_unit_starts(shared: &Shared, segs: &[Seg], report: &mut RecoveryReport) {
+    let geo = &shared.geo;
+    for (i, s) in segs.iter().enumerate() {
+        if s.state != SegState::Closed {
+            continue;
+        }
+        let seg = i as u32;
+        let mut done = false;
+        if s.has_summary {
+            if let Ok(buf) = read_blocks(shared, report, seg, geo.data_end, geo.summary_blocks) {
+                if let Ok(h) = SummaryHeader::decode(&buf) {
+                    if h.segment == seg && h.incarnation == s.incarnation {
+                        for k in 0..h.record_count as usize {
+                            let r = record_at(&buf, k);
+                            if r.kind == kind::UNIT {
+                                shared.mark_unit_start(geo.pba(SegmentId(seg), r.a as u32));
+                            }
+                        }
+                        done = true;
+                    }
+                }
+            }
+        }
+        if !done {
+            let mut offset = 0;
+            while offset < s.write_ptr {
+                let Ok(buf) = read_blocks(shared, report, seg, offset, geo.header_blocks as u32) else {
+                    break;
+                };
+                let Ok(u) = UnitHeader::decode(&buf) else {
+                    break;
+                };
+                if u.segment != seg || u.offset != offset || u.incarnation != s.incarnation {
+                    break;
+                }
+                shared.mark_unit_start(geo.pba(SegmentId(seg), offset));
+                offset += u.total_blocks();
+            }
+        }
+    }
+}
+
+/// Executes the engine's device operations synchronously until none are left.
+pub fn run_inline(engine: &mut Engine) {
+    let shared = engine.shared().clone();
+    let mut ops = Vec::new();
+    loop {
+        engine.drain_io(&mut ops);
+        if ops.is_empty() {
+            break;
+        }
+        for op in ops.drain(..) {
+            let c = execute(&shared, op);
+            engine.io_completed(c);
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! State shared between the engine thread and client threads, and the read path.
+//!
+//! Reads never go through the engine thread. A client thread looks the block up in the
+//! volume's map; unmapped blocks are zeros, buffered blocks are copied out of the
+//! write buffer, and device blocks are read with `pread` and verified against the
+//! checksum in their unit header before they are returned.
+//!
+//! To keep the engine from reusing what a reader is about to read, readers pin: the
+//! buffer (for buffered blocks) or the segment (for device blocks). The protocol is
+//! "pin, then re-read the map entry": if the entry still names the same place, the
+//! engine cannot have recycled it, because the engine changes map entries *before* it
+//! checks pins, and both sides use sequentially consistent operations.
+
+use crate::buffer::BufferPool;
+use crate::geometry::Geometry;
+use crate::map::{decode, Entry, Map};
+use crate::types::{Pba, SegmentId, VolumeId, BLOCK_SIZE};
+use lamina_device::BlockDevice;
+use lamina_format::unit::{kind, pack_volume_lba, record_at, UnitHeader};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// Blocks one device read covers at most.
+const MAX_READ_RUN: u64 = 256;
+/// Shards of the checksum cache (a lock per shard, never one lock for all readers).
+const CRC_CACHE_SHARDS: usize = 16;
+
+/// A volume as client threads see it.
+pub struct VolumeShared {
+    pub id: VolumeId,
+    pub name: String,
+    pub size_bytes: u64,
+    pub map: Map,
+    /// Set when the volume is deleted; connections drop it.
+    pub deleted: AtomicBool,
+}
+
+impl VolumeShared {
+    pub fn blocks(&self) -> u64 {
+        self.size_bytes / BLOCK_SIZE as u64
+    }
+}
+
+/// Errors of the read path.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The device failed the read.
+    #[error(transparent)]
+    Device(#[from] lamina_device::DeviceError),
+    /// The block's checksum, or its owner, does not match its unit header.
+    #[error("volume {volume} block {lba}: {detail}")]
+    Corrupt { volume: u16, lba: u64, detail: String },
+}
+
+/// Read-side counters (written by client threads).
+#[derive(Default)]
+pub struct ReadStats {
+    pub blocks_read: AtomicU64,
+    pub checksum_errors: AtomicU64,
+    pub device_read_errors: AtomicU64,
+    pub crc_cache_misses: AtomicU64,
+}
+
+/// Decoded data records of one unit: the owner (`volume << 48 | lba`) and CRC of
+/// each data block, and whether the slot was stale when sealed.
+struct UnitCrcs {
+    owners: Box<[u64]>,
+    crcs: Box<[u32]>,
+    dead: Box<[bool]>,
+}
+
+struct CrcCache {
+    shards: Vec<Mutex<HashMap<(u32, u64, u32), Arc<UnitCrcs>>>>,
+    per_shard: usize,
+}
+
+impl CrcCache {
+    fn new(entries: usize) -> Self {
+        CrcCache {
+            shards: (0..CRC_CACHE_SHARDS)
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
+            per_shard: (entries / CRC_CACHE_SHARDS).max(4),
+        }
+    }
+    fn shard(&self, key: &(u32, u64, u32)) -> &Mutex<HashMap<(u32, u64, u32), Arc<UnitCrcs>>> {
+        let h = (key.0 as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(key.2 as u64);
+        &self.shards[(h >> 32) as usize % CRC_CACHE_SHARDS]
+    }
+    fn get(&self, key: &(u32, u64, u32)) -> Option<Arc<UnitCrcs>> {
+        self.shard(key).lock().unwrap().get(key).cloned()
+    }
+    fn insert(&self, key: (u32, u64, u32), v: Arc<UnitCrcs>) {
+        let mut m = self.shard(&key).lock().unwrap();
+        if m.len() >= self.per_shard {
+            // Evict an arbitrary entry: hash order is as good as random here.
+            if let Some(k) = m.keys().next().copied() {
+                m.remove(&k);
+            }
+        }
+        m.insert(key, v);
+    }
+}
+
+pub struct Shared {
+    pub geo: Geometry,
+    pub devices: Vec<Arc<dyn BlockDevice>>,
+    pub buffers: BufferPool,
+    seg_pins: Box<[AtomicU32]>,
+    seg_incarnation: Box<[AtomicU64]>,
+    /// One bit per physical block: set where a unit header starts.
+    unit_starts: Box<[AtomicU64]>,
+    volumes: RwLock<Vec<Option<Arc<VolumeShared>>>>,
+    crc_cache: CrcCache,
+    pub read_stats: ReadStats,
+}
+
+impl Shared {
+    pub fn new(
+        geo: Geometry,
+        devices: Vec<Arc<dyn BlockDevice>>,
+        buffer_units: u32,
+        crc_cache_entries: usize,
+    ) -> Self {
+        let segs = geo.segment_count as usize;
+        let blocks = segs * geo.segment_blocks as usize;
+        let buffers = BufferPool::new(buffer_units, geo.write_unit_blocks);
+        Shared {
+            seg_pins: (0..segs).map(|_| AtomicU32::new(0)).collect(),
+            seg_incarnation: (0..segs).map(|_| AtomicU64::new(0)).collect(),
+            unit_starts: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            volumes: RwLock::new(Vec::new()),
+            crc_cache: CrcCache::new(crc_cache_entries),
+            read_stats: ReadStats::default(),
+            buffers,
+            devices,
+            geo,
+        }
+    }
+
+    // ---- volumes ----
+
+    /// The volume exported under `name`; `""` is the first volume (the default).
+    pub fn volume(&self, name: &str) -> Option<Arc<VolumeShared>> {
+        let vols = self.volumes.read().unwrap();
+        let mut live = vols.iter().flatten().filter(|v| !v.deleted.load(Ordering::Relaxed));
+        if name.is_empty() {
+            live.next().cloned()
+        } else {
+            live.find(|v| v.name == name).cloned()
+        }
+    }
+
+    pub fn volume_by_id(&self, id: VolumeId) -> Option<Arc<VolumeShared>> {
+        self.volumes
+            .read()
+            .unwrap()
+            .get(id.0 as usize)
+            .and_then(|v| v.clone())
+    }
+
+    /// Names and sizes of all volumes, in id order.
+    pub fn list_volumes(&self) -> Vec<Arc<VolumeShared>> {
+        self.volumes
+            .read()
+            .unwrap()
+            .iter()
+            .flatten()
+            .filter(|v| !v.deleted.load(Ordering::Relaxed))
+            .cloned()
+            .collect()
+    }
+
+    pub(crate) fn set_volume(&self, v: Arc<VolumeShared>) {
+        let mut vols = self.volumes.write().unwrap();
+        let i = v.id.0 as usize;
+        if vols.len() <= i {
+            vols.resize(i + 1, None);
+        }
+        vols[i] = Some(v);
+    }
+
+    pub(crate) fn remove_volume(&self, id: VolumeId) {
+        let mut vols = self.volumes.write().unwrap();
+        if let Some(slot) = vols.get_mut(id.0 as usize) {
+            if let Some(v) = slot.take() {
+                v.deleted.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    // ---- segment pins and unit starts (engine side) ----
+
+    #[inline]
+    pub(crate) fn segment_pinned(&self, seg: SegmentId) -> bool {
+        self.seg_pins[seg.0 as usize].load(Ordering::SeqCst) != 0
+    }
+
+    /// Prepares a segment for a new incarnation: clears its unit-start bits.
+    pub(crate) fn reset_segment(&self, seg: SegmentId, incarnation: u64) {
+        self.seg_incarnation[seg.0 as usize].store(incarnation, Ordering::SeqCst);
+        let first = seg.0 as usize * self.geo.segment_blocks as usize;
+        let last = first + self.geo.segment_blocks as usize;
+        for bit in first..last {
+            self.unit_starts[bit / 64].fetch_and(!(1u64 << (bit % 64)), Ordering::Relaxed);
+        }
+    }
+
+    /// Records that a unit header starts at `pba`.
+    pub(crate) fn mark_unit_start(&self, pba: Pba) {
+        let bit = pba.0 as usize;
+        self.unit_starts[bit / 64].fetch_or(1u64 << (bit % 64), Ordering::Release);
+    }
+
+    /// Sets the incarnation readers use to key cached unit headers.
+    pub(crate) fn set_incarnation(&self, seg: SegmentId, incarnation: u64) {
+        self.seg_incarnation[seg.0 as usize].store(incarnation, Ordering::SeqCst);
+    }
+
+    /// Offset within its segment of the unit that holds `pba`.
+    fn unit_start_of(&self, pba: Pba) -> Option<u32> {
+        let (seg, _) = self.geo.split(pba);
+        let seg_first = self.geo.pba(seg, 0).0 as usize;
+        let mut bit = pba.0 as usize;
+        loop {
+            let word = self.unit_starts[bit / 64].load(Ordering::Acquire);
+            let masked = word & (u64::MAX >> (63 - bit % 64));
+            if masked != 0 {
+                let found = (bit / 64) * 64 + 63 - masked.leading_zeros() as usize;
+                return (found >= seg_first).then(|| (found - seg_first) as u32);
+            }
+            if bit / 64 * 64 <= seg_first {
+                return None;
+            }
+            bit = bit / 64 * 64 - 1;
+        }
+    }
+
+    // ---- the read path ----
+
+    /// Reads `buf.len()` bytes at byte `offset` of a volume. Any alignment.
+    pub fn read(&self, vol: &VolumeShared, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
+        let bs = BLOCK_SIZE as u64;
+        let mut pos = 0usize;
+        let mut off = offset;
+        while pos < buf.len() {
+            let lba = off / bs;
+            let within = (off % bs) as usize;
+            let remaining = buf.len() - pos;
+            if within == 0 && remaining >= BLOCK_SIZE {
+                let whole = remaining / BLOCK_SIZE;
+                let n = whole * BLOCK_SIZE;
+                self.read_blocks(vol, lba, &mut buf[pos..pos + n])?;
+                pos += n;
+                off += n as u64;
+            } else {
+                let mut scratch = [0u8; BLOCK_SIZE];
+                self.read_blocks(vol, lba, &mut scratch)?;
+                let n = (BLOCK_SIZE - within).min(remaining);
+                buf[pos..pos + n].copy_from_slice(&scratch[within..within + n]);
+                pos += n;
+                off += n as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads whole blocks starting at `first` into `out` (a multiple of 4 KiB).
+    pub fn read_blocks(&self, vol: &VolumeShared, first: u64, out: &mut [u8]) -> Result<(), ReadError> {
+        let nblocks = (out.len() / BLOCK_SIZE) as u64;
+        let mut i = 0u64;
+        while i < nblocks {
+            let lba = first + i;
+            let dst_off = i as usize * BLOCK_SIZE;
+            let e = vol.map.load(lba);
+            match decode(e) {
+                Entry::Unmapped => {
+                    out[dst_off..dst_off + BLOCK_SIZE].fill(0);
+                    i += 1;
+                }
+                Entry::Bad => {
+                    return Err(ReadError::Corrupt {
+                        volume: vol.id.0,
+                        lba,
+                        detail: "block was found damaged earlier and has no good copy".into(),
+                    })
+                }
+                Entry::Buffer(slot) => {
+                    let (unit, block) = self.buffers.unslot(slot);
+                    self.buffers.pin(unit);
+                    if vol.map.load_sc(lba) != e {
+                        self.buffers.unpin(unit);
+                        continue; // moved meanwhile: look again
+                    }
+                    // SAFETY: pinned, and the entry still names this slot.
+                    let src = unsafe { self.buffers.blocks(unit, block, 1) };
+                    out[dst_off..dst_off + BLOCK_SIZE].copy_from_slice(src);
+                    self.buffers.unpin(unit);
+                    i += 1;
+                }
+                Entry::Device(pba) => {
+                    let (seg, seg_off) = self.geo.split(pba);
+                    // Extend over following blocks stored right after this one.
+                    let mut n = 1u64;
+                    while i + n < nblocks
+                        && n < MAX_READ_RUN
+                        && seg_off as u64 + n < self.geo.segment_blocks as u64
+                        && vol.map.load(lba + n) == e + n as u32
+                    {
+                        n += 1;
+                    }
+                    let pins = &self.seg_pins[seg.0 as usize];
+                    pins.fetch_add(1, Ordering::SeqCst);
+                    // Keep the prefix of the run that still points where it did.
+                    let mut valid = 0u64;
+                    while valid < n && vol.map.load_sc(lba + valid) == e + valid as u32 {
+                        valid += 1;
+                    }
+                    if valid == 0 {
+                        pins.fetch_sub(1, Ordering::SeqCst);
+                        continue;
+                    }
+                    let dst = &mut out[dst_off..dst_off + valid as usize * BLOCK_SIZE];
+                    let r = self.read_device_run(vol, lba, seg, seg_off, dst);
+                    pins.fetch_sub(1, Ordering::SeqCst);
+                    r?;
+                    self.read_stats
+                        .blocks_read
+                        .fetch_add(valid, Ordering::Relaxed);
+                    i += valid;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a run of blocks that sit consecutively in one unit, and verifies them.
+    fn read_device_run(
+        &self,
+        vol: &VolumeShared,
+        first_lba: u64,
+        seg: SegmentId,
+        seg_off: u32,
+        dst: &mut [u8],
+    ) -> Result<(), ReadError> {
+        let (dev, byte_off) = self.geo.locate(seg, seg_off);
+        if let Err(e) = self.devices[dev].read_at(dst, byte_off) {
+            self.read_stats
+                .device_read_errors
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(e.into());
+        }
+        let corrupt = |lba: u64, detail: String| {
+            self.read_stats.checksum_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(volume = vol.id.0, lba, segment = seg.0, "read verification failed: {detail}");
+            ReadError::Corrupt {
+                volume: vol.id.0,
+                lba,
+                detail,
+            }
+        };
+        let pba = self.geo.pba(seg, seg_off);
+        let unit_start = self
+            .unit_start_of(pba)
+            .ok_or_else(|| corrupt(first_lba, "no unit header precedes the block".into()))?;
+        let crcs = self
+            .unit_crcs(seg, unit_start)
+            .map_err(|e| match e {
+                ReadError::Corrupt { detail, .. } => corrupt(first_lba, detail),
+                other => other,
+            })?;
+        let first_index = (seg_off - unit_start - self.geo.header_blocks as u32) as usize;
+        for (k, block) in dst.chunks_exact(BLOCK_SIZE).enumerate() {
+            let idx = first_index + k;
+            let lba = first_lba + k as u64;
+            let want_owner = pack_volume_lba(vol.id.0, lba);
+            if idx >= crcs.owners.len() || crcs.owners[idx] != want_owner || crcs.dead[idx] {
+                return Err(corrupt(
+                    lba,
+                    format!("unit header at {seg} offset {unit_start} names another owner for this block (misdirected write?)"),
+                ));
+            }
+            let crc = lamina_format::crc32c(block);
+            if crc != crcs.crcs[idx] {
+                return Err(corrupt(
+                    lba,
+                    format!(
+                        "checksum mismatch (stored {:#010x}, computed {crc:#010x})",
+                        crcs.crcs[idx]
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The data records of the unit at `unit_start` of `seg`, from cache or device.
+    fn unit_crcs(&self, seg: SegmentId, unit_start: u32) -> Result<Arc<UnitCrcs>, ReadError> {
+        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
+        let key = (seg.0, incarnation, unit_start);
+        if let Some(c) = self.crc_cache.get(&key) {
+            return Ok(c);
+        }
+        self.read_stats.crc_cache_misses.fetch_add(1, Ordering::Relaxed);
+        let h = self.geo.header_blocks as usize;
+        let mut hdr = vec![0u8; h * BLOCK_SIZE];
+        let (dev, byte_off) = self.geo.locate(seg, unit_start);
+        self.devices[dev].read_at(&mut hdr, byte_off)?;
+        let bad = |detail: String| ReadError::Corrupt {
+            volume: 0,
+            lba: 0,
+            detail,
+        };
+        let uh = UnitHeader::decode(&hdr).map_err(|e| bad(format!("unit header: {e}")))?;
+        if uh.array_id != self.geo.array_id
+            || uh.segment != seg.0
+            || uh.offset != unit_start
+            || uh.incarnation != incarnation
+        {
+            return Err(bad(format!(
+                "unit header at {seg} offset {unit_start} belongs elsewhere (segment {} offset {} incarnation {})",
+                uh.segment, uh.offset, uh.incarnation
+            )));
+        }
+        let d = uh.data_blocks as usize;
+        let mut owners = Vec::with_capacity(d);
+        let mut crcs = Vec::with_capacity(d);
+        let mut dead = Vec::with_capacity(d);
+        for i in 0..d {
+            let r = record_at(&hdr, i);
+            owners.push(r.a);
+            crcs.push(r.b);
+            dead.push(r.kind != kind::DATA);
+        }
+        let c = Arc::new(UnitCrcs {
+            owners: owners.into(),
+            crcs: crcs.into(),
+            dead: dead.into(),
+        });
+        self.crc_cache.insert(key, c.clone());
+        Ok(c)
+    }
+}

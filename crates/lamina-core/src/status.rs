@@ -1,0 +1,118 @@
+//! The counters `lamina status` reports. Key names are a stable interface for scripts.
+
+use crate::engine::{Engine, SegState};
+use crate::types::BLOCK_SIZE_U64;
+
+#[derive(Clone, Debug, Default)]
+pub struct VolumeStatus {
+    pub id: u16,
+    pub name: String,
+    pub size_bytes: u64,
+    pub live_bytes: u64,
+    pub segments: u64,
+    pub user_bytes_written: u64,
+    pub media_bytes_written: u64,
+    pub gc_bytes_relocated: u64,
+    /// media / user; `None` before the first write.
+    pub write_amplification: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct StatusReport {
+    pub array_name: String,
+    pub array_uuid: String,
+    pub layout: String,
+    pub devices: Vec<String>,
+    pub segment_size_bytes: u64,
+    pub write_unit_bytes: u64,
+    pub overprovision: f64,
+    /// Bytes of segment space on all devices.
+    pub capacity_bytes: u64,
+    /// Live data the array accepts before writes fail with ENOSPC.
+    pub usable_bytes: u64,
+    pub live_bytes: u64,
+    pub segment_count: u64,
+    pub free_segments: u64,
+    pub used_segments: u64,
+    pub user_bytes_written: u64,
+    pub media_bytes_written: u64,
+    pub gc_bytes_relocated: u64,
+    pub metadata_bytes_written: u64,
+    pub write_amplification: Option<f64>,
+    pub gc_policy: String,
+    pub gc_victims: u64,
+    pub flushes: u64,
+    pub syncs: u64,
+    pub checkpoints: u64,
+    pub checkpoint_generation: u64,
+    pub corrupt_blocks: u64,
+    pub read_checksum_errors: u64,
+    pub blocks_read_from_devices: u64,
+    pub durable_version: u64,
+    pub failed: Option<String>,
+    pub volumes: Vec<VolumeStatus>,
+}
+
+fn ratio(media: u64, user: u64) -> Option<f64> {
+    (user > 0).then(|| media as f64 / user as f64)
+}
+
+impl Engine {
+    pub fn status(&self) -> StatusReport {
+        let bs = BLOCK_SIZE_U64;
+        let c = &self.counters;
+        let mut volumes = Vec::new();
+        for v in self.volumes.iter().flatten() {
+            let segments = self
+                .segs
+                .iter()
+                .filter(|s| s.state != SegState::Free && s.state != SegState::Meta && s.volume == v.shared.id.0)
+                .count() as u64;
+            volumes.push(VolumeStatus {
+                id: v.shared.id.0,
+                name: v.shared.name.clone(),
+                size_bytes: v.shared.size_bytes,
+                live_bytes: v.live_blocks * bs,
+                segments,
+                user_bytes_written: v.user_blocks * bs,
+                media_bytes_written: v.media_blocks * bs,
+                gc_bytes_relocated: v.gc_blocks * bs,
+                write_amplification: ratio(v.media_blocks, v.user_blocks),
+            });
+        }
+        let rs = &self.shared.read_stats;
+        use std::sync::atomic::Ordering::Relaxed;
+        StatusReport {
+            array_name: self.sb.array_name.clone(),
+            array_uuid: self.sb.array_uuid.iter().map(|b| format!("{b:02x}")).collect(),
+            layout: self.sb.layout.name().into(),
+            devices: self.shared.devices.iter().map(|d| d.describe()).collect(),
+            segment_size_bytes: self.geo.segment_blocks as u64 * bs,
+            write_unit_bytes: self.geo.write_unit_blocks as u64 * bs,
+            overprovision: self.sb.overprovision_ppm as f64 / 1e6,
+            capacity_bytes: self.geo.segment_count as u64 * self.geo.segment_blocks as u64 * bs,
+            usable_bytes: self.usable_blocks * bs,
+            live_bytes: self.live_blocks * bs,
+            segment_count: self.geo.segment_count as u64,
+            free_segments: self.free.len() as u64,
+            used_segments: self.geo.segment_count as u64 - self.free.len() as u64,
+            user_bytes_written: c.user_blocks * bs,
+            media_bytes_written: c.media_blocks * bs,
+            gc_bytes_relocated: c.gc_blocks * bs,
+            metadata_bytes_written: c.meta_blocks * bs,
+            write_amplification: ratio(c.media_blocks, c.user_blocks),
+            gc_policy: self.policy.name().into(),
+            gc_victims: self.gc.victims,
+            flushes: c.flushes,
+            syncs: c.syncs,
+            checkpoints: c.checkpoints,
+            checkpoint_generation: self.ckpt.last_gen,
+            corrupt_blocks: c.corrupt_blocks,
+            read_checksum_errors: rs.checksum_errors.load(Relaxed),
+            blocks_read_from_devices: rs.blocks_read.load(Relaxed),
+            durable_version: self.durable_version,
+            failed: self.failed.clone(),
+            volumes,
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! Helpers shared by the engine's integration tests: small arrays on simulated
+//! devices, a deterministic driver, and block contents that identify themselves.
+
+#![allow(dead_code)]
+
+use lamina_core::io::{execute, IoOp};
+use lamina_core::{format, open, run_inline, Engine, EngineConfig, FormatParams, OpenMode, Reply, Request, Token, VolumeId};
+use lamina_device::BlockDevice;
+use std::sync::Arc;
+
+pub const BS: usize = 4096;
+
+/// Geometry small enough that GC and checkpoints happen within a few thousand writes.
+pub fn small_params() -> FormatParams {
+    FormatParams {
+        name: "test".into(),
+        segment_blocks: 64,
+        write_unit_blocks: 8,
+        overprovision: 0.25,
+        ..Default::default()
+    }
+}
+
+pub fn small_config() -> EngineConfig {
+    EngineConfig {
+        buffer_units: 4,
+        checkpoint_interval_blocks: 3000,
+        ..Default::default()
+    }
+}
+
+/// Bytes for a device of `segments` segments of the small geometry.
+pub fn device_bytes(segments: u64) -> u64 {
+    1024 * 1024 + segments * 64 * BS as u64
+}
+
+pub fn format_devices(devs: &[Arc<dyn BlockDevice>], params: &FormatParams) {
+    let uuids: Vec<[u8; 16]> = (0..devs.len()).map(|i| [i as u8 + 1; 16]).collect();
+    format(devs, params, [0xab; 16], &uuids, 0).expect("format");
+}
+
+pub fn open_rw(devs: &[Arc<dyn BlockDevice>], cfg: EngineConfig) -> Engine {
+    open(devs.to_vec(), cfg, OpenMode::ReadWrite).expect("open").0
+}
+
+/// Submits a request and runs the engine until its reply arrives (all I/O inline).
+pub fn call(e: &mut Engine, req: Request) -> Reply {
+    let token = Token { conn: 7, handle: 1 };
+    e.submit(token, req);
+    let mut replies = Vec::new();
+    for _ in 0..100_000 {
+        run_inline(e);
+        e.drain_replies(&mut replies);
+        if let Some(i) = replies.iter().position(|r| r.token == token) {
+            return replies.swap_remove(i);
+        }
+        e.tick(u64::MAX / 2);
+    }
+    panic!("no reply");
+}
+
+pub fn create_volume(e: &mut Engine, name: &str, size: u64) -> VolumeId {
+    call(
+        e,
+        Request::CreateVolume {
+            name: name.into(),
+            size_bytes: size,
+        },
+    )
+    .result
+    .expect("create volume");
+    e.shared().volume(name).unwrap().id
+}
+
+/// Content of a block written with `version` at `lba`: self-identifying, so a torn
+/// or misplaced block is recognised. Version 0 is the all-zero block.
+pub fn pattern(lba: u64, version: u64) -> Vec<u8> {
+    let mut b = vec![0u8; BS];
+    if version == 0 {
+        return b;
+    }
+    let mut x = lba.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ 1;
+    for chunk in b.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    b[..8].copy_from_slice(&lba.to_le_bytes());
+    b[8..16].copy_from_slice(&version.to_le_bytes());
+    b
+}
+
+/// Which version a block holds, or an error when it is not exactly some pattern.
+pub fn decode_pattern(lba: u64, b: &[u8]) -> Result<u64, String> {
+    if b.iter().all(|&x| x == 0) {
+        return Ok(0);
+    }
+    let l = u64::from_le_bytes(b[..8].try_into().unwrap());
+    let v = u64::from_le_bytes(b[8..16].try_into().unwrap());
+    if l != lba {
+        return Err(format!("block {lba} holds data of block {l}"));
+    }
+    if pattern(lba, v) != b {
+        return Err(format!("block {lba} is torn or corrupt (header says version {v})"));
+    }
+    Ok(v)
+}
+
+pub fn read_block(e: &Engine, vol: VolumeId, lba: u64) -> Vec<u8> {
+    let v = e.shared().volume_by_id(vol).unwrap();
+    let mut b = vec![0u8; BS];
+    e.shared().read(&v, lba * BS as u64, &mut b).expect("read");
+    b
+}
+
+/// A driver that executes queued device operations in a seeded random order, a few
+/// at a time, so that crashes land between any two of them.
+pub struct Driver {
+    pub queue: Vec<IoOp>,
+}
+
+impl Driver {
+    pub fn new() -> Self {
+        Driver { queue: Vec::new() }
+    }
+    /// Takes new operations from the engine and executes up to `n` of them.
+    pub fn step(&mut self, e: &mut Engine, rng: &mut impl rand::Rng, n: usize) {
+        let shared = e.shared().clone();
+        for _ in 0..n {
+            e.drain_io(&mut self.queue);
+            if self.queue.is_empty() {
+                return;
+            }
+            let i = rng.gen_range(0..self.queue.len());
+            let op = self.queue.swap_remove(i);
+            let c = execute(&shared, op);
+            e.io_completed(c);
+        }
+    }
+    /// Executes everything until the engine asks for nothing more.
+    pub fn settle(&mut self, e: &mut Engine, rng: &mut impl rand::Rng) {
+        loop {
+            e.drain_io(&mut self.queue);
+            if self.queue.is_empty() {
+                return;
+            }
+            self.step(e, rng, usize::MAX);
+        }
+    }
+}

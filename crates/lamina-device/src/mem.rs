@@ -1,0 +1,52 @@
+//! A device in RAM. Reads and writes take a lock; this is for tests and tools, not
+//! for the hot path of a server.
+
+use crate::{check_range, BlockDevice, DeviceError};
+use std::sync::RwLock;
+
+pub struct MemDevice {
+    name: String,
+    data: RwLock<Vec<u8>>,
+}
+
+impl MemDevice {
+    /// A zero-filled device of `size` bytes.
+    pub fn new(name: impl Into<String>, size: u64) -> Self {
+        Self::from_image(name, vec![0; size as usize])
+    }
+    /// A device holding `image`.
+    pub fn from_image(name: impl Into<String>, image: Vec<u8>) -> Self {
+        MemDevice {
+            name: name.into(),
+            data: RwLock::new(image),
+        }
+    }
+    /// A copy of the whole content.
+    pub fn image(&self) -> Vec<u8> {
+        self.data.read().unwrap().clone()
+    }
+}
+
+impl BlockDevice for MemDevice {
+    fn size_bytes(&self) -> u64 {
+        self.data.read().unwrap().len() as u64
+    }
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
+        check_range(self, "read", offset, buf.len())?;
+        let d = self.data.read().unwrap();
+        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
+        check_range(self, "write", offset, buf.len())?;
+        let mut d = self.data.write().unwrap();
+        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+    fn sync(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,442 @@
+//! Checkpoint payload: the map and segment table, so recovery replays only the tail.
+//!
+//! A checkpoint is a sequence of blocks ("payload blocks") written as the data blocks
+//! of metadata-stream write units, each protected by the CRC in its unit record:
+//!
+//! | payload blocks | content |
+//! |---|---|
+//! | 0 | [`CheckpointHeader`] |
+//! | 1 ..= meta_blocks | [`CheckpointMeta`] serialised, `meta_bytes` long, CRC in the header |
+//! | then | L2P map pages: for each volume in order, for each page listed in its `pages`, 1024 little-endian `u32` entries |
+//!
+//! The superblock's [`crate::superblock::CheckpointRef`] names the first segment and
+//! the payload length; recovery follows the metadata stream's `next_segment` links.
+
+use crate::codec::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, Reader, Writer};
+use crate::{crc32c, crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION};
+
+/// "LMNCKPT\0" as a little-endian u64.
+pub const CHECKPOINT_MAGIC: u64 = u64::from_le_bytes(*b"LMNCKPT\0");
+/// L2P entries per map page (one 4 KiB block of `u32`).
+pub const MAP_ENTRIES_PER_PAGE: usize = BLOCK_SIZE / 4;
+
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = 8;
+const OFF_ARRAY_ID: usize = 16;
+const OFF_GENERATION: usize = 24;
+const OFF_START_VERSION: usize = 32;
+const OFF_PAYLOAD_BLOCKS: usize = 40;
+const OFF_META_BYTES: usize = 48;
+const OFF_MAP_PAGES: usize = 56;
+const OFF_META_CRC: usize = 64;
+const OFF_CRC: usize = 68;
+const HEADER_SIZE: usize = 72;
+
+/// Payload block 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckpointHeader {
+    pub array_id: u64,
+    pub generation: u64,
+    /// Array version when the checkpoint started. Every unit with a higher version
+    /// is replayed on recovery.
+    pub start_version: u64,
+    pub payload_blocks: u64,
+    pub meta_bytes: u64,
+    pub map_pages: u64,
+    pub meta_crc: u32,
+}
+
+impl CheckpointHeader {
+    /// Payload blocks taken by the metadata section.
+    pub fn meta_blocks(&self) -> u64 {
+        self.meta_bytes.div_ceil(BLOCK_SIZE as u64)
+    }
+
+    pub fn encode(&self) -> Box<[u8; BLOCK_SIZE]> {
+        let mut b = Box::new([0u8; BLOCK_SIZE]);
+        put_u64(&mut b[..], OFF_MAGIC, CHECKPOINT_MAGIC);
+        put_u16(&mut b[..], OFF_VERSION, FORMAT_VERSION);
+        put_u64(&mut b[..], OFF_ARRAY_ID, self.array_id);
+        put_u64(&mut b[..], OFF_GENERATION, self.generation);
+        put_u64(&mut b[..], OFF_START_VERSION, self.start_version);
+        put_u64(&mut b[..], OFF_PAYLOAD_BLOCKS, self.payload_blocks);
+        put_u64(&mut b[..], OFF_META_BYTES, self.meta_bytes);
+        put_u64(&mut b[..], OFF_MAP_PAGES, self.map_pages);
+        put_u32(&mut b[..], OFF_META_CRC, self.meta_crc);
+        let crc = crc32c_with_hole(&b[..HEADER_SIZE], OFF_CRC);
+        put_u32(&mut b[..], OFF_CRC, crc);
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
+        const WHAT: &str = "checkpoint header";
+        if b.len() < HEADER_SIZE {
+            return Err(FormatError::Truncated {
+                what: WHAT,
+                have: b.len(),
+                need: HEADER_SIZE,
+            });
+        }
+        if get_u64(b, OFF_MAGIC) != CHECKPOINT_MAGIC {
+            return Err(FormatError::BadMagic { what: WHAT });
+        }
+        let stored = get_u32(b, OFF_CRC);
+        let computed = crc32c_with_hole(&b[..HEADER_SIZE], OFF_CRC);
+        if stored != computed {
+            return Err(FormatError::Checksum {
+                what: WHAT,
+                stored,
+                computed,
+            });
+        }
+        let version = get_u16(b, OFF_VERSION);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::UnsupportedVersion {
+                what: WHAT,
+                found: version,
+            });
+        }
+        let h = CheckpointHeader {
+            array_id: get_u64(b, OFF_ARRAY_ID),
+            generation: get_u64(b, OFF_GENERATION),
+            start_version: get_u64(b, OFF_START_VERSION),
+            payload_blocks: get_u64(b, OFF_PAYLOAD_BLOCKS),
+            meta_bytes: get_u64(b, OFF_META_BYTES),
+            map_pages: get_u64(b, OFF_MAP_PAGES),
+            meta_crc: get_u32(b, OFF_META_CRC),
+        };
+        if 1 + h.meta_blocks() + h.map_pages != h.payload_blocks {
+            return Err(FormatError::Invalid {
+                what: WHAT,
+                detail: format!(
+                    "payload of {} blocks does not hold {} meta bytes and {} map pages",
+                    h.payload_blocks, h.meta_bytes, h.map_pages
+                ),
+            });
+        }
+        Ok(h)
+    }
+}
+
+/// One volume as the checkpoint records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeRecord {
+    pub id: u16,
+    pub name: String,
+    pub size_bytes: u64,
+    pub created_version: u64,
+    /// User blocks ever written to this volume.
+    pub user_blocks_written: u64,
+    /// Blocks relocated by GC for this volume.
+    pub gc_blocks_relocated: u64,
+    /// Blocks written to media on behalf of this volume (data, headers, summaries).
+    pub media_blocks_written: u64,
+    /// Map pages of this volume present in the checkpoint (others are all unmapped),
+    /// ascending.
+    pub pages: Vec<u32>,
+}
+
+/// State of a segment as recorded in a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentState {
+    /// In the free queue (or waiting to be released).
+    Free = 0,
+    /// The head of a stream; units are appended at `write_ptr`.
+    Open = 1,
+    /// Sealed; holds data until garbage collection empties it.
+    Closed = 2,
+    /// Holds the checkpoint that is being superseded; freed when this one commits.
+    Checkpoint = 3,
+}
+
+impl SegmentState {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            0 => SegmentState::Free,
+            1 => SegmentState::Open,
+            2 => SegmentState::Closed,
+            3 => SegmentState::Checkpoint,
+            _ => return None,
+        })
+    }
+}
+
+/// One segment in the checkpoint's segment table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentRecord {
+    pub state: SegmentState,
+    pub stream_kind: u8,
+    pub stream_class: u8,
+    /// 1 if the segment ends with a summary.
+    pub has_summary: u8,
+    pub volume: u16,
+    /// Blocks used by units.
+    pub write_ptr: u32,
+    /// Data blocks in those units.
+    pub data_blocks: u32,
+    pub incarnation: u64,
+    pub close_version: u64,
+    pub erase_count: u32,
+}
+
+/// One stream head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamRecord {
+    pub kind: u8,
+    pub class: u8,
+    pub volume: u16,
+    /// Open segment, or `u32::MAX` when the stream has none.
+    pub segment: u32,
+    /// Segment reserved to follow it (metadata stream), or `u32::MAX`.
+    pub next_segment: u32,
+}
+
+/// The metadata section of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct CheckpointMeta {
+    pub volumes: Vec<VolumeRecord>,
+    pub segments: Vec<SegmentRecord>,
+    /// Free segments in the order they will be allocated after this checkpoint.
+    pub free_queue: Vec<u32>,
+    pub streams: Vec<StreamRecord>,
+    /// Array-wide counters: user blocks, media blocks, GC blocks, metadata blocks, ...
+    pub counters: Vec<u64>,
+}
+
+impl CheckpointMeta {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u32(self.volumes.len() as u32);
+        for v in &self.volumes {
+            w.u16(v.id);
+            w.str(&v.name);
+            w.u64(v.size_bytes);
+            w.u64(v.created_version);
+            w.u64(v.user_blocks_written);
+            w.u64(v.gc_blocks_relocated);
+            w.u64(v.media_blocks_written);
+            w.u32(v.pages.len() as u32);
+            for p in &v.pages {
+                w.u32(*p);
+            }
+        }
+        w.u32(self.segments.len() as u32);
+        for s in &self.segments {
+            w.u8(s.state as u8);
+            w.u8(s.stream_kind);
+            w.u8(s.stream_class);
+            w.u8(s.has_summary);
+            w.u16(s.volume);
+            w.u32(s.write_ptr);
+            w.u32(s.data_blocks);
+            w.u64(s.incarnation);
+            w.u64(s.close_version);
+            w.u32(s.erase_count);
+        }
+        w.u32(self.free_queue.len() as u32);
+        for f in &self.free_queue {
+            w.u32(*f);
+        }
+        w.u32(self.streams.len() as u32);
+        for s in &self.streams {
+            w.u8(s.kind);
+            w.u8(s.class);
+            w.u16(s.volume);
+            w.u32(s.segment);
+            w.u32(s.next_segment);
+        }
+        w.u32(self.counters.len() as u32);
+        for c in &self.counters {
+            w.u64(*c);
+        }
+        w.buf
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Self, FormatError> {
+        const WHAT: &str = "checkpoint metadata";
+        let mut r = Reader::new(buf, WHAT);
+        let invalid = |detail: String| FormatError::Invalid { what: WHAT, detail };
+        // Counts are bounded by what the remaining bytes could hold, so a damaged
+        // count cannot drive a huge allocation.
+        let bounded = |n: u32, each: usize, r: &Reader| -> Result<usize, FormatError> {
+            let n = n as usize;
+            if n.saturating_mul(each) > buf.len() - r.position() {
+                Err(invalid(format!("count {n} exceeds section")))
+            } else {
+                Ok(n)
+            }
+        };
+        let n = r.u32()?;
+        let n = bounded(n, 2 + 2 + 8 * 5 + 4, &r)?;
+        let mut volumes = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = r.u16()?;
+            let name = r.str()?;
+            let size_bytes = r.u64()?;
+            let created_version = r.u64()?;
+            let user_blocks_written = r.u64()?;
+            let gc_blocks_relocated = r.u64()?;
+            let media_blocks_written = r.u64()?;
+            let np = r.u32()?;
+            let np = bounded(np, 4, &r)?;
+            let mut pages = Vec::with_capacity(np);
+            for _ in 0..np {
+                pages.push(r.u32()?);
+            }
+            volumes.push(VolumeRecord {
+                id,
+                name,
+                size_bytes,
+                created_version,
+                user_blocks_written,
+                gc_blocks_relocated,
+                media_blocks_written,
+                pages,
+            });
+        }
+        let n = r.u32()?;
+        let n = bounded(n, 36, &r)?;
+        let mut segments = Vec::with_capacity(n);
+        for i in 0..n {
+            let st = r.u8()?;
+            let state =
+                SegmentState::from_u8(st).ok_or_else(|| invalid(format!("segment {i} state {st}")))?;
+            segments.push(SegmentRecord {
+                state,
+                stream_kind: r.u8()?,
+                stream_class: r.u8()?,
+                has_summary: r.u8()?,
+                volume: r.u16()?,
+                write_ptr: r.u32()?,
+                data_blocks: r.u32()?,
+                incarnation: r.u64()?,
+                close_version: r.u64()?,
+                erase_count: r.u32()?,
+            });
+        }
+        let n = r.u32()?;
+        let n = bounded(n, 4, &r)?;
+        let mut free_queue = Vec::with_capacity(n);
+        for _ in 0..n {
+            free_queue.push(r.u32()?);
+        }
+        let n = r.u32()?;
+        let n = bounded(n, 12, &r)?;
+        let mut streams = Vec::with_capacity(n);
+        for _ in 0..n {
+            streams.push(StreamRecord {
+                kind: r.u8()?,
+                class: r.u8()?,
+                volume: r.u16()?,
+                segment: r.u32()?,
+                next_segment: r.u32()?,
+            });
+        }
+        let n = r.u32()?;
+        let n = bounded(n, 8, &r)?;
+        let mut counters = Vec::with_capacity(n);
+        for _ in 0..n {
+            counters.push(r.u64()?);
+        }
+        Ok(CheckpointMeta {
+            volumes,
+            segments,
+            free_queue,
+            streams,
+            counters,
+        })
+    }
+}
+
+/// Splits encoded metadata into payload blocks (zero padded) and returns its CRC.
+pub fn meta_crc(meta_bytes: &[u8]) -> u32 {
+    crc32c(meta_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CheckpointMeta {
+        CheckpointMeta {
+            volumes: vec![VolumeRecord {
+                id: 0,
+                name: "default".into(),
+                size_bytes: 1 << 30,
+                created_version: 5,
+                user_blocks_written: 1000,
+                gc_blocks_relocated: 10,
+                media_blocks_written: 1020,
+                pages: vec![0, 3, 9],
+            }],
+            segments: vec![
+                SegmentRecord {
+                    state: SegmentState::Closed,
+                    stream_kind: 0,
+                    stream_class: 0,
+                    has_summary: 1,
+                    volume: 0,
+                    write_ptr: 2039,
+                    data_blocks: 2020,
+                    incarnation: 9,
+                    close_version: 20,
+                    erase_count: 2,
+                },
+                SegmentRecord {
+                    state: SegmentState::Free,
+                    stream_kind: 0,
+                    stream_class: 0,
+                    has_summary: 0,
+                    volume: 0,
+                    write_ptr: 0,
+                    data_blocks: 0,
+                    incarnation: 0,
+                    close_version: 0,
+                    erase_count: 0,
+                },
+            ],
+            free_queue: vec![1],
+            streams: vec![StreamRecord {
+                kind: 0,
+                class: 0,
+                volume: 0,
+                segment: 0,
+                next_segment: 5,
+            }],
+            counters: vec![1, 2, 3],
+        }
+    }
+
+    #[test]
+    fn meta_roundtrip() {
+        let m = sample();
+        assert_eq!(CheckpointMeta::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn truncated_meta_is_an_error_not_a_panic() {
+        let enc = sample().encode();
+        for cut in 0..enc.len() {
+            assert!(CheckpointMeta::decode(&enc[..cut]).is_err());
+        }
+    }
+
+    #[test]
+    fn header_roundtrip_and_consistency() {
+        let h = CheckpointHeader {
+            array_id: 1,
+            generation: 2,
+            start_version: 3,
+            payload_blocks: 1 + 1 + 7,
+            meta_bytes: 100,
+            map_pages: 7,
+            meta_crc: 9,
+        };
+        assert_eq!(CheckpointHeader::decode(&h.encode()[..]).unwrap(), h);
+        let bad = CheckpointHeader {
+            payload_blocks: 5,
+            ..h
+        };
+        assert!(CheckpointHeader::decode(&bad.encode()[..]).is_err());
+    }
+}

@@ -1,0 +1,8 @@
+//! The NBD protocol, and nothing else: handshake, requests, replies. Storage lives
+//! behind the [`server::Backend`] trait.
+
+pub mod client;
+pub mod proto;
+pub mod server;
+
+pub use server::{serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Listener};

@@ -1,0 +1,492 @@
+//! The NBD server: handshake and transmission, over any [`Backend`].
+//!
+//! Each connection has two threads. The *reader* parses requests: reads are served
+//! on the spot (the backend's read path needs no other thread) and written back under
+//! the connection's write lock; writes, trims, zeroes and flushes are handed to the
+//! backend with the connection's completion channel. The *replier* drains that
+//! channel and writes the replies in batches. Up to [`MAX_INFLIGHT`] requests per
+//! connection are outstanding at once; beyond that the reader waits, which is the
+//! backpressure a client feels.
+//!
+//! Protocol violations end only their own connection. Errors a request can carry
+//! (out of range, bad flags, too long) get an error reply and the connection goes on.
+
+use crate::proto::*;
+use crossbeam_channel::{bounded, Receiver, Sender};
+use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Requests one connection may have outstanding.
+pub const MAX_INFLIGHT: usize = 256;
+/// Connections served at once; more are closed on accept.
+pub const MAX_CONNECTIONS: usize = 256;
+/// How long a client may take over the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Options one handshake may send before the server gives up on it.
+const MAX_OPTIONS: usize = 1024;
+/// Write buffers larger than this are not kept for reuse.
+const POOL_KEEP_BYTES: usize = 1 << 20;
+
+/// An export as listed and opened.
+#[derive(Clone, Debug)]
+pub struct ExportInfo {
+    pub name: String,
+    pub description: String,
+    pub size: u64,
+}
+
+/// A request that completes asynchronously.
+#[derive(Debug)]
+pub enum Command {
+    Write { offset: u64, data: Vec<u8>, fua: bool },
+    /// Trim or write-zeroes: the range reads as zeros afterwards.
+    Zero { offset: u64, length: u64, fua: bool },
+    Flush,
+}
+
+/// The completion of a [`Command`].
+#[derive(Debug)]
+pub struct Completion {
+    pub handle: u64,
+    pub error: u32,
+    /// A write's buffer, returned for reuse.
+    pub buf: Option<Vec<u8>>,
+}
+
+/// What serves the data.
+pub trait Backend: Send + Sync + 'static {
+    type Export: Send + Sync + 'static;
+    fn exports(&self) -> Vec<ExportInfo>;
+    /// Opens an export by name; `""` is the default export.
+    fn open_export(&self, name: &str) -> Option<(Self::Export, ExportInfo)>;
+    /// Reads synchronously (called on the connection's reader thread).
+    fn read(&self, export: &Self::Export, offset: u64, buf: &mut [u8]) -> Result<(), u32>;
+    /// Starts a command; its completion must eventually be sent on `reply`.
+    fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Sender<Completion>);
+    /// True while the server is shutting down (new options are refused).
+    fn shutting_down(&self) -> bool {
+        false
+    }
+}
+
+/// A stream a connection runs over.
+pub trait Conn: Read + Write + Send + 'static {
+    fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>>;
+    fn set_read_timeout_conn(&self, d: Option<Duration>) -> io::Result<()>;
+    fn shutdown_conn(&self);
+}
+
+impl Conn for UnixStream {
+    fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+    fn set_read_timeout_conn(&self, d: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(d)
+    }
+    fn shutdown_conn(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Conn for TcpStream {
+    fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+    fn set_read_timeout_conn(&self, d: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(d)
+    }
+    fn shutdown_conn(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+type Writer = Arc<Mutex<Box<dyn Conn>>>;
+
+fn protocol(msg: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+fn read_u32(r: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+fn read_u64(r: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+/// Reads and throws away `n` bytes, in bounded chunks.
+fn discard(r: &mut impl Read, mut n: u64) -> io::Result<()> {
+    let mut scratch = [0u8; 64 * 1024];
+    while n > 0 {
+        let k = n.min(scratch.len() as u64) as usize;
+        r.read_exact(&mut scratch[..k])?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+fn send(w: &Writer, bytes: &[u8]) -> io::Result<()> {
+    let mut g = w.lock().unwrap();
+    g.write_all(bytes)?;
+    g.flush()
+}
+
+fn write_all_vectored(w: &mut dyn Conn, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn transmission_flags() -> u16 {
+    TF_HAS_FLAGS
+        | TF_SEND_FLUSH
+        | TF_SEND_FUA
+        | TF_SEND_TRIM
+        | TF_SEND_WRITE_ZEROES
+        | TF_CAN_MULTI_CONN
+        | TF_SEND_FAST_ZERO
+}
+
+/// Runs the handshake. Returns the export to serve, or `None` when the client ended
+/// the negotiation cleanly (abort).
+fn handshake<B: Backend>(
+    backend: &B,
+    r: &mut impl Read,
+    w: &Writer,
+) -> io::Result<Option<(B::Export, ExportInfo)>> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    send(w, &hello)?;
+    let client_flags = read_u32(r)?;
+    if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(protocol(format!("unknown client flags {client_flags:#x}")));
+    }
+    let fixed = client_flags & FLAG_C_FIXED_NEWSTYLE != 0;
+    let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
+    for _ in 0..MAX_OPTIONS {
+        let magic = read_u64(r)?;
+        if magic != IHAVEOPT {
+            return Err(protocol(format!("bad option magic {magic:#x}")));
+        }
+        let option = read_u32(r)?;
+        let len = read_u32(r)?;
+        if len > MAX_OPTION_DATA {
+            return Err(protocol(format!("option {option} with {len} bytes of data")));
+        }
+        let mut data = vec![0u8; len as usize];
+        r.read_exact(&mut data)?;
+        let reply = |reply: u32, d: &[u8]| send(w, &option_reply(option, reply, d));
+        let err_msg = |reply: u32, msg: &str| send(w, &option_reply(option, reply, msg.as_bytes()));
+        if backend.shutting_down() && option != OPT_ABORT {
+            err_msg(REP_ERR_SHUTDOWN, "server is shutting down")?;
+            continue;
+        }
+        match option {
+            OPT_EXPORT_NAME => {
+                let name = String::from_utf8(data).map_err(|_| protocol("export name is not UTF-8"))?;
+                let Some((export, info)) = backend.open_export(&name) else {
+                    // This option cannot carry an error: the spec says hang up.
+                    return Err(protocol(format!("unknown export {name:?}")));
+                };
+                let mut b = Vec::with_capacity(10 + 124);
+                b.extend_from_slice(&info.size.to_be_bytes());
+                b.extend_from_slice(&transmission_flags().to_be_bytes());
+                if !no_zeroes {
+                    b.extend_from_slice(&[0u8; 124]);
+                }
+                send(w, &b)?;
+                return Ok(Some((export, info)));
+            }
+            _ if !fixed => {
+                return Err(protocol(format!("option {option} from a non-fixed-newstyle client")));
+            }
+            OPT_ABORT => {
+                let _ = reply(REP_ACK, &[]);
+                return Ok(None);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    err_msg(REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
+                    continue;
+                }
+                for e in backend.exports() {
+                    let mut d = Vec::new();
+                    d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
+                    d.extend_from_slice(e.name.as_bytes());
+                    d.extend_from_slice(e.description.as_bytes());
+                    reply(REP_SERVER, &d)?;
+                }
+                reply(REP_ACK, &[])?;
+            }
+            OPT_INFO | OPT_GO => {
+                // u32 name length, name, u16 request count, requests.
+                let parsed = (|| {
+                    if data.len() < 6 {
+                        return None;
+                    }
+                    let nl = u32::from_be_bytes(data[0..4].try_into().unwrap()) as usize;
+                    if nl > MAX_STRING || data.len() < 4 + nl + 2 {
+                        return None;
+                    }
+                    let name = String::from_utf8(data[4..4 + nl].to_vec()).ok()?;
+                    let n = u16::from_be_bytes(data[4 + nl..6 + nl].try_into().unwrap()) as usize;
+                    if data.len() != 6 + nl + 2 * n {
+                        return None;
+                    }
+                    let reqs: Vec<u16> = (0..n)
+                        .map(|i| u16::from_be_bytes(data[6 + nl + 2 * i..8 + nl + 2 * i].try_into().unwrap()))
+                        .collect();
+                    Some((name, reqs))
+                })();
+                let Some((name, reqs)) = parsed else {
+                    err_msg(REP_ERR_INVALID, "malformed NBD_OPT_INFO/GO request")?;
+                    continue;
+                };
+                let Some((export, info)) = backend.open_export(&name) else {
+                    err_msg(REP_ERR_UNKNOWN, &format!("no export named {name:?}"))?;
+                    continue;
+                };
+                let mut d = Vec::new();
+                d.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+                d.extend_from_slice(&info.size.to_be_bytes());
+                d.extend_from_slice(&transmission_flags().to_be_bytes());
+                reply(REP_INFO, &d)?;
+                let mut d = Vec::new();
+                d.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+                d.extend_from_slice(&1u32.to_be_bytes());
+                d.extend_from_slice(&PREFERRED_BLOCK.to_be_bytes());
+                d.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
+                reply(REP_INFO, &d)?;
+                if reqs.contains(&INFO_NAME) {
+                    let mut d = INFO_NAME.to_be_bytes().to_vec();
+                    d.extend_from_slice(info.name.as_bytes());
+                    reply(REP_INFO, &d)?;
+                }
+                if reqs.contains(&INFO_DESCRIPTION) {
+                    let mut d = INFO_DESCRIPTION.to_be_bytes().to_vec();
+                    d.extend_from_slice(info.description.as_bytes());
+                    reply(REP_INFO, &d)?;
+                }
+                reply(REP_ACK, &[])?;
+                if option == OPT_GO {
+                    return Ok(Some((export, info)));
+                }
+            }
+            OPT_STARTTLS => err_msg(REP_ERR_POLICY, "TLS is not supported by this server")?,
+            OPT_STRUCTURED_REPLY => err_msg(REP_ERR_UNSUP, "structured replies are not supported")?,
+            _ => err_msg(REP_ERR_UNSUP, &format!("option {option} is not supported"))?,
+        }
+    }
+    Err(protocol("too many options"))
+}
+
+/// Serves one connection until the client disconnects or breaks the protocol.
+pub fn serve_connection<B: Backend>(backend: Arc<B>, stream: Box<dyn Conn>) -> io::Result<()> {
+    stream.set_read_timeout_conn(Some(HANDSHAKE_TIMEOUT))?;
+    let writer: Writer = Arc::new(Mutex::new(stream.try_clone_conn()?));
+    let mut r = BufReader::with_capacity(256 * 1024, stream);
+    let Some((export, info)) = handshake(&*backend, &mut r, &writer)? else {
+        r.get_ref().shutdown_conn();
+        return Ok(());
+    };
+    r.get_ref().set_read_timeout_conn(None)?;
+    let result = transmission(&*backend, &export, &info, &mut r, &writer);
+    r.get_ref().shutdown_conn();
+    result
+}
+
+fn transmission<B: Backend>(
+    backend: &B,
+    export: &B::Export,
+    info: &ExportInfo,
+    r: &mut BufReader<Box<dyn Conn>>,
+    writer: &Writer,
+) -> io::Result<()> {
+    let (tx, rx) = bounded::<Completion>(MAX_INFLIGHT);
+    let (credit_tx, credit_rx) = bounded::<()>(MAX_INFLIGHT);
+    for _ in 0..MAX_INFLIGHT {
+        credit_tx.send(()).unwrap();
+    }
+    let (pool_tx, pool_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
+    let replier = {
+        let writer = writer.clone();
+        let credit_tx = credit_tx.clone();
+        std::thread::Builder::new()
+            .name("nbd-replier".into())
+            .spawn(move || replier(rx, writer, credit_tx, pool_tx))?
+    };
+    let mut read_buf: Vec<u8> = Vec::new();
+    let result = (|| -> io::Result<()> {
+        let mut hdr = [0u8; RequestHeader::SIZE];
+        loop {
+            r.read_exact(&mut hdr)?;
+            let req = RequestHeader::decode(&hdr)
+                .map_err(|m| protocol(format!("bad request magic {m:#x}")))?;
+            let (offset, len) = (req.offset, req.length as u64);
+            let in_range = offset.checked_add(len).is_some_and(|end| end <= info.size);
+            let allowed_flags = match req.kind {
+                CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+                _ => CMD_FLAG_FUA,
+            };
+            let bad_flags = req.flags & !allowed_flags != 0;
+            let fua = req.flags & CMD_FLAG_FUA != 0;
+            let error_reply = |e: u32| send(writer, &simple_reply(req.handle, e));
+            match req.kind {
+                CMD_READ => {
+                    if bad_flags || !in_range || req.length > MAX_PAYLOAD {
+                        error_reply(EINVAL)?;
+                        continue;
+                    }
+                    read_buf.resize(req.length as usize, 0);
+                    match backend.read(export, offset, &mut read_buf) {
+                        Ok(()) => {
+                            let h = simple_reply(req.handle, 0);
+                            let mut g = writer.lock().unwrap();
+                            write_all_vectored(&mut **g, &mut [IoSlice::new(&h), IoSlice::new(&read_buf)])?;
+                        }
+                        Err(e) => error_reply(e)?,
+                    }
+                    if read_buf.capacity() > POOL_KEEP_BYTES {
+                        read_buf = Vec::new();
+                    }
+                }
+                CMD_WRITE => {
+                    if bad_flags || !in_range || req.length > MAX_PAYLOAD {
+                        discard(r, len)?;
+                        error_reply(EINVAL)?;
+                        continue;
+                    }
+                    let mut data = pool_rx.try_recv().unwrap_or_default();
+                    data.resize(req.length as usize, 0);
+                    r.read_exact(&mut data)?;
+                    credit_rx.recv().unwrap();
+                    backend.submit(export, req.handle, Command::Write { offset, data, fua }, &tx);
+                }
+                CMD_FLUSH => {
+                    if bad_flags || offset != 0 || len != 0 {
+                        error_reply(EINVAL)?;
+                        continue;
+                    }
+                    credit_rx.recv().unwrap();
+                    backend.submit(export, req.handle, Command::Flush, &tx);
+                }
+                CMD_TRIM | CMD_WRITE_ZEROES => {
+                    if bad_flags || !in_range {
+                        error_reply(EINVAL)?;
+                        continue;
+                    }
+                    credit_rx.recv().unwrap();
+                    backend.submit(export, req.handle, Command::Zero { offset, length: len, fua }, &tx);
+                }
+                CMD_DISC => return Ok(()),
+                _ => error_reply(EINVAL)?,
+            }
+        }
+    })();
+    // Wait for every outstanding command so its reply is sent (or at least its
+    // completion consumed) before the connection goes away.
+    for _ in 0..MAX_INFLIGHT {
+        let _ = credit_rx.recv();
+    }
+    drop(tx);
+    let _ = replier.join();
+    match result {
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(()),
+        other => other,
+    }
+}
+
+fn replier(rx: Receiver<Completion>, writer: Writer, credits: Sender<()>, pool: Sender<Vec<u8>>) {
+    let mut out = Vec::with_capacity(16 * MAX_INFLIGHT);
+    let mut broken = false;
+    while let Ok(first) = rx.recv() {
+        out.clear();
+        let mut n = 0;
+        let handle = |c: Completion, out: &mut Vec<u8>| {
+            out.extend_from_slice(&simple_reply(c.handle, c.error));
+            if let Some(b) = c.buf {
+                if b.capacity() <= POOL_KEEP_BYTES {
+                    let _ = pool.try_send(b);
+                }
+            }
+        };
+        handle(first, &mut out);
+        n += 1;
+        while let Ok(c) = rx.try_recv() {
+            handle(c, &mut out);
+            n += 1;
+        }
+        if !broken {
+            let mut g = writer.lock().unwrap();
+            if g.write_all(&out).and_then(|_| g.flush()).is_err() {
+                broken = true;
+            }
+        }
+        for _ in 0..n {
+            let _ = credits.send(());
+        }
+    }
+}
+
+/// Where to listen.
+pub enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+/// Accepts connections until `stop` is set, serving each on its own threads.
+pub fn serve<B: Backend>(backend: Arc<B>, listener: Listener, stop: Arc<AtomicBool>) {
+    let active = Arc::new(AtomicUsize::new(0));
+    loop {
+        let conn: io::Result<Box<dyn Conn>> = match &listener {
+            Listener::Unix(l) => l.accept().map(|(s, _)| Box::new(s) as Box<dyn Conn>),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nodelay(true);
+                Box::new(s) as Box<dyn Conn>
+            }),
+        };
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+            tracing::warn!("refusing connection: {MAX_CONNECTIONS} already open");
+            conn.shutdown_conn();
+            continue;
+        }
+        active.fetch_add(1, Ordering::SeqCst);
+        let backend = backend.clone();
+        let active = active.clone();
+        let spawned = std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
+            if let Err(e) = serve_connection(backend, conn) {
+                tracing::info!("connection closed: {e}");
+            }
+            active.fetch_sub(1, Ordering::SeqCst);
+        });
+        if let Err(e) = spawned {
+            tracing::error!("cannot start a connection thread: {e}");
+        }
+    }
+}

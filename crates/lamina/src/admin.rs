@@ -1,0 +1,158 @@
+//! The admin socket: how `lamina status` and `lamina volume create` talk to a running
+//! server. One JSON object per line each way:
+//!
+//! ```text
+//! {"op":"status"}                                  -> {"ok":true,"status":{...}}
+//! {"op":"metrics"}                                 -> {"ok":true,"metrics":"..."}
+//! {"op":"volume-create","name":"v","size":1073741824} -> {"ok":true}
+//! {"op":"volume-delete","name":"v"}                -> {"ok":true}
+//! {"op":"checkpoint"}                              -> {"ok":true}
+//! anything else                                    -> {"ok":false,"error":"..."}
+//! ```
+
+use crate::output::{metrics_text, status_json};
+use crate::runtime::Runtime;
+use anyhow::{anyhow, bail, Context, Result};
+use lamina_core::{Request, StatusReport};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::time::Duration;
+
+/// Longest request line accepted.
+const MAX_LINE: u64 = 64 * 1024;
+
+fn handle(rt: &Runtime, req: &Value) -> Value {
+    let op = req.get("op").and_then(|v| v.as_str()).unwrap_or("");
+    let status = || rt.call(Request::Status).map(|s| s.expect("status reply carries a report"));
+    let result: Result<Value, String> = match op {
+        "status" => status().map(|s| json!({"ok": true, "status": status_json(&s, true)})).map_err(|e| e.to_string()),
+        "metrics" => status().map(|s| json!({"ok": true, "metrics": metrics_text(&s)})).map_err(|e| e.to_string()),
+        "volume-create" => {
+            let name = req.get("name").and_then(|v| v.as_str());
+            let size = req.get("size").and_then(|v| v.as_u64());
+            match (name, size) {
+                (Some(name), Some(size)) => rt
+                    .call(Request::CreateVolume {
+                        name: name.to_string(),
+                        size_bytes: size,
+                    })
+                    .map(|_| json!({"ok": true}))
+                    .map_err(|e| e.to_string()),
+                _ => Err("volume-create needs \"name\" and \"size\"".into()),
+            }
+        }
+        "volume-delete" => match req.get("name").and_then(|v| v.as_str()) {
+            Some(name) => rt
+                .call(Request::DeleteVolume { name: name.to_string() })
+                .map(|_| json!({"ok": true}))
+                .map_err(|e| e.to_string()),
+            None => Err("volume-delete needs \"name\"".into()),
+        },
+        "checkpoint" => rt.call(Request::Checkpoint).map(|_| json!({"ok": true})).map_err(|e| e.to_string()),
+        other => Err(format!("unknown op {other:?}")),
+    };
+    result.unwrap_or_else(|e| json!({"ok": false, "error": e}))
+}
+
+/// Serves the admin socket (runs until the process exits).
+pub fn serve(listener: UnixListener, rt: Runtime) {
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let rt = rt.clone();
+        std::thread::spawn(move || {
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+            let mut line = String::new();
+            let mut r = BufReader::new(Read::take(&conn, MAX_LINE));
+            if r.read_line(&mut line).is_err() {
+                return;
+            }
+            let reply = match serde_json::from_str::<Value>(&line) {
+                Ok(req) => handle(&rt, &req),
+                Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
+            };
+            let mut w = &conn;
+            let _ = writeln!(w, "{reply}");
+        });
+    }
+}
+
+/// Sends one request to a running server. `Ok(None)` when no server answers.
+pub fn request(socket: &Path, req: &Value) -> Result<Option<Value>> {
+    let conn = match UnixStream::connect(socket) {
+        Ok(c) => c,
+        Err(_) => return Ok(None),
+    };
+    conn.set_read_timeout(Some(Duration::from_secs(600)))?;
+    let mut w = &conn;
+    writeln!(w, "{req}")?;
+    let mut line = String::new();
+    BufReader::new(&conn)
+        .read_line(&mut line)
+        .with_context(|| format!("no answer on {}", socket.display()))?;
+    let v: Value = serde_json::from_str(&line).with_context(|| format!("bad answer on {}", socket.display()))?;
+    if v.get("ok").and_then(|b| b.as_bool()) != Some(true) {
+        bail!(
+            "{}",
+            v.get("error").and_then(|e| e.as_str()).unwrap_or("request failed")
+        );
+    }
+    Ok(Some(v))
+}
+
+/// Turns the JSON status back into a report, for the human renderer.
+pub fn status_from_json(v: &Value) -> Result<StatusReport> {
+    let s = v.get("status").ok_or_else(|| anyhow!("answer without status"))?;
+    let u = |k: &str| s.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+    let a = s.get("array").cloned().unwrap_or_default();
+    let mut r = StatusReport {
+        array_name: a["name"].as_str().unwrap_or("").into(),
+        array_uuid: a["uuid"].as_str().unwrap_or("").into(),
+        layout: a["layout"].as_str().unwrap_or("").into(),
+        devices: a["devices"]
+            .as_array()
+            .map(|d| d.iter().filter_map(|x| x.as_str().map(String::from)).collect())
+            .unwrap_or_default(),
+        segment_size_bytes: a["segment_size_bytes"].as_u64().unwrap_or(0),
+        write_unit_bytes: a["write_unit_bytes"].as_u64().unwrap_or(0),
+        overprovision: a["overprovision"].as_f64().unwrap_or(0.0),
+        capacity_bytes: u("capacity_bytes"),
+        usable_bytes: u("usable_bytes"),
+        live_bytes: u("live_bytes"),
+        segment_count: u("segment_count"),
+        free_segments: u("free_segments"),
+        used_segments: u("used_segments"),
+        user_bytes_written: u("user_bytes_written"),
+        media_bytes_written: u("media_bytes_written"),
+        gc_bytes_relocated: u("gc_bytes_relocated"),
+        metadata_bytes_written: u("metadata_bytes_written"),
+        write_amplification: s["write_amplification"].as_f64(),
+        gc_policy: s["gc_policy"].as_str().unwrap_or("").into(),
+        gc_victims: u("gc_victims"),
+        flushes: u("flushes"),
+        syncs: u("syncs"),
+        checkpoints: u("checkpoints"),
+        checkpoint_generation: u("checkpoint_generation"),
+        corrupt_blocks: u("corrupt_blocks"),
+        read_checksum_errors: u("read_checksum_errors"),
+        failed: s["failed"].as_str().map(String::from),
+        ..Default::default()
+    };
+    if let Some(vols) = s["volumes"].as_array() {
+        for v in vols {
+            r.volumes.push(lamina_core::VolumeStatus {
+                id: v["id"].as_u64().unwrap_or(0) as u16,
+                name: v["name"].as_str().unwrap_or("").into(),
+                size_bytes: v["size_bytes"].as_u64().unwrap_or(0),
+                live_bytes: v["live_bytes"].as_u64().unwrap_or(0),
+                segments: v["segments"].as_u64().unwrap_or(0),
+                user_bytes_written: v["user_bytes_written"].as_u64().unwrap_or(0),
+                media_bytes_written: v["media_bytes_written"].as_u64().unwrap_or(0),
+                gc_bytes_relocated: v["gc_bytes_relocated"].as_u64().unwrap_or(0),
+                write_amplification: v["write_amplification"].as_f64(),
+            });
+        }
+    }
+    Ok(r)
+}

@@ -1,0 +1,172 @@
+//! `DIR/lamina.toml`: where an array's devices are and how to serve it.
+//!
+//! The array itself (layout, segment size, volumes, the map) is described by the
+//! superblocks and checkpoints on its devices; this file only lists the device paths
+//! and the server's sockets, logs and tunables. Paths are relative to DIR unless
+//! absolute.
+
+use crate::size::parse_size;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const CONFIG_FILE: &str = "lamina.toml";
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Backing files or block devices, in any order (superblocks give the order).
+    pub devices: Vec<PathBuf>,
+    /// Unix socket of the admin interface (`lamina status`, `lamina volume create`).
+    #[serde(default = "default_admin")]
+    pub admin_socket: PathBuf,
+    /// Log file (besides standard error).
+    #[serde(default = "default_log")]
+    pub log_file: PathBuf,
+    #[serde(default)]
+    pub serve: ServeConfig,
+    #[serde(default)]
+    pub engine: EngineSection,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Unix socket for NBD clients.
+    #[serde(default = "default_unix")]
+    pub unix: Option<PathBuf>,
+    /// TCP address for NBD clients (loopback unless told otherwise).
+    #[serde(default = "default_tcp")]
+    pub tcp: Option<String>,
+    /// Address of the Prometheus metrics endpoint (`/metrics`); off when absent.
+    #[serde(default)]
+    pub metrics: Option<String>,
+    /// Threads executing device writes and syncs.
+    #[serde(default = "default_io_threads")]
+    pub io_threads: usize,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            unix: default_unix(),
+            tcp: default_tcp(),
+            metrics: None,
+            io_threads: default_io_threads(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSection {
+    /// Victim policy: greedy | cost-benefit.
+    pub gc_policy: Option<String>,
+    /// Write-unit buffers (the DRAM write buffer).
+    pub buffer_units: Option<u32>,
+    /// Data written between checkpoints, e.g. "1G".
+    pub checkpoint_interval: Option<String>,
+    /// Background flush interval in milliseconds.
+    pub auto_sync_ms: Option<u64>,
+}
+
+fn default_admin() -> PathBuf {
+    "admin.sock".into()
+}
+fn default_log() -> PathBuf {
+    "lamina.log".into()
+}
+fn default_unix() -> Option<PathBuf> {
+    Some("nbd.sock".into())
+}
+fn default_tcp() -> Option<String> {
+    Some("127.0.0.1:10809".into())
+}
+fn default_io_threads() -> usize {
+    4
+}
+
+impl Config {
+    pub fn new(devices: Vec<PathBuf>) -> Self {
+        Config {
+            devices,
+            admin_socket: default_admin(),
+            log_file: default_log(),
+            serve: ServeConfig::default(),
+            engine: EngineSection::default(),
+        }
+    }
+
+    pub fn path(dir: &Path) -> PathBuf {
+        dir.join(CONFIG_FILE)
+    }
+
+    pub fn exists(dir: &Path) -> bool {
+        Self::path(dir).exists()
+    }
+
+    pub fn load(dir: &Path) -> Result<Self> {
+        let p = Self::path(dir);
+        let text = std::fs::read_to_string(&p)
+            .with_context(|| format!("{} holds no Lamina array (cannot read {})", dir.display(), p.display()))?;
+        let cfg: Config = toml::from_str(&text).with_context(|| format!("{} is not a valid configuration", p.display()))?;
+        if cfg.devices.is_empty() {
+            bail!("{}: `devices` lists no device", p.display());
+        }
+        if let Some(p) = &cfg.engine.gc_policy {
+            if lamina_core::gc::policy_by_name(p).is_none() {
+                bail!(
+                    "{}: unknown gc_policy {p:?} (known: {})",
+                    Self::path(dir).display(),
+                    lamina_core::gc::POLICY_NAMES.join(", ")
+                );
+            }
+        }
+        if let Some(s) = &cfg.engine.checkpoint_interval {
+            parse_size(s).map_err(anyhow::Error::msg).with_context(|| format!("{}: checkpoint_interval", Self::path(dir).display()))?;
+        }
+        if cfg.engine.buffer_units == Some(0) {
+            bail!("{}: buffer_units must be at least 1", Self::path(dir).display());
+        }
+        Ok(cfg)
+    }
+
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let text = format!(
+            "# Lamina array configuration. The array itself (layout, volumes, data) is\n\
+             # described by the superblocks on its devices; this file says where they are.\n{}",
+            toml::to_string_pretty(self)?
+        );
+        let p = Self::path(dir);
+        let tmp = dir.join(".lamina.toml.tmp");
+        std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
+        std::fs::rename(&tmp, &p).with_context(|| format!("cannot write {}", p.display()))?;
+        Ok(())
+    }
+
+    /// A path from the config, made absolute against DIR.
+    pub fn resolve(dir: &Path, p: &Path) -> PathBuf {
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            dir.join(p)
+        }
+    }
+
+    pub fn engine_config(&self) -> Result<lamina_core::EngineConfig> {
+        let mut c = lamina_core::EngineConfig::default();
+        if let Some(p) = &self.engine.gc_policy {
+            c.gc_policy = p.clone();
+        }
+        if let Some(b) = self.engine.buffer_units {
+            c.buffer_units = b;
+        }
+        if let Some(s) = &self.engine.checkpoint_interval {
+            c.checkpoint_interval_blocks = parse_size(s).map_err(anyhow::Error::msg)? / 4096;
+        }
+        if let Some(ms) = self.engine.auto_sync_ms {
+            c.auto_sync_ms = ms;
+        }
+        Ok(c)
+    }
+}

@@ -1,0 +1,156 @@
+//! Rendering a status report: JSON for scripts (stable key names), a table for
+//! people, and Prometheus text for monitoring.
+
+use crate::size::human;
+use lamina_core::StatusReport;
+use serde_json::{json, Value};
+
+pub fn status_json(s: &StatusReport, running: bool) -> Value {
+    json!({
+        "running": running,
+        "array": {
+            "name": s.array_name,
+            "uuid": s.array_uuid,
+            "layout": s.layout,
+            "devices": s.devices,
+            "segment_size_bytes": s.segment_size_bytes,
+            "write_unit_bytes": s.write_unit_bytes,
+            "overprovision": s.overprovision,
+        },
+        "capacity_bytes": s.capacity_bytes,
+        "usable_bytes": s.usable_bytes,
+        "live_bytes": s.live_bytes,
+        "segment_count": s.segment_count,
+        "used_segments": s.used_segments,
+        "free_segments": s.free_segments,
+        "user_bytes_written": s.user_bytes_written,
+        "media_bytes_written": s.media_bytes_written,
+        "gc_bytes_relocated": s.gc_bytes_relocated,
+        "metadata_bytes_written": s.metadata_bytes_written,
+        "write_amplification": s.write_amplification,
+        "gc_policy": s.gc_policy,
+        "gc_victims": s.gc_victims,
+        "flushes": s.flushes,
+        "syncs": s.syncs,
+        "checkpoints": s.checkpoints,
+        "checkpoint_generation": s.checkpoint_generation,
+        "corrupt_blocks": s.corrupt_blocks,
+        "read_checksum_errors": s.read_checksum_errors,
+        "failed": s.failed,
+        "volumes": s.volumes.iter().map(|v| json!({
+            "id": v.id,
+            "name": v.name,
+            "size_bytes": v.size_bytes,
+            "live_bytes": v.live_bytes,
+            "segments": v.segments,
+            "user_bytes_written": v.user_bytes_written,
+            "media_bytes_written": v.media_bytes_written,
+            "gc_bytes_relocated": v.gc_bytes_relocated,
+            "write_amplification": v.write_amplification,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn wa(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.3}"))
+}
+
+pub fn status_text(s: &StatusReport, running: bool) -> String {
+    let mut o = String::new();
+    o += &format!(
+        "array {:?}  ({}, {} device{}, {})\n",
+        s.array_name,
+        s.layout,
+        s.devices.len(),
+        if s.devices.len() == 1 { "" } else { "s" },
+        if running { "serving" } else { "stopped" }
+    );
+    if let Some(f) = &s.failed {
+        o += &format!("  FAILED: {f}\n");
+    }
+    for d in &s.devices {
+        o += &format!("  device {d}\n");
+    }
+    o += &format!(
+        "  capacity {}   usable {}   live {} ({:.1}%)\n",
+        human(s.capacity_bytes),
+        human(s.usable_bytes),
+        human(s.live_bytes),
+        100.0 * s.live_bytes as f64 / s.usable_bytes.max(1) as f64
+    );
+    o += &format!(
+        "  segments {} of {}: {} used, {} free; over-provisioning {:.0}%\n",
+        s.segment_count,
+        human(s.segment_size_bytes),
+        s.used_segments,
+        s.free_segments,
+        s.overprovision * 100.0
+    );
+    o += &format!(
+        "  written: user {}, media {}, gc relocated {}, metadata {}\n",
+        human(s.user_bytes_written),
+        human(s.media_bytes_written),
+        human(s.gc_bytes_relocated),
+        human(s.metadata_bytes_written)
+    );
+    o += &format!(
+        "  write amplification {}   gc policy {} ({} victims)\n",
+        wa(s.write_amplification),
+        s.gc_policy,
+        s.gc_victims
+    );
+    o += &format!(
+        "  checkpoints {} (generation {}), flushes {}, syncs {}, corrupt blocks {}, read checksum errors {}\n",
+        s.checkpoints, s.checkpoint_generation, s.flushes, s.syncs, s.corrupt_blocks, s.read_checksum_errors
+    );
+    o += &format!(
+        "\n{:<20} {:>10} {:>10} {:>14} {:>14} {:>8}\n",
+        "VOLUME", "SIZE", "LIVE", "USER WRITTEN", "GC RELOCATED", "WA"
+    );
+    for v in &s.volumes {
+        o += &format!(
+            "{:<20} {:>10} {:>10} {:>14} {:>14} {:>8}\n",
+            v.name,
+            human(v.size_bytes),
+            human(v.live_bytes),
+            human(v.user_bytes_written),
+            human(v.gc_bytes_relocated),
+            wa(v.write_amplification)
+        );
+    }
+    o
+}
+
+/// Prometheus text exposition format.
+pub fn metrics_text(s: &StatusReport) -> String {
+    let mut o = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, samples: Vec<(String, f64)>| {
+        o += &format!("# HELP lamina_{name} {help}\n# TYPE lamina_{name} {kind}\n");
+        for (labels, v) in samples {
+            o += &format!("lamina_{name}{labels} {v}\n");
+        }
+    };
+    let vol = |f: &dyn Fn(&lamina_core::VolumeStatus) -> f64| -> Vec<(String, f64)> {
+        s.volumes.iter().map(|v| (format!("{{volume=\"{}\"}}", v.name), f(v))).collect()
+    };
+    metric("capacity_bytes", "gauge", "Segment space on all devices.", vec![(String::new(), s.capacity_bytes as f64)]);
+    metric("usable_bytes", "gauge", "Live data the array accepts.", vec![(String::new(), s.usable_bytes as f64)]);
+    metric("live_bytes", "gauge", "Live data.", vec![(String::new(), s.live_bytes as f64)]);
+    metric("free_segments", "gauge", "Segments in the free queue.", vec![(String::new(), s.free_segments as f64)]);
+    metric("user_bytes_written_total", "counter", "Bytes written by clients.", vec![(String::new(), s.user_bytes_written as f64)]);
+    metric("media_bytes_written_total", "counter", "Bytes written to devices.", vec![(String::new(), s.media_bytes_written as f64)]);
+    metric("gc_bytes_relocated_total", "counter", "Bytes moved by garbage collection.", vec![(String::new(), s.gc_bytes_relocated as f64)]);
+    metric("metadata_bytes_written_total", "counter", "Bytes of checkpoints, release records and superblocks.", vec![(String::new(), s.metadata_bytes_written as f64)]);
+    metric("write_amplification", "gauge", "Media bytes per user byte.", vec![(String::new(), s.write_amplification.unwrap_or(0.0))]);
+    metric("flushes_total", "counter", "Client flushes.", vec![(String::new(), s.flushes as f64)]);
+    metric("syncs_total", "counter", "Device sync rounds.", vec![(String::new(), s.syncs as f64)]);
+    metric("checkpoints_total", "counter", "Checkpoints committed.", vec![(String::new(), s.checkpoints as f64)]);
+    metric("corrupt_blocks_total", "counter", "Blocks found damaged by GC.", vec![(String::new(), s.corrupt_blocks as f64)]);
+    metric("read_checksum_errors_total", "counter", "Reads that failed verification.", vec![(String::new(), s.read_checksum_errors as f64)]);
+    metric("volume_live_bytes", "gauge", "Live data per volume.", vol(&|v| v.live_bytes as f64));
+    metric("volume_user_bytes_written_total", "counter", "Bytes written by clients per volume.", vol(&|v| v.user_bytes_written as f64));
+    metric("volume_media_bytes_written_total", "counter", "Bytes written to devices per volume.", vol(&|v| v.media_bytes_written as f64));
+    metric("volume_gc_bytes_relocated_total", "counter", "Bytes moved by GC per volume.", vol(&|v| v.gc_bytes_relocated as f64));
+    metric("volume_write_amplification", "gauge", "Media bytes per user byte per volume.", vol(&|v| v.write_amplification.unwrap_or(0.0)));
+    o
+}

@@ -1,0 +1,294 @@
+//! `lamina serve`: recover the array, start the engine, listen for NBD clients.
+
+use crate::config::Config;
+use crate::runtime::{LaminaBackend, Runtime};
+use crate::size::{human, parse_size};
+use crate::{absolute, create_array, default_dir, open_array};
+use anyhow::{bail, Context, Result};
+use lamina_core::{FormatParams, OpenMode, Request};
+use lamina_nbd::Listener;
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Array directory (default ./lamina-data, created with a default array if empty).
+    dir: Option<PathBuf>,
+    /// Listen on this Unix socket (default DIR/nbd.sock).
+    #[arg(long, value_name = "PATH")]
+    unix: Option<PathBuf>,
+    /// Listen on this TCP address (default 127.0.0.1:10809).
+    #[arg(long, value_name = "HOST:PORT")]
+    tcp: Option<String>,
+    /// Serve Prometheus metrics on HOST:PORT at /metrics.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics: Option<String>,
+    /// Size of the backing file when creating the embedded default array.
+    #[arg(long, default_value = "8G", value_name = "SIZE")]
+    default_size: String,
+}
+
+/// Logs to standard error and to the array's log file.
+#[derive(Clone)]
+struct Tee(Arc<Mutex<Option<std::fs::File>>>);
+
+impl Write for Tee {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        if let Some(f) = self.0.lock().unwrap().as_mut() {
+            let _ = f.write_all(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn init_logging(log_file: &Path) {
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(log_file).ok();
+    let tee = Tee(Arc::new(Mutex::new(file)));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LAMINA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(move || tee.clone())
+        .try_init();
+}
+
+/// Binds a Unix socket, replacing a stale socket file but never a live server's.
+fn bind_unix(path: &Path) -> Result<UnixListener> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            bail!("{} is in use: is another `lamina serve` running?", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+    }
+    UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+}
+
+/// Creates the embedded default: one sparse file, one volume filling it.
+fn create_default(dir: &Path, size: u64) -> Result<()> {
+    let img = dir.join("default.img");
+    eprintln!(
+        "lamina: {} holds no array; creating the default: {} (sparse, {}) with volume \"default\"",
+        dir.display(),
+        img.display(),
+        human(size)
+    );
+    create_array(
+        dir,
+        &[(img, Some(size))],
+        FormatParams {
+            name: "default".into(),
+            ..Default::default()
+        },
+    )?;
+    let (mut engine, _) = open_array(dir, OpenMode::ReadWrite)?;
+    let usable = engine.usable_bytes() / (1 << 20) * (1 << 20);
+    let token = lamina_core::Token { conn: 0, handle: 1 };
+    engine.submit(
+        token,
+        Request::CreateVolume {
+            name: "default".into(),
+            size_bytes: usable,
+        },
+    );
+    lamina_core::run_inline(&mut engine);
+    let mut replies = Vec::new();
+    engine.drain_replies(&mut replies);
+    replies
+        .into_iter()
+        .find(|r| r.token == token)
+        .context("volume creation did not complete")?
+        .result?;
+    Ok(())
+}
+
+fn serve_metrics(listener: TcpListener, rt: Runtime) {
+    for conn in listener.incoming() {
+        let Ok(mut conn) = conn else { continue };
+        let rt = rt.clone();
+        std::thread::spawn(move || {
+            let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(10)));
+            let mut buf = [0u8; 2048];
+            let n = conn.read(&mut buf).unwrap_or(0);
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (code, body) = if req.starts_with("GET /metrics") {
+                match rt.call(Request::Status) {
+                    Ok(Some(s)) => ("200 OK", crate::output::metrics_text(&s)),
+                    _ => ("503 Service Unavailable", "engine unavailable\n".to_string()),
+                }
+            } else {
+                ("404 Not Found", "try /metrics\n".to_string())
+            };
+            let _ = write!(
+                conn,
+                "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        });
+    }
+}
+
+/// Blocks SIGINT and SIGTERM in this thread (and threads spawned after), so that
+/// `wait_for_signal` receives them.
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: plain libc signal mask manipulation on a local set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+    let mut sig = 0;
+    // SAFETY: waits for one of the blocked signals.
+    unsafe { libc::sigwait(set, &mut sig) };
+    sig
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let explicit = a.dir.is_some();
+    let dir = absolute(&a.dir.unwrap_or_else(default_dir))?;
+    if !Config::exists(&dir) {
+        let empty = !dir.exists() || std::fs::read_dir(&dir)?.next().is_none();
+        if !empty {
+            bail!(
+                "{} holds no Lamina array and is not empty; create one with `lamina array create`",
+                dir.display()
+            );
+        }
+        if explicit {
+            eprintln!("lamina: {} does not exist yet", dir.display());
+        }
+        let size = parse_size(&a.default_size).map_err(anyhow::Error::msg)?;
+        create_default(&dir, size)?;
+    }
+    let cfg = Config::load(&dir)?;
+    init_logging(&Config::resolve(&dir, &cfg.log_file));
+    let signals = block_signals();
+
+    let started = Instant::now();
+    let (engine, report) = open_array(&dir, OpenMode::ReadWrite)?;
+    tracing::info!(
+        "recovered array {:?} in {:.2}s: checkpoint generation {}, {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, {} read",
+        engine.superblock().array_name,
+        started.elapsed().as_secs_f64(),
+        report.checkpoint_generation,
+        report.units_replayed,
+        report.blocks_replayed,
+        report.trims_replayed,
+        report.segments_scanned,
+        report.torn_blocks_ignored,
+        human(report.bytes_read)
+    );
+    let status = engine.status();
+    let rt = Runtime::start(engine, cfg.serve.io_threads);
+    let backend = Arc::new(LaminaBackend { rt: rt.clone() });
+    let stop = Arc::new(AtomicBool::new(false));
+
+    let tcp_explicit = a.tcp.is_some();
+    let (unix, tcp) = if a.unix.is_some() || a.tcp.is_some() {
+        (a.unix.map(|p| Config::resolve(&dir, &p)), a.tcp)
+    } else {
+        (cfg.serve.unix.as_ref().map(|p| Config::resolve(&dir, p)), cfg.serve.tcp.clone())
+    };
+    let mut sockets = Vec::new();
+    let mut endpoints = Vec::new();
+    if let Some(path) = &unix {
+        let l = bind_unix(path)?;
+        sockets.push(path.clone());
+        endpoints.push(format!("unix:{}", path.display()));
+        let (b, s) = (backend.clone(), stop.clone());
+        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(l), s));
+    }
+    let mut tcp_bound = None;
+    if let Some(addr) = &tcp {
+        match TcpListener::bind(addr) {
+            Ok(l) => {
+                tcp_bound = Some(addr.clone());
+                endpoints.push(format!("tcp:{addr}"));
+                let (b, s) = (backend.clone(), stop.clone());
+                std::thread::spawn(move || lamina_nbd::serve(b, Listener::Tcp(l), s));
+            }
+            Err(e) if !tcp_explicit => {
+                tracing::warn!("not listening on TCP {addr}: {e}");
+            }
+            Err(e) => bail!("cannot listen on TCP {addr}: {e}"),
+        }
+    }
+    if endpoints.is_empty() {
+        bail!("nothing to listen on: give --unix or --tcp");
+    }
+    let admin_path = Config::resolve(&dir, &cfg.admin_socket);
+    let admin = bind_unix(&admin_path)?;
+    sockets.push(admin_path.clone());
+    {
+        let rt = rt.clone();
+        std::thread::spawn(move || crate::admin::serve(admin, rt));
+    }
+    if let Some(addr) = a.metrics.or(cfg.serve.metrics.clone()) {
+        let l = TcpListener::bind(&addr).with_context(|| format!("cannot listen for metrics on {addr}"))?;
+        let rt = rt.clone();
+        std::thread::spawn(move || serve_metrics(l, rt));
+        tracing::info!("metrics at http://{addr}/metrics");
+    }
+
+    let first = status.volumes.first().map(|v| v.name.clone());
+    println!(
+        "lamina: serving array {:?} ({}, usable {}) on {}",
+        status.array_name,
+        status.layout,
+        human(status.usable_bytes),
+        endpoints.join(", ")
+    );
+    for v in &status.volumes {
+        println!("  volume {:?}: {}", v.name, human(v.size_bytes));
+    }
+    if let Some(vol) = first {
+        println!("\nConnect with:");
+        if let Some(p) = &unix {
+            let uri = format!("nbd+unix:///{vol}?socket={}", p.display());
+            println!("  nbdinfo '{uri}'");
+            println!("  mkdir -p /tmp/lamina && nbdfuse /tmp/lamina/{vol} '{uri}' &   # then: losetup -f --show /tmp/lamina/{vol}");
+            println!("  nbd-client -unix {} -N {vol} /dev/nbd0", p.display());
+            println!(
+                "  qemu-system-x86_64 -drive file=nbd:unix:{}:exportname={vol},format=raw,cache=none ...",
+                p.display()
+            );
+        }
+        if let Some(addr) = &tcp_bound {
+            println!("  nbdinfo nbd://{addr}/{vol}");
+        }
+        println!("Status: lamina status {}   Stop: Ctrl-C (flushes and checkpoints)", dir.display());
+    } else {
+        println!("The array has no volume yet: lamina volume create {} NAME --size SIZE", dir.display());
+    }
+    let _ = std::io::stdout().flush();
+
+    let sig = wait_for_signal(&signals);
+    tracing::info!("signal {sig}: flushing and writing a checkpoint");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let result = rt.shutdown();
+    for s in &sockets {
+        let _ = std::fs::remove_file(s);
+    }
+    match result {
+        Ok(()) => {
+            tracing::info!("clean shutdown");
+            Ok(())
+        }
+        Err(e) => bail!("shutdown checkpoint failed: {e}"),
+    }
+}
