@@ -34,10 +34,6 @@ use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-pub(crate) fn dbg_lba() -> Option<u64> {
-    std::env::var("LAMINA_DEBUG_LBA").ok().and_then(|s| s.parse().ok())
-}
-
 /// How far ahead of the persisted lease versions may run before the lease is renewed.
 pub const VERSION_LEASE: u64 = 1 << 32;
 
@@ -1057,9 +1053,6 @@ impl Engine {
         let slot = self.shared.buffers.slot(u.buf, block);
         u.data += 1;
         let seg = st.seg.unwrap() as usize;
-        if dbg_lba() == Some(lba) {
-            eprintln!("ENGINE append lba {lba} v{:?} stream {s} kind {:?} seg {seg} unit_off {} slot {block} crc {crc:#x} nextv {}", &data[8..16], st.kind, u.offset, self.next_version);
-        }
         let vol = self.volumes[volume as usize].as_mut().unwrap();
         let old = vol.shared.map.load(lba);
         vol.shared.map.store(lba, encode_buffer(slot));
@@ -1226,9 +1219,6 @@ impl Engine {
                 let current = self.volumes[r.volume() as usize]
                     .as_ref()
                     .is_some_and(|v| v.shared.map.load(r.lba()) == encode_buffer(slot));
-                if dbg_lba() == Some(r.lba()) {
-                    eprintln!("ENGINE seal seg {seg} off {} v{version} lba {} alive {current}", u.offset, r.lba());
-                }
                 if current {
                     live += 1;
                 } else {
@@ -1507,30 +1497,28 @@ impl Engine {
 
     /// Moves emptied segments along the release protocol as flushes complete.
     fn progress_releases(&mut self) {
+        if self.draining.is_empty() && self.release_ready.is_empty() && self.releasing.is_empty() {
+            return;
+        }
         let synced = self.synced_gen;
-        let segs = &mut self.segs;
-        let mut ready = Vec::new();
-        self.draining.retain(|&s| {
-            if segs[s as usize].gen <= synced {
-                segs[s as usize].state = SegState::ReleaseReady;
-                ready.push(s);
-                false
+        let mut i = 0;
+        while i < self.draining.len() {
+            let s = self.draining[i];
+            if self.segs[s as usize].gen <= synced {
+                self.draining.remove(i);
+                self.segs[s as usize].state = SegState::ReleaseReady;
+                self.release_ready.push(s);
             } else {
-                true
+                i += 1;
             }
-        });
-        self.release_ready.extend(ready);
-        let mut freed = Vec::new();
-        self.releasing.retain(|&s| {
-            if segs[s as usize].gen <= synced {
-                freed.push(s);
-                false
-            } else {
-                true
+        }
+        // Segments are freed in the order their release records were sealed, which
+        // is the order recovery walks them.
+        while let Some(&s) = self.releasing.first() {
+            if self.segs[s as usize].gen > synced {
+                break;
             }
-        });
-        for s in freed {
-            if dbg_lba().is_some() { eprintln!("ENGINE freed seg {s} (inc {})", self.segs[s as usize].incarnation); }
+            self.releasing.remove(0);
             let erase_count = self.segs[s as usize].erase_count;
             self.segs[s as usize] = Seg::free(erase_count);
             self.free.push_back(s);

@@ -206,7 +206,6 @@ impl Engine {
         });
         self.blocks_since_checkpoint = 0;
         tracing::debug!(generation = gen, blocks = header.payload_blocks, "checkpoint started");
-        if crate::engine::dbg_lba().is_some() { eprintln!("ENGINE ckpt gen {gen} start C={start_version}"); }
     }
 
     /// Content of payload block `index` of the checkpoint being written.
@@ -225,7 +224,6 @@ impl Engine {
             if let Some(v) = self.volumes.get(vol as usize).and_then(|v| v.as_ref()) {
                 v.shared.map.page(page as u64, &mut entries);
             }
-            if let Some(d) = crate::engine::dbg_lba() { if page as u64 == d / 1024 { eprintln!("ENGINE ckpt gen {} captures page {page}: entry {:?}", w.gen, decode(entries[(d % 1024) as usize])); } }
             for (i, e) in entries.iter().enumerate() {
                 // Blocks still in the write buffer are recorded at the place they
                 // are being written to; the commit flush makes that place durable.
@@ -349,7 +347,6 @@ impl Engine {
             self.reply(t, Ok(()), None);
         }
         tracing::debug!(generation = w.gen, "checkpoint committed");
-        if crate::engine::dbg_lba().is_some() { eprintln!("ENGINE ckpt gen {} committed", w.gen); }
         let _ = SegmentId(0);
     }
 }

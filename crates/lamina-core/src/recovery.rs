@@ -790,21 +790,6 @@ pub fn open(
         }
     }
     events.sort_by_key(|(v, _)| *v);
-    if let Some(dbg) = std::env::var("LAMINA_DEBUG_LBA").ok().and_then(|s| s.parse::<u64>().ok()) {
-        eprintln!("recovery: C={c_version} d_max={d_max} released={released:?}");
-        for f in &found {
-            eprintln!("  found seg {} inc {} kind {:?} start {} end {} units {:?}", f.seg, f.incarnation, f.kind, f.start, f.end,
-                f.units.iter().map(|u| (u.offset, u.version, u.data_blocks)).collect::<Vec<_>>());
-        }
-        for (v, ev) in &events {
-            match ev {
-                Ev::Data { lba, pba, .. } if *lba == dbg => eprintln!("  event v{v}: data lba {lba} at pba {pba} (seg {})", pba / geo.segment_blocks),
-                Ev::Trim { start, count, .. } if (*start..*start + *count).contains(&dbg) => eprintln!("  event v{v}: trim"),
-                _ => {}
-            }
-        }
-        eprintln!("  walked queue {walked_queue:?}");
-    }
     let vol_of = |id: u16| volumes.iter().find(|(v, _)| v.id.0 == id).map(|(v, _)| v.clone());
     for (_, ev) in &events {
         match *ev {

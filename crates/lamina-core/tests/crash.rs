@@ -232,7 +232,6 @@ fn run_seed(seed: u64, ops: usize, crashes: usize) {
             }
             run.collect_replies();
         }
-        if std::env::var("LAMINA_DEBUG_LBA").is_ok() { eprintln!("TEST crash round {round}; history of 0: {:?} stable {}", run.model.blocks[0].history, run.model.blocks[0].stable); }
         run.crash_and_check(round);
     }
 }

@@ -65,8 +65,9 @@ pub trait Backend: Send + Sync + 'static {
     fn open_export(&self, name: &str) -> Option<(Self::Export, ExportInfo)>;
     /// Reads synchronously (called on the connection's reader thread).
     fn read(&self, export: &Self::Export, offset: u64, buf: &mut [u8]) -> Result<(), u32>;
-    /// Starts a command; its completion must eventually be sent on `reply`.
-    fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Sender<Completion>);
+    /// Starts a command; its completion must eventually reach `reply`
+    /// ([`ReplySink::complete`]).
+    fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>);
     /// True while the server is shutting down (new options are refused).
     fn shutting_down(&self) -> bool {
         false
@@ -75,12 +76,16 @@ pub trait Backend: Send + Sync + 'static {
 
 /// A stream a connection runs over.
 pub trait Conn: Read + Write + Send + 'static {
+    fn raw_fd(&self) -> std::os::unix::io::RawFd;
     fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>>;
     fn set_read_timeout_conn(&self, d: Option<Duration>) -> io::Result<()>;
     fn shutdown_conn(&self);
 }
 
 impl Conn for UnixStream {
+    fn raw_fd(&self) -> std::os::unix::io::RawFd {
+        std::os::unix::io::AsRawFd::as_raw_fd(self)
+    }
     fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>> {
         Ok(Box::new(self.try_clone()?))
     }
@@ -93,6 +98,9 @@ impl Conn for UnixStream {
 }
 
 impl Conn for TcpStream {
+    fn raw_fd(&self) -> std::os::unix::io::RawFd {
+        std::os::unix::io::AsRawFd::as_raw_fd(self)
+    }
     fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>> {
         Ok(Box::new(self.try_clone()?))
     }
@@ -104,7 +112,110 @@ impl Conn for TcpStream {
     }
 }
 
-type Writer = Arc<Mutex<Box<dyn Conn>>>;
+/// The sending half of a connection. Every reply is appended whole to `pending` and
+/// `pending` is written out before anything else, so replies written by different
+/// threads never interleave.
+pub struct ConnWriter {
+    stream: Box<dyn Conn>,
+    pending: Vec<u8>,
+}
+
+impl ConnWriter {
+    /// Writes out `pending`, blocking.
+    fn drain_blocking(&mut self) -> io::Result<()> {
+        if !self.pending.is_empty() {
+            self.stream.write_all(&self.pending)?;
+            self.pending.clear();
+        }
+        Ok(())
+    }
+
+    /// Writes as much of `pending` as the socket takes without blocking.
+    fn drain_nonblocking(&mut self) -> io::Result<()> {
+        let fd = self.stream.raw_fd();
+        let mut off = 0;
+        while off < self.pending.len() {
+            let rest = &self.pending[off..];
+            // SAFETY: sends from a valid buffer on an open socket.
+            let n = unsafe {
+                libc::send(
+                    fd,
+                    rest.as_ptr() as *const libc::c_void,
+                    rest.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => return Err(e),
+                }
+            }
+            off += n as usize;
+        }
+        self.pending.drain(..off);
+        Ok(())
+    }
+}
+
+type Writer = Arc<Mutex<ConnWriter>>;
+
+/// Where the completions of one connection's commands go. Any thread may complete
+/// commands: the replies are written right away when the socket is free and takes
+/// them without blocking, otherwise the connection's replier thread finishes them.
+pub struct ReplySink {
+    writer: Writer,
+    credits: Sender<()>,
+    pool: Sender<Vec<u8>>,
+    replier: Sender<ReplierMsg>,
+    /// A kick is queued; no need for another.
+    kicked: AtomicBool,
+}
+
+enum ReplierMsg {
+    /// Reply bytes to write.
+    Bytes(Vec<u8>),
+    /// `pending` holds bytes that still need writing.
+    Kick,
+    /// The connection is done: write what is left and exit.
+    Stop,
+}
+
+impl ReplySink {
+    /// Completes a batch of commands of this connection.
+    pub fn complete(&self, completions: &mut Vec<Completion>) {
+        if completions.is_empty() {
+            return;
+        }
+        let mut bytes = Vec::with_capacity(16 * completions.len());
+        for c in completions.drain(..) {
+            bytes.extend_from_slice(&simple_reply(c.handle, c.error));
+            if let Some(b) = c.buf {
+                if b.capacity() <= POOL_KEEP_BYTES {
+                    let _ = self.pool.try_send(b);
+                }
+            }
+        }
+        let n = bytes.len() / 16;
+        match self.writer.try_lock() {
+            Ok(mut w) => {
+                w.pending.extend_from_slice(&bytes);
+                let broken = w.drain_nonblocking().is_err();
+                if !broken && !w.pending.is_empty() && !self.kicked.swap(true, Ordering::SeqCst) {
+                    let _ = self.replier.send(ReplierMsg::Kick);
+                }
+            }
+            Err(_) => {
+                let _ = self.replier.send(ReplierMsg::Bytes(bytes));
+            }
+        }
+        for _ in 0..n {
+            let _ = self.credits.send(());
+        }
+    }
+}
 
 fn protocol(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
@@ -134,8 +245,9 @@ fn discard(r: &mut impl Read, mut n: u64) -> io::Result<()> {
 
 fn send(w: &Writer, bytes: &[u8]) -> io::Result<()> {
     let mut g = w.lock().unwrap();
-    g.write_all(bytes)?;
-    g.flush()
+    g.drain_blocking()?;
+    g.stream.write_all(bytes)?;
+    g.stream.flush()
 }
 
 fn write_all_vectored(w: &mut dyn Conn, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
@@ -298,7 +410,10 @@ fn handshake<B: Backend>(
 /// Serves one connection until the client disconnects or breaks the protocol.
 pub fn serve_connection<B: Backend>(backend: Arc<B>, stream: Box<dyn Conn>) -> io::Result<()> {
     stream.set_read_timeout_conn(Some(HANDSHAKE_TIMEOUT))?;
-    let writer: Writer = Arc::new(Mutex::new(stream.try_clone_conn()?));
+    let writer: Writer = Arc::new(Mutex::new(ConnWriter {
+        stream: stream.try_clone_conn()?,
+        pending: Vec::new(),
+    }));
     let mut r = BufReader::with_capacity(256 * 1024, stream);
     let Some((export, info)) = handshake(&*backend, &mut r, &writer)? else {
         r.get_ref().shutdown_conn();
@@ -317,18 +432,27 @@ fn transmission<B: Backend>(
     r: &mut BufReader<Box<dyn Conn>>,
     writer: &Writer,
 ) -> io::Result<()> {
-    let (tx, rx) = bounded::<Completion>(MAX_INFLIGHT);
+    // Unbounded, yet bounded in practice: byte messages are at most one per
+    // outstanding command (credits), and kicks are deduplicated.
+    let (replier_tx, replier_rx) = crossbeam_channel::unbounded::<ReplierMsg>();
     let (credit_tx, credit_rx) = bounded::<()>(MAX_INFLIGHT);
     for _ in 0..MAX_INFLIGHT {
         credit_tx.send(()).unwrap();
     }
     let (pool_tx, pool_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
+    let sink = Arc::new(ReplySink {
+        writer: writer.clone(),
+        credits: credit_tx,
+        pool: pool_tx,
+        replier: replier_tx,
+        kicked: AtomicBool::new(false),
+    });
     let replier = {
         let writer = writer.clone();
-        let credit_tx = credit_tx.clone();
+        let sink = sink.clone();
         std::thread::Builder::new()
             .name("nbd-replier".into())
-            .spawn(move || replier(rx, writer, credit_tx, pool_tx))?
+            .spawn(move || replier(replier_rx, writer, sink))?
     };
     let mut read_buf: Vec<u8> = Vec::new();
     let result = (|| -> io::Result<()> {
@@ -357,7 +481,8 @@ fn transmission<B: Backend>(
                         Ok(()) => {
                             let h = simple_reply(req.handle, 0);
                             let mut g = writer.lock().unwrap();
-                            write_all_vectored(&mut **g, &mut [IoSlice::new(&h), IoSlice::new(&read_buf)])?;
+                            g.drain_blocking()?;
+                            write_all_vectored(&mut *g.stream, &mut [IoSlice::new(&h), IoSlice::new(&read_buf)])?;
                         }
                         Err(e) => error_reply(e)?,
                     }
@@ -375,7 +500,7 @@ fn transmission<B: Backend>(
                     data.resize(req.length as usize, 0);
                     r.read_exact(&mut data)?;
                     credit_rx.recv().unwrap();
-                    backend.submit(export, req.handle, Command::Write { offset, data, fua }, &tx);
+                    backend.submit(export, req.handle, Command::Write { offset, data, fua }, &sink);
                 }
                 CMD_FLUSH => {
                     if bad_flags || offset != 0 || len != 0 {
@@ -383,7 +508,7 @@ fn transmission<B: Backend>(
                         continue;
                     }
                     credit_rx.recv().unwrap();
-                    backend.submit(export, req.handle, Command::Flush, &tx);
+                    backend.submit(export, req.handle, Command::Flush, &sink);
                 }
                 CMD_TRIM | CMD_WRITE_ZEROES => {
                     if bad_flags || !in_range {
@@ -391,7 +516,7 @@ fn transmission<B: Backend>(
                         continue;
                     }
                     credit_rx.recv().unwrap();
-                    backend.submit(export, req.handle, Command::Zero { offset, length: len, fua }, &tx);
+                    backend.submit(export, req.handle, Command::Zero { offset, length: len, fua }, &sink);
                 }
                 CMD_DISC => return Ok(()),
                 _ => error_reply(EINVAL)?,
@@ -403,7 +528,8 @@ fn transmission<B: Backend>(
     for _ in 0..MAX_INFLIGHT {
         let _ = credit_rx.recv();
     }
-    drop(tx);
+    let _ = sink.replier.send(ReplierMsg::Kick);
+    let _ = sink.replier.send(ReplierMsg::Stop);
     let _ = replier.join();
     match result {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(()),
@@ -411,34 +537,35 @@ fn transmission<B: Backend>(
     }
 }
 
-fn replier(rx: Receiver<Completion>, writer: Writer, credits: Sender<()>, pool: Sender<Vec<u8>>) {
-    let mut out = Vec::with_capacity(16 * MAX_INFLIGHT);
+fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
+    // Holding the sink keeps the channel open; the loop ends when the reader drops
+    // its handle and sends the final kick.
     let mut broken = false;
     while let Ok(first) = rx.recv() {
-        out.clear();
-        let mut n = 0;
-        let handle = |c: Completion, out: &mut Vec<u8>| {
-            out.extend_from_slice(&simple_reply(c.handle, c.error));
-            if let Some(b) = c.buf {
-                if b.capacity() <= POOL_KEEP_BYTES {
-                    let _ = pool.try_send(b);
-                }
+        if matches!(first, ReplierMsg::Stop) {
+            break;
+        }
+        sink.kicked.store(false, Ordering::SeqCst);
+        let mut g = writer.lock().unwrap();
+        let take = |m: ReplierMsg, g: &mut ConnWriter| {
+            if let ReplierMsg::Bytes(b) = m {
+                g.pending.extend_from_slice(&b);
             }
         };
-        handle(first, &mut out);
-        n += 1;
-        while let Ok(c) = rx.try_recv() {
-            handle(c, &mut out);
-            n += 1;
+        take(first, &mut g);
+        let mut stop = false;
+        while let Ok(m) = rx.try_recv() {
+            stop |= matches!(m, ReplierMsg::Stop);
+            take(m, &mut g);
         }
-        if !broken {
-            let mut g = writer.lock().unwrap();
-            if g.write_all(&out).and_then(|_| g.flush()).is_err() {
-                broken = true;
-            }
+        if !broken && g.drain_blocking().and_then(|_| g.stream.flush()).is_err() {
+            broken = true;
         }
-        for _ in 0..n {
-            let _ = credits.send(());
+        if broken {
+            g.pending.clear();
+        }
+        if stop {
+            break;
         }
     }
 }

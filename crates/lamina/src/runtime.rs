@@ -20,6 +20,7 @@ use anyhow::Result;
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender};
 use lamina_core::io::{execute, IoCompletion, IoOp};
 use lamina_core::{Engine, EngineError, Request, Shared, StatusReport, Token, VolumeShared};
+use lamina_nbd::server::ReplySink;
 use lamina_nbd::{Backend, Command, Completion, ExportInfo};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -27,7 +28,7 @@ use std::time::{Duration, Instant};
 
 /// Where a reply goes.
 pub enum ReplyTo {
-    Nbd(Sender<Completion>, u64),
+    Nbd(Arc<ReplySink>, u64),
     Admin(Sender<Result<Option<Box<StatusReport>>, EngineError>>),
 }
 
@@ -104,6 +105,8 @@ fn engine_thread(mut engine: Engine, rx: Receiver<Msg>, io_tx: Sender<IoOp>) {
     let mut ops = Vec::new();
     let mut replies = Vec::new();
     let mut shutdown: Option<(Sender<Result<(), EngineError>>, u64)> = None;
+    // Completions of this round, grouped by connection so each gets one write.
+    let mut batches: Vec<(Arc<ReplySink>, Vec<Completion>)> = Vec::new();
     let tick = Duration::from_millis(10);
     let mut last_tick = Instant::now();
     loop {
@@ -167,17 +170,24 @@ fn engine_thread(mut engine: Engine, rx: Receiver<Msg>, io_tx: Sender<IoOp>) {
             };
             free_routes.push(slot);
             match to {
-                ReplyTo::Nbd(tx, handle) => {
+                ReplyTo::Nbd(sink, handle) => {
                     let error = r.result.as_ref().err().map_or(0, |e| e.errno());
                     if let Err(e) = &r.result {
                         tracing::debug!("request failed: {e}");
                     }
-                    let _ = tx.send(Completion { handle, error, buf: r.buf });
+                    let c = Completion { handle, error, buf: r.buf };
+                    match batches.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
+                        Some((_, v)) => v.push(c),
+                        None => batches.push((sink, vec![c])),
+                    }
                 }
                 ReplyTo::Admin(tx) => {
                     let _ = tx.send(r.result.map(|_| r.status));
                 }
             }
+        }
+        for (sink, mut cs) in batches.drain(..) {
+            sink.complete(&mut cs);
         }
     }
 }
@@ -223,7 +233,7 @@ impl Backend for LaminaBackend {
         })
     }
 
-    fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Sender<Completion>) {
+    fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>) {
         let volume = export.id;
         let req = match cmd {
             Command::Write { offset, data, fua } => Request::Write {
@@ -241,11 +251,11 @@ impl Backend for LaminaBackend {
             Command::Flush => Request::Flush,
         };
         if self.rt.inbox.send(Msg::Req(req, ReplyTo::Nbd(reply.clone(), handle))).is_err() {
-            let _ = reply.send(Completion {
+            reply.complete(&mut vec![Completion {
                 handle,
                 error: lamina_nbd::proto::ESHUTDOWN,
                 buf: None,
-            });
+            }]);
         }
     }
 

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Lamina against `nbdkit file` on the same kind of backing file, in the same run.
+#
+# For each workload (4 KiB, iodepth 32, fio's nbd engine): randread, randwrite and
+# 70/30 randrw, on a fresh volume (the region is written once first so reads hit
+# data on both servers). Runs alternate lamina / nbdkit ROUNDS times and the
+# median IOPS of each is reported with the ratio lamina / nbdkit.
+#
+# Then the steady state with garbage collection running: a volume at 80% of the
+# usable capacity, overwritten randomly until GC has run, and measured; the write
+# amplification comes from `lamina status --json`.
+#
+# Usage: bench/nbd-vs-nbdkit.sh [--quick]
+#   env: ROUNDS (default 3), RUNTIME seconds per run (default 10), REGION (default 1g)
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+quick=0
+[ "${1:-}" = "--quick" ] && quick=1
+ROUNDS=${ROUNDS:-3}
+RUNTIME=${RUNTIME:-10}
+REGION=${REGION:-1g}
+if [ $quick = 1 ]; then ROUNDS=1; RUNTIME=4; REGION=256m; fi
+
+for t in fio nbdkit nbdinfo; do
+  command -v $t >/dev/null || { echo "bench: $t is missing (apt-get install fio nbdkit libnbd-bin)" >&2; exit 1; }
+done
+cargo build --release --quiet --manifest-path "$here/Cargo.toml"
+lamina="$here/target/release/lamina"
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/lamina-bench.XXXXXX")
+pids=()
+cleanup() {
+  for p in "${pids[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+start_lamina() { # dir
+  "$lamina" serve "$1" --unix "$1/nbd.sock" >"$1/serve.out" 2>"$1/serve.err" &
+  pids+=($!)
+  for _ in $(seq 100); do [ -S "$1/nbd.sock" ] && return 0; sleep 0.1; done
+  echo "lamina did not start:" >&2; cat "$1/serve.err" >&2; exit 1
+}
+stop_lamina() { # dir
+  local pid; pid=$(pgrep -f "lamina serve $1" || true)
+  [ -n "$pid" ] && kill -INT $pid && while kill -0 $pid 2>/dev/null; do sleep 0.1; done
+}
+
+# fio: prints IOPS (read+write) of one run.
+run_fio() { # uri rw extra...
+  local uri=$1 rw=$2; shift 2
+  fio --name=b --ioengine=nbd --uri="$uri" --bs=4k --iodepth=32 --rw="$rw" \
+      --size="$REGION" --time_based --runtime="$RUNTIME" --norandommap --randrepeat=0 \
+      --output-format=json "$@" 2>/dev/null | sed -n '/^{/,$p' |
+    python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; print(round(j["read"]["iops"]+j["write"]["iops"]))'
+}
+fill() { # uri
+  fio --name=fill --ioengine=nbd --uri="$1" --bs=1m --iodepth=8 --rw=write --size="$REGION" >/dev/null 2>&1
+}
+median() { python3 -c 'import sys,statistics; print(round(statistics.median(map(float,sys.argv[1:]))))' "$@"; }
+
+# ---- servers on the same filesystem, same sparse-file backing
+mkdir -p "$work/lamina" "$work/nbdkit"
+"$lamina" array create "$work/lamina" --device "$work/lamina/dev.img:4G" >/dev/null
+"$lamina" volume create "$work/lamina" vol --size 2G >/dev/null
+truncate -s 2G "$work/nbdkit/dev.img"
+start_lamina "$work/lamina"
+nbdkit -U "$work/nbdkit/nbd.sock" --foreground file "$work/nbdkit/dev.img" &
+pids+=($!)
+for _ in $(seq 100); do [ -S "$work/nbdkit/nbd.sock" ] && break; sleep 0.1; done
+L="nbd+unix:///vol?socket=$work/lamina/nbd.sock"
+K="nbd+unix:///?socket=$work/nbdkit/nbd.sock"
+fill "$L"; fill "$K"
+
+echo "# fresh volume: 4 KiB, iodepth 32, fio nbd engine, region $REGION, ${RUNTIME}s x $ROUNDS rounds (median IOPS)"
+printf '%-22s %12s %12s %8s\n' workload lamina nbdkit ratio
+for spec in "randread" "randwrite" "randrw --rwmixread=70"; do
+  # shellcheck disable=SC2086
+  set -- $spec
+  rw=$1; shift
+  l=(); k=()
+  for _ in $(seq "$ROUNDS"); do
+    l+=("$(run_fio "$L" "$rw" "$@")")
+    k+=("$(run_fio "$K" "$rw" "$@")")
+  done
+  lm=$(median "${l[@]}"); km=$(median "${k[@]}")
+  printf '%-22s %12s %12s %8.2f\n' "${spec// --rwmixread=/ }" "$lm" "$km" "$(python3 -c "print($lm/$km)")"
+done
+stop_lamina "$work/lamina"
+
+# ---- steady state: volume at 80% of usable capacity, GC running
+mkdir -p "$work/steady"
+"$lamina" array create "$work/steady" --device "$work/steady/dev.img:2G" >/dev/null
+usable=$("$lamina" status "$work/steady" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["usable_bytes"])')
+volsize=$(( usable * 8 / 10 / 1048576 ))M
+"$lamina" volume create "$work/steady" vol --size "$volsize" >/dev/null
+start_lamina "$work/steady"
+S="nbd+unix:///vol?socket=$work/steady/nbd.sock"
+REGION=$volsize
+fill "$S"
+# Overwrite about twice the volume so GC is in its steady state, then measure.
+fio --name=age --ioengine=nbd --uri="$S" --bs=4k --iodepth=32 --rw=randwrite --size="$volsize" \
+    --io_size=$(( ${volsize%M} * 2 ))M --norandommap --randrepeat=0 >/dev/null 2>&1
+before=$("$lamina" status "$work/steady" --json)
+steady=$(run_fio "$S" randwrite)
+after=$("$lamina" status "$work/steady" --json)
+python3 - "$before" "$after" "$steady" "$volsize" <<'EOF'
+import json, sys
+b, a = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+user = a["user_bytes_written"] - b["user_bytes_written"]
+media = a["media_bytes_written"] - b["media_bytes_written"]
+gc = a["gc_bytes_relocated"] - b["gc_bytes_relocated"]
+print(f"# steady state: volume {sys.argv[4]} = 80% of usable, 4 KiB randwrite iodepth 32 after 2x overwrite")
+print(f"randwrite IOPS {sys.argv[3]}, write amplification in the window {media/user:.3f} "
+      f"(gc relocated {gc/user:.3f} per user byte), cumulative WA {a['write_amplification']:.3f}")
+EOF
+stop_lamina "$work/steady"
