@@ -15,63 +15,18 @@
 mod common;
 use common::*;
 use lamina_core::{Request, Token, VolumeId};
+use lamina_testkit::{FlushMark, Oracle, WriteMark};
 use lamina_device::crash::{CrashDevice, PowerCut};
 use lamina_device::BlockDevice;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// What a block may hold.
-#[derive(Clone)]
-struct BlockModel {
-    /// Versions written, in submission order; `history[stable]` is durable.
-    history: Vec<u64>,
-    stable: usize,
-    /// Highest index whose write was acknowledged.
-    acked: Option<usize>,
-}
-
-struct Model {
-    blocks: Vec<BlockModel>,
-    /// For each outstanding write handle: (first lba, count, history indexes).
-    writes: HashMap<u64, (u64, u64, Vec<usize>)>,
-    /// For each outstanding flush handle: per block, the acked index when submitted.
-    flushes: HashMap<u64, Vec<Option<usize>>>,
-}
-
-impl Model {
-    fn new(blocks: u64) -> Self {
-        Model {
-            blocks: vec![
-                BlockModel {
-                    history: vec![0],
-                    stable: 0,
-                    acked: Some(0),
-                };
-                blocks as usize
-            ],
-            writes: HashMap::new(),
-            flushes: HashMap::new(),
-        }
-    }
-
-    fn allowed(&self, lba: u64) -> &[u64] {
-        let b = &self.blocks[lba as usize];
-        &b.history[b.stable..]
-    }
-
-    /// After recovery the observed state is the new durable state.
-    fn reset_to(&mut self, observed: Vec<u64>) {
-        for (b, v) in self.blocks.iter_mut().zip(observed) {
-            *b = BlockModel {
-                history: vec![v],
-                stable: 0,
-                acked: Some(0),
-            };
-        }
-        self.writes.clear();
-        self.flushes.clear();
-    }
+/// Outstanding requests of the workload, by handle.
+#[derive(Default)]
+struct Outstanding {
+    writes: HashMap<u64, (u64, WriteMark)>,
+    flushes: HashMap<u64, FlushMark>,
 }
 
 struct Run {
@@ -80,7 +35,8 @@ struct Run {
     engine: lamina_core::Engine,
     driver: Driver,
     vol: VolumeId,
-    model: Model,
+    model: Oracle,
+    outstanding: Outstanding,
     next_handle: u64,
     next_version: u64,
     blocks: u64,
@@ -100,19 +56,12 @@ impl Run {
         self.engine.drain_replies(&mut replies);
         for r in replies {
             let h = r.token.handle;
-            if let Some((first, count, idx)) = self.model.writes.remove(&h) {
+            if let Some((first, mark)) = self.outstanding.writes.remove(&h) {
                 r.result.unwrap_or_else(|e| panic!("seed {}: write failed: {e}", self.seed));
-                for (k, lba) in (first..first + count).enumerate() {
-                    let b = &mut self.model.blocks[lba as usize];
-                    b.acked = Some(b.acked.map_or(idx[k], |a| a.max(idx[k])));
-                }
-            } else if let Some(snapshot) = self.model.flushes.remove(&h) {
+                self.model.ack(first, &mark);
+            } else if let Some(mark) = self.outstanding.flushes.remove(&h) {
                 r.result.unwrap_or_else(|e| panic!("seed {}: flush failed: {e}", self.seed));
-                for (b, s) in self.model.blocks.iter_mut().zip(snapshot) {
-                    if let Some(s) = s {
-                        b.stable = b.stable.max(s);
-                    }
-                }
+                self.model.flush_done(&mark);
             }
         }
     }
@@ -120,9 +69,9 @@ impl Run {
     fn random_op(&mut self) {
         let p: f64 = self.rng.gen();
         if p < 0.04 {
-            let snapshot = self.model.blocks.iter().map(|b| b.acked).collect();
+            let mark = self.model.flush_sent();
             let h = self.submit(Request::Flush);
-            self.model.flushes.insert(h, snapshot);
+            self.outstanding.flushes.insert(h, mark);
             return;
         }
         let count = if self.rng.gen_bool(0.8) { 1 } else { self.rng.gen_range(1..=16) };
@@ -135,16 +84,14 @@ impl Run {
         .min(self.blocks - count);
         let zero = p < 0.10;
         let fua = self.rng.gen_bool(0.02);
-        let mut idx = Vec::new();
+        let base = self.next_version;
+        self.next_version += count;
+        let version = |lba: u64| if zero { 0 } else { base + 1 + (lba - first) };
+        let mark = self.model.issue(first, count, version);
         let mut data = Vec::new();
-        for lba in first..first + count {
-            self.next_version += 1;
-            let v = if zero { 0 } else { self.next_version };
-            let b = &mut self.model.blocks[lba as usize];
-            b.history.push(v);
-            idx.push(b.history.len() - 1);
-            if !zero {
-                data.extend_from_slice(&pattern(lba, v));
+        if !zero {
+            for lba in first..first + count {
+                data.extend_from_slice(&pattern(lba, version(lba)));
             }
         }
         let req = if zero {
@@ -163,7 +110,7 @@ impl Run {
             }
         };
         let h = self.submit(req);
-        self.model.writes.insert(h, (first, count, idx));
+        self.outstanding.writes.insert(h, (first, mark));
     }
 
     /// Cuts the power, recovers from the surviving image and checks every block.
@@ -182,16 +129,14 @@ impl Run {
         let mut observed = Vec::new();
         for lba in 0..self.blocks {
             let b = read_block(&self.engine, self.vol, lba);
-            let v = decode_pattern(lba, &b).unwrap_or_else(|e| panic!("seed {} round {round}: {e}", self.seed));
-            let allowed = self.model.allowed(lba);
-            assert!(
-                allowed.contains(&v),
-                "seed {} round {round} (keep {keep}): block {lba} holds version {v}, allowed {allowed:?}",
-                self.seed
-            );
+            let v = self
+                .model
+                .check(lba, &b)
+                .unwrap_or_else(|e| panic!("seed {} round {round} (keep {keep}): {e}", self.seed));
             observed.push(v);
         }
-        self.model.reset_to(observed);
+        self.model.reset_to(&observed);
+        self.outstanding = Outstanding::default();
     }
 }
 
@@ -210,7 +155,8 @@ fn run_seed(seed: u64, ops: usize, crashes: usize) {
         engine,
         driver: Driver::new(),
         vol,
-        model: Model::new(blocks),
+        model: Oracle::new(blocks),
+        outstanding: Outstanding::default(),
         next_handle: 0,
         next_version: 0,
         blocks,

@@ -191,6 +191,11 @@ pub struct StreamRecord {
     pub next_segment: u32,
 }
 
+/// Encoded size of a [`SegmentRecord`].
+pub const SEGMENT_RECORD_SIZE: usize = 34;
+/// Encoded size of a [`StreamRecord`].
+pub const STREAM_RECORD_SIZE: usize = 12;
+
 /// The metadata section of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct CheckpointMeta {
@@ -295,7 +300,7 @@ impl CheckpointMeta {
             });
         }
         let n = r.u32()?;
-        let n = bounded(n, 36, &r)?;
+        let n = bounded(n, SEGMENT_RECORD_SIZE, &r)?;
         let mut segments = Vec::with_capacity(n);
         for i in 0..n {
             let st = r.u8()?;
@@ -321,7 +326,7 @@ impl CheckpointMeta {
             free_queue.push(r.u32()?);
         }
         let n = r.u32()?;
-        let n = bounded(n, 12, &r)?;
+        let n = bounded(n, STREAM_RECORD_SIZE, &r)?;
         let mut streams = Vec::with_capacity(n);
         for _ in 0..n {
             streams.push(StreamRecord {
@@ -411,6 +416,23 @@ mod tests {
     fn meta_roundtrip() {
         let m = sample();
         assert_eq!(CheckpointMeta::decode(&m.encode()).unwrap(), m);
+    }
+
+    #[test]
+    fn record_sizes_are_exact() {
+        // Many segments and nothing after them: the bound checks must accept exactly
+        // what fits, so they must use the true record sizes.
+        let mut m = sample();
+        m.segments = vec![m.segments[0]; 1000];
+        m.free_queue.clear();
+        m.streams.clear();
+        m.counters.clear();
+        let enc = m.encode();
+        assert_eq!(CheckpointMeta::decode(&enc).unwrap(), m);
+        let empty = CheckpointMeta { segments: vec![m.segments[0]], ..Default::default() }.encode();
+        assert_eq!(empty.len(), 4 + 4 + SEGMENT_RECORD_SIZE + 4 + 4 + 4);
+        let streams = CheckpointMeta { streams: vec![sample().streams[0]], ..Default::default() }.encode();
+        assert_eq!(streams.len(), 4 + 4 + 4 + 4 + STREAM_RECORD_SIZE + 4);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use lamina_core::{format, open, run_inline, Engine, EngineConfig, FormatParams, 
 use lamina_device::BlockDevice;
 use std::sync::Arc;
 
-pub const BS: usize = 4096;
+pub use lamina_testkit::BS;
 
 /// Geometry small enough that GC and checkpoints happen within a few thousand writes.
 pub fn small_params() -> FormatParams {
@@ -72,40 +72,7 @@ pub fn create_volume(e: &mut Engine, name: &str, size: u64) -> VolumeId {
     e.shared().volume(name).unwrap().id
 }
 
-/// Content of a block written with `version` at `lba`: self-identifying, so a torn
-/// or misplaced block is recognised. Version 0 is the all-zero block.
-pub fn pattern(lba: u64, version: u64) -> Vec<u8> {
-    let mut b = vec![0u8; BS];
-    if version == 0 {
-        return b;
-    }
-    let mut x = lba.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ 1;
-    for chunk in b.chunks_exact_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes());
-    }
-    b[..8].copy_from_slice(&lba.to_le_bytes());
-    b[8..16].copy_from_slice(&version.to_le_bytes());
-    b
-}
-
-/// Which version a block holds, or an error when it is not exactly some pattern.
-pub fn decode_pattern(lba: u64, b: &[u8]) -> Result<u64, String> {
-    if b.iter().all(|&x| x == 0) {
-        return Ok(0);
-    }
-    let l = u64::from_le_bytes(b[..8].try_into().unwrap());
-    let v = u64::from_le_bytes(b[8..16].try_into().unwrap());
-    if l != lba {
-        return Err(format!("block {lba} holds data of block {l}"));
-    }
-    if pattern(lba, v) != b {
-        return Err(format!("block {lba} is torn or corrupt (header says version {v})"));
-    }
-    Ok(v)
-}
+pub use lamina_testkit::{decode_pattern, pattern};
 
 pub fn read_block(e: &Engine, vol: VolumeId, lba: u64) -> Vec<u8> {
     let v = e.shared().volume_by_id(vol).unwrap();

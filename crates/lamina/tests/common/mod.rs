@@ -1,0 +1,194 @@
+//! End-to-end test support: temporary arrays, `lamina serve` processes, real tools.
+//!
+//! Tests that need a tool (fio, nbdinfo, nbdfuse, ...) or root call [`need`] first.
+//! When something is missing they say so loudly and skip, except under `CI=true`,
+//! where a missing requirement fails the test: CI installs everything.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub fn lamina_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_lamina")
+}
+
+/// True when the requirements are there. Under CI=true a missing one panics.
+pub fn need(test: &str, tools: &[&str], root: bool) -> bool {
+    let mut missing: Vec<String> = tools
+        .iter()
+        .filter(|t| {
+            !Command::new("sh")
+                .arg("-c")
+                .arg(format!("command -v {t}"))
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .map(|t| t.to_string())
+        .collect();
+    // SAFETY: geteuid has no preconditions.
+    if root && unsafe { libc::geteuid() } != 0 {
+        missing.push("root".into());
+    }
+    if missing.is_empty() {
+        return true;
+    }
+    let msg = format!("{test}: needs {} (install: apt-get install fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs)", missing.join(", "));
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{msg}");
+    }
+    eprintln!("\n*** SKIPPED {msg} ***\n");
+    false
+}
+
+/// A directory removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "lamina-e2e-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+    pub fn join(&self, p: &str) -> PathBuf {
+        self.0.join(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `lamina ARGS`; panics with its output unless it succeeds.
+pub fn lamina(args: &[&str]) -> String {
+    let out = lamina_output(args);
+    assert!(
+        out.status.success(),
+        "lamina {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn lamina_output(args: &[&str]) -> Output {
+    Command::new(lamina_bin()).args(args).output().expect("run lamina")
+}
+
+/// Runs a command; panics with its output unless it succeeds.
+pub fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Creates an array in `dir` with one sparse device and returns the usable bytes.
+pub fn create_array(dir: &Path, device_size: &str, extra: &[&str]) -> u64 {
+    let dev = format!("{}:{device_size}", dir.join("dev.img").display());
+    let mut args = vec!["array", "create", dir.to_str().unwrap(), "--device", &dev];
+    args.extend_from_slice(extra);
+    lamina(&args);
+    status_json(dir)["usable_bytes"].as_u64().unwrap()
+}
+
+pub fn status_json(dir: &Path) -> serde_json::Value {
+    let out = lamina(&["status", dir.to_str().unwrap(), "--json"]);
+    serde_json::from_str(&out).expect("status --json is JSON")
+}
+
+/// A running `lamina serve`.
+pub struct Server {
+    pub child: Child,
+    pub dir: PathBuf,
+    pub sock: PathBuf,
+}
+
+impl Server {
+    pub fn start(dir: &Path) -> Server {
+        let sock = dir.join("nbd.sock");
+        let _ = std::fs::remove_file(&sock);
+        let child = Command::new(lamina_bin())
+            .args(["serve", dir.to_str().unwrap(), "--unix", sock.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start lamina serve");
+        let mut s = Server {
+            child,
+            dir: dir.to_path_buf(),
+            sock,
+        };
+        let t0 = Instant::now();
+        while !s.sock.exists() || std::os::unix::net::UnixStream::connect(&s.sock).is_err() {
+            if let Ok(Some(status)) = s.child.try_wait() {
+                let mut err = String::new();
+                use std::io::Read;
+                s.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                panic!("lamina serve exited with {status}:\n{err}");
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "lamina serve did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Keep draining stderr so the server never blocks on a full pipe.
+        let mut err = s.child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut err, &mut std::io::sink());
+        });
+        s
+    }
+
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.sock.display())
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// SIGKILL: the process dies with whatever it had in memory.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGINT: flush, checkpoint, exit. Panics unless it exits cleanly.
+    pub fn stop(mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.pid(), libc::SIGINT) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                assert!(st.success(), "lamina serve exited with {st}");
+                return;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "lamina serve did not stop");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
