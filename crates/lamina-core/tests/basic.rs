@@ -77,3 +77,70 @@ fn gc_runs_and_data_survives() {
         assert_eq!(decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(), version[lba as usize], "lba {lba} after restart");
     }
 }
+
+/// Device errors: a failed read is an I/O error for that read only; a failed write
+/// stops the array from accepting writes (and says why) while reads go on.
+#[test]
+fn device_errors_are_reported_not_hidden() {
+    use lamina_core::EngineError;
+    use lamina_device::fault::{FaultDevice, FaultOp};
+    let mem: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(64)));
+    format_devices(&[mem.clone()], &small_params());
+    let fault = Arc::new(FaultDevice::new(mem));
+    let devs: Vec<Arc<dyn BlockDevice>> = vec![fault.clone()];
+    let mut e = open_rw(&devs, small_config());
+    let vol = create_volume(&mut e, "v", 4 << 20);
+    for lba in 0..64u64 {
+        call(&mut e, Request::Write { volume: vol, offset: lba * 4096, data: pattern(lba, 1), fua: false }).result.unwrap();
+    }
+    call(&mut e, Request::Flush).result.unwrap();
+    // Every read of the device fails: reads of data on it report an error, never
+    // zeros or stale data.
+    fault.fail(FaultOp::Read, 0, u64::MAX, u64::MAX);
+    let v = e.shared().volume_by_id(vol).unwrap();
+    let mut b = vec![0u8; 4096];
+    assert!(e.shared().read(&v, 0, &mut b).is_err());
+    fault.heal();
+    assert_eq!(decode_pattern(0, &read_block(&e, vol, 0)).unwrap(), 1);
+    // A failed write: the array goes read-only with a reason; reads still work.
+    fault.fail(FaultOp::Write, 0, u64::MAX, u64::MAX);
+    for lba in 0..300u64 {
+        let r = call(&mut e, Request::Write { volume: vol, offset: (lba % 64) * 4096, data: pattern(lba % 64, 2), fua: false });
+        if r.result.is_err() {
+            break;
+        }
+    }
+    let r = call(&mut e, Request::Flush);
+    let err = r.result.expect_err("flush must fail once a write failed");
+    assert!(matches!(err, EngineError::Failed(_)), "{err:?}");
+    assert_eq!(err.errno(), 5);
+    assert!(e.status().failed.is_some());
+    let r = call(&mut e, Request::Write { volume: vol, offset: 0, data: pattern(0, 3), fua: false });
+    assert_eq!(r.result.unwrap_err().errno(), 5);
+    fault.heal();
+    let got = decode_pattern(5, &read_block(&e, vol, 5)).unwrap();
+    assert!(got == 1 || got == 2, "reads keep working after the failure");
+}
+
+/// A torn checkpoint or superblock update never leaves the array unopenable: the
+/// previous superblock copy and checkpoint remain.
+#[test]
+fn damaged_superblock_copy_is_survived_and_both_are_refused() {
+    use lamina_format::superblock::SUPERBLOCK_OFFSETS;
+    let devs = mem_array(64);
+    {
+        let mut e = open_rw(&devs, small_config());
+        let vol = create_volume(&mut e, "v", 1 << 20);
+        call(&mut e, Request::Write { volume: vol, offset: 0, data: pattern(0, 9), fua: true }).result.unwrap();
+    }
+    devs[0].write_at(&[0xee; 512], SUPERBLOCK_OFFSETS[0] + 512).unwrap();
+    let (e, report) = lamina_core::open(devs.clone(), small_config(), lamina_core::OpenMode::ReadWrite).expect("open with one copy");
+    assert!(report.warnings.iter().any(|w| w.contains("superblock")), "{:?}", report.warnings);
+    assert_eq!(decode_pattern(0, &read_block(&e, e.shared().volume("v").unwrap().id, 0)).unwrap(), 9);
+    drop(e);
+    for off in SUPERBLOCK_OFFSETS {
+        devs[0].write_at(&[0xee; 512], off + 512).unwrap();
+    }
+    let err = lamina_core::open(devs, small_config(), lamina_core::OpenMode::ReadOnly).err().expect("must refuse");
+    assert!(err.to_string().contains("no valid Lamina superblock"), "{err}");
+}

@@ -7,6 +7,8 @@
 //!   raw block device, with `pread`/`pwrite` and `fdatasync`, locked with `flock`
 //!   so two processes never drive one device.
 //! * [`mem::MemDevice`]: RAM, for tests and the simulator.
+//! * [`fault::FaultDevice`]: fails reads, writes or syncs on demand, tears writes,
+//!   vanishes, or slows down, wrapped around another device.
 //! * [`crash::CrashDevice`]: RAM that keeps durable and not-yet-synced writes apart,
 //!   and can "lose power", keeping a random subset of unsynced writes (some torn).
 //!
@@ -14,6 +16,7 @@
 //! threads (reads); every implementation is `Send + Sync`.
 
 pub mod crash;
+pub mod fault;
 pub mod file;
 pub mod mem;
 

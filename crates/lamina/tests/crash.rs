@@ -22,7 +22,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 enum Outstanding {
     Write { first: u64, mark: WriteMark, fua: bool },
@@ -179,14 +179,6 @@ impl Drop for Proc {
     }
 }
 
-fn wait_for(p: &Path) {
-    let t0 = Instant::now();
-    while !p.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(30), "{} did not appear", p.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// nbdkit with a write-back cache over `backing`, exposed as `fuse_dir/dev`.
 fn cached_device(t: &TempDir, backing: &Path) -> (Proc, Proc) {
     let sock = t.join("kit.sock");
@@ -227,6 +219,8 @@ fn power_cut_through_nbdkit_writeback_cache() {
     eprintln!("power_cut_through_nbdkit_writeback_cache: seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let t = TempDir::new("powercut");
+    let mut guard = Guard::new();
+    guard.mounts.push(t.join("fuse"));
     let backing = t.join("backing.img");
     std::fs::File::create(&backing).unwrap().set_len(96 << 20).unwrap();
     let dir = t.join("arr");

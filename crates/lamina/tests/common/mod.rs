@@ -192,3 +192,40 @@ impl Drop for Server {
         let _ = self.child.wait();
     }
 }
+
+/// Background processes and a FUSE mount point, cleaned up on drop even when a test
+/// fails: unmount first (lazily, in case the server is already gone), then kill.
+pub struct Guard {
+    pub mounts: Vec<PathBuf>,
+    pub children: Vec<Child>,
+}
+
+impl Guard {
+    pub fn new() -> Guard {
+        Guard {
+            mounts: Vec::new(),
+            children: Vec::new(),
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        for m in &self.mounts {
+            let _ = Command::new("fusermount3").arg("-u").arg("-z").arg(m).stderr(Stdio::null()).status();
+        }
+        for c in self.children.iter_mut().rev() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits for a path to appear.
+pub fn wait_for(p: &Path) {
+    let t0 = Instant::now();
+    while !p.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{} did not appear", p.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

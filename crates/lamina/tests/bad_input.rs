@@ -1,0 +1,414 @@
+//! What bad input gets: an error reply or a message that says what is wrong; never
+//! a panic, a hang, or silent damage.
+
+mod common;
+use common::*;
+use lamina_nbd::client::{Client, ClientError};
+use lamina_nbd::proto::*;
+use lamina_testkit::{decode_pattern, pattern, BS};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+fn small_array(t: &TempDir, vol: &str) -> std::path::PathBuf {
+    let dir = t.join("arr");
+    create_array(&dir, "128M", &["--segment-size", "1M", "--write-unit", "128K"]);
+    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", vol]);
+    dir
+}
+
+/// Reads until EOF (or error); true when the server closed the connection in time.
+fn closed_by_server(s: &mut UnixStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => return e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::TimedOut,
+        }
+    }
+}
+
+fn hello(sock: &Path) -> UnixStream {
+    let mut s = UnixStream::connect(sock).unwrap();
+    let mut h = [0u8; 18];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(&h[..8], b"NBDMAGIC");
+    assert_eq!(&h[8..16], b"IHAVEOPT");
+    s
+}
+
+fn option(s: &mut UnixStream, opt: u32, data: &[u8]) {
+    let mut b = IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&opt.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    s.write_all(&b).unwrap();
+}
+
+fn option_reply(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(u64::from_be_bytes(h[..8].try_into().unwrap()), REPLY_MAGIC);
+    let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
+    let rep = u32::from_be_bytes(h[12..16].try_into().unwrap());
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+    let mut d = vec![0u8; len as usize];
+    s.read_exact(&mut d).unwrap();
+    (opt, rep, d)
+}
+
+fn go_data(name: &str) -> Vec<u8> {
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(name.as_bytes());
+    d.extend_from_slice(&0u16.to_be_bytes());
+    d
+}
+
+#[test]
+fn malformed_handshakes_close_only_their_connection() {
+    let t = TempDir::new("bad-hs");
+    let dir = small_array(&t, "8M");
+    let srv = Server::start(&dir);
+    // Unknown client flags.
+    let mut s = hello(&srv.sock);
+    s.write_all(&0xffff_ffffu32.to_be_bytes()).unwrap();
+    assert!(closed_by_server(&mut s));
+    // Bad option magic.
+    let mut s = hello(&srv.sock);
+    s.write_all(&FLAG_C_FIXED_NEWSTYLE.to_be_bytes()).unwrap();
+    s.write_all(b"NOTMAGIC\0\0\0\x07\0\0\0\0").unwrap();
+    assert!(closed_by_server(&mut s));
+    // An option claiming 1 GiB of data: refused without reading (or allocating) it.
+    let mut s = hello(&srv.sock);
+    s.write_all(&FLAG_C_FIXED_NEWSTYLE.to_be_bytes()).unwrap();
+    let mut b = IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&OPT_GO.to_be_bytes());
+    b.extend_from_slice(&(1u32 << 30).to_be_bytes());
+    s.write_all(&b).unwrap();
+    assert!(closed_by_server(&mut s));
+    // Pure garbage, and a connection that just goes away.
+    let mut s = UnixStream::connect(&srv.sock).unwrap();
+    s.write_all(&[0x5a; 300]).unwrap();
+    assert!(closed_by_server(&mut s));
+    drop(UnixStream::connect(&srv.sock).unwrap());
+    // A malformed GO (name length larger than the data) gets an error reply, and the
+    // same connection can go on.
+    let mut s = hello(&srv.sock);
+    s.write_all(&FLAG_C_FIXED_NEWSTYLE.to_be_bytes()).unwrap();
+    option(&mut s, OPT_GO, &[0, 0, 0x10, 0, b'v', 0, 0]);
+    assert_eq!(option_reply(&mut s).1, REP_ERR_INVALID);
+    // Unknown export: NBD_REP_ERR_UNKNOWN with a message naming it.
+    option(&mut s, OPT_GO, &go_data("nope"));
+    let (_, rep, msg) = option_reply(&mut s);
+    assert_eq!(rep, REP_ERR_UNKNOWN);
+    assert!(String::from_utf8_lossy(&msg).contains("nope"));
+    // Unsupported options are refused politely.
+    option(&mut s, OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(option_reply(&mut s).1, REP_ERR_UNSUP);
+    option(&mut s, 999, b"xyz");
+    assert_eq!(option_reply(&mut s).1, REP_ERR_UNSUP);
+    option(&mut s, OPT_LIST, b"junk");
+    assert_eq!(option_reply(&mut s).1, REP_ERR_INVALID);
+    option(&mut s, OPT_GO, &go_data("v"));
+    let mut saw_ack = false;
+    while !saw_ack {
+        let (_, rep, _) = option_reply(&mut s);
+        assert!(rep == REP_INFO || rep == REP_ACK, "reply {rep:#x}");
+        saw_ack = rep == REP_ACK;
+    }
+    // The server still serves everyone.
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    c.write(0, &pattern(0, 1), false).unwrap();
+    assert_eq!(decode_pattern(0, &c.read(0, BS as u32).unwrap()), Ok(1));
+    // NBD_OPT_EXPORT_NAME for an unknown export cannot carry an error: hang up.
+    let mut s = hello(&srv.sock);
+    s.write_all(&FLAG_C_FIXED_NEWSTYLE.to_be_bytes()).unwrap();
+    option(&mut s, OPT_EXPORT_NAME, b"nope");
+    assert!(closed_by_server(&mut s));
+    // A long name in NBD_OPT_EXPORT_NAME for the real volume works (no-zeroes off).
+    let mut s = hello(&srv.sock);
+    s.write_all(&0u32.to_be_bytes()).unwrap();
+    option(&mut s, OPT_EXPORT_NAME, b"v");
+    let mut info = [0u8; 10 + 124];
+    s.read_exact(&mut info).unwrap();
+    assert_eq!(u64::from_be_bytes(info[..8].try_into().unwrap()), 8 << 20);
+    srv.stop();
+}
+
+fn expect_errno(r: Result<Vec<u8>, ClientError>, errno: u32) {
+    match r {
+        Err(ClientError::Nbd(e)) => assert_eq!(e, errno),
+        other => panic!("expected error {errno}, got {other:?}"),
+    }
+}
+
+fn raw(c: &mut Client, kind: u16, flags: u16, offset: u64, len: u32, payload: &[u8]) -> Result<Vec<u8>, ClientError> {
+    let h = c.send(kind, flags, offset, len, payload)?;
+    let r = c.recv()?;
+    assert_eq!(r.handle, h);
+    if r.error != 0 {
+        Err(ClientError::Nbd(r.error))
+    } else {
+        Ok(r.data)
+    }
+}
+
+#[test]
+fn bad_requests_get_einval_and_the_connection_goes_on() {
+    let t = TempDir::new("bad-req");
+    let dir = small_array(&t, "8M");
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    let size = c.size;
+    assert_eq!(size, 8 << 20);
+    c.write(0, &pattern(0, 5), false).unwrap();
+    // Past the end, overflowing, too long, unknown command, unknown or unnegotiated flags.
+    expect_errno(raw(&mut c, CMD_READ, 0, size - 4096, 8192, &[]), EINVAL);
+    expect_errno(raw(&mut c, CMD_READ, 0, u64::MAX - 100, 4096, &[]), EINVAL);
+    expect_errno(raw(&mut c, CMD_READ, 0, 0, MAX_PAYLOAD + 4096, &[]), EINVAL);
+    expect_errno(raw(&mut c, CMD_WRITE, 0, size, 4096, &[7u8; 4096]), EINVAL);
+    let big = vec![1u8; MAX_PAYLOAD as usize + 4096];
+    expect_errno(raw(&mut c, CMD_WRITE, 0, 0, big.len() as u32, &big), EINVAL);
+    expect_errno(raw(&mut c, CMD_TRIM, 0, size - 4096, 8192, &[]), EINVAL);
+    expect_errno(raw(&mut c, CMD_WRITE_ZEROES, 0, u64::MAX, 4096, &[]), EINVAL);
+    expect_errno(raw(&mut c, 42, 0, 0, 0, &[]), EINVAL);
+    expect_errno(raw(&mut c, CMD_READ, 1 << 7, 0, 4096, &[]), EINVAL);
+    expect_errno(raw(&mut c, CMD_READ, 1 << 2, 0, 4096, &[]), EINVAL); // DF without structured replies
+    expect_errno(raw(&mut c, CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 4096, &[0u8; 4096]), EINVAL);
+    expect_errno(raw(&mut c, CMD_FLUSH, 0, 4096, 0, &[]), EINVAL);
+    // Nothing was damaged, and the connection still works.
+    assert_eq!(decode_pattern(0, &c.read(0, 4096).unwrap()), Ok(5));
+    // Zero-length requests are fine.
+    assert!(c.read(4096, 0).unwrap().is_empty());
+    c.write(4096, &[], false).unwrap();
+    // Unaligned reads and writes, including across block boundaries.
+    let mut expect = vec![0u8; 3 * BS];
+    expect[..BS].copy_from_slice(&pattern(0, 5));
+    let patch: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+    c.write(3000, &patch, false).unwrap();
+    expect[3000..8000].copy_from_slice(&patch);
+    assert_eq!(c.read(0, 3 * BS as u32).unwrap(), expect);
+    assert_eq!(c.read(2999, 3).unwrap(), expect[2999..3002].to_vec());
+    // Sub-block zeroing zeroes exactly the range.
+    c.write_zeroes(4000, 300).unwrap();
+    expect[4000..4300].fill(0);
+    c.trim(8192, 4096).unwrap();
+    expect[8192..].fill(0);
+    c.flush().unwrap();
+    assert_eq!(c.read(0, 3 * BS as u32).unwrap(), expect);
+    // A request with a bad magic ends the connection; the server serves on.
+    c.send(CMD_READ, 0, 0, 4096, &[]).unwrap();
+    let _ = c.recv().unwrap();
+    drop(c);
+    let mut s = hello(&srv.sock);
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    option(&mut s, OPT_EXPORT_NAME, b"v");
+    let mut info = [0u8; 10];
+    s.read_exact(&mut info).unwrap();
+    s.write_all(&[0xde; 28]).unwrap();
+    assert!(closed_by_server(&mut s));
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    assert_eq!(c.read(0, 3 * BS as u32).unwrap(), expect);
+    srv.stop();
+    // Everything above survives a restart.
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    assert_eq!(c.read(0, 3 * BS as u32).unwrap(), expect);
+    srv.stop();
+}
+
+#[test]
+fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
+    let t = TempDir::new("enospc");
+    let dir = t.join("arr");
+    let usable = create_array(&dir, "64M", &["--segment-size", "1M", "--write-unit", "128K"]);
+    // Thin provisioning: the volume is four times larger than the array.
+    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", &(4 * usable / (1 << 20) * (1 << 20)).to_string()]);
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    let chunk = 256u64;
+    let mut written = 0u64;
+    let mut buf = vec![0u8; chunk as usize * BS];
+    loop {
+        for k in 0..chunk {
+            lamina_testkit::fill_pattern(written + k, 1, &mut buf[k as usize * BS..(k as usize + 1) * BS]);
+        }
+        match c.write(written * BS as u64, &buf, false) {
+            Ok(()) => written += chunk,
+            Err(ClientError::Nbd(e)) => {
+                assert_eq!(e, ENOSPC, "out of space must be ENOSPC");
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+        assert!(written * (BS as u64) <= usable, "wrote more than the usable capacity");
+    }
+    assert!(written * BS as u64 > usable / 2, "ENOSPC came too early: {written} blocks of {usable} bytes");
+    // Nothing already written is damaged.
+    c.flush().unwrap();
+    for lba in (0..written).step_by(97) {
+        assert_eq!(decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()), Ok(1), "block {lba}");
+    }
+    // Overwrites of mapped blocks still work when full; trimming frees space.
+    c.write(0, &pattern(0, 2), false).unwrap();
+    c.trim(0, (written / 2 * BS as u64) as u32).unwrap();
+    c.write(written * BS as u64, &pattern(written, 3), false).expect("space after a trim");
+    c.flush().unwrap();
+    assert_eq!(decode_pattern(written, &c.read(written * BS as u64, BS as u32).unwrap()), Ok(3));
+    srv.stop();
+}
+
+#[test]
+fn damaged_metadata_is_named() {
+    let t = TempDir::new("damage");
+    let dir = small_array(&t, "8M");
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    c.write(0, &pattern(0, 4), true).unwrap();
+    drop(c);
+    srv.stop();
+    let dev = dir.join("dev.img");
+    let poke = |off: u64| {
+        let f = std::fs::OpenOptions::new().write(true).open(&dev).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &[0xa5; 64], off).unwrap();
+    };
+    // The checkpoint: find its first payload block from the superblock.
+    let mut sbuf = vec![0u8; BS];
+    let f = std::fs::File::open(&dev).unwrap();
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut sbuf, 0).unwrap();
+    let sb = lamina_format::superblock::Superblock::decode(&sbuf).unwrap();
+    let geo = lamina_core::geometry::Geometry::from_superblock(&sb);
+    let cref = sb.checkpoint.unwrap();
+    let (_, off) = geo.locate(lamina_core::SegmentId(cref.first_segment), geo.header_blocks as u32);
+    // One damaged superblock copy: the other is used.
+    poke(100);
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    assert_eq!(decode_pattern(0, &c.read(0, 4096).unwrap()), Ok(4));
+    drop(c);
+    srv.stop();
+    // Restarting rewrote the superblocks and the checkpoint; damage the new checkpoint.
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut sbuf, 0).unwrap();
+    let sb = lamina_format::superblock::Superblock::decode(&sbuf).unwrap();
+    let cref = sb.checkpoint.unwrap();
+    let (_, off2) = geo.locate(lamina_core::SegmentId(cref.first_segment), geo.header_blocks as u32);
+    let _ = off;
+    poke(off2 + 100);
+    let out = lamina_output(&["serve", dir.to_str().unwrap(), "--unix", dir.join("nbd.sock").to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("checkpoint"), "the message must name the checkpoint: {err}");
+    // Both superblock copies damaged.
+    poke(100);
+    poke(256 * 1024 + 100);
+    let out = lamina_output(&["status", dir.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("superblock"), "the message must name the superblock: {err}");
+}
+
+#[test]
+fn bad_configuration_and_commands_get_clear_messages() {
+    let t = TempDir::new("bad-cfg");
+    let dir = small_array(&t, "8M");
+    let d = dir.to_str().unwrap();
+    let cfg_path = dir.join("lamina.toml");
+    let good = std::fs::read_to_string(&cfg_path).unwrap();
+    let fails_with = |args: &[&str], needle: &str| {
+        let out = lamina_output(args);
+        assert_eq!(out.status.code(), Some(1), "lamina {args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "lamina {args:?}: expected {needle:?} in: {err}");
+    };
+    std::fs::write(&cfg_path, format!("{good}\nbogus_key = 1\n")).unwrap();
+    fails_with(&["status", d], "bogus_key");
+    std::fs::write(&cfg_path, good.replace("[engine]", "[engine]\ngc_policy = \"magic\"")).unwrap();
+    fails_with(&["status", d], "gc_policy");
+    std::fs::write(&cfg_path, "devices = [\"/nonexistent/lamina.img\"]\n").unwrap();
+    fails_with(&["status", d], "/nonexistent/lamina.img");
+    std::fs::write(&cfg_path, "devices = [").unwrap();
+    fails_with(&["status", d], "lamina.toml");
+    std::fs::write(&cfg_path, &good).unwrap();
+    // Volume requests.
+    fails_with(&["volume", "create", d, "v", "--size", "1M"], "already exists");
+    fails_with(&["volume", "create", d, "w", "--size", "1000"], "multiple of 4096");
+    fails_with(&["volume", "create", d, "w", "--size", "12Q"], "invalid size");
+    fails_with(&["volume", "delete", d, "nope"], "no volume named");
+    // Array creation: nothing is written when the input is wrong.
+    let other = t.join("other");
+    let dev = dir.join("dev.img");
+    let before = std::fs::read(&dev).unwrap();
+    let o = other.to_str().unwrap();
+    fails_with(&["array", "create", o, "--device", dev.to_str().unwrap()], "already belongs");
+    let x = t.join("x.img");
+    let xs = format!("{}:64M", x.display());
+    fails_with(&["array", "create", o, "--device", &xs, "--device", &xs], "listed twice");
+    fails_with(&["array", "create", o, "--device", &format!("{}:2M", t.join("tiny.img").display())], "too small");
+    fails_with(&["array", "create", o, "--device", &xs, "--layout", "said5"], "not available yet");
+    fails_with(&["array", "create", o, "--device", &xs, "--overprovision=-1"], "over-provisioning");
+    fails_with(&["array", "create", o, "--device", &xs, "--segment-size", "5000"], "multiple of 4 KiB");
+    fails_with(&["array", "create", o, "--device", t.join("missing.img").to_str().unwrap()], "PATH:SIZE");
+    assert!(std::fs::read(&dev).unwrap() == before, "a refused create must not touch the device");
+    assert!(!x.exists() && !t.join("tiny.img").exists(), "refused creates leave no files behind");
+    fails_with(&["serve", t.path().to_str().unwrap()], "not empty");
+    // Usage errors exit with 2.
+    assert_eq!(lamina_output(&["frobnicate"]).status.code(), Some(2));
+    assert_eq!(lamina_output(&["array", "create"]).status.code(), Some(2));
+}
+
+/// A device that starts failing: writes and flushes get EIO, and the array stops
+/// accepting writes with a reason that `lamina status` shows.
+#[test]
+fn device_errors_become_eio() {
+    if !need("bad_input::device_errors_become_eio", &["nbdkit", "nbdfuse", "fusermount3"], true) {
+        return;
+    }
+    let t = TempDir::new("eio");
+    let mut guard = Guard::new();
+    let sock = t.join("kit.sock");
+    let trigger = t.join("fail-now");
+    guard.children.push(
+        std::process::Command::new("nbdkit")
+            .args(["--foreground", "-U", sock.to_str().unwrap(), "--filter=error", "memory", "128M", "error=EIO", "error-rate=100%"])
+            .arg(format!("error-file={}", trigger.display()))
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&sock);
+    let fuse = t.join("fuse");
+    std::fs::create_dir_all(&fuse).unwrap();
+    guard.children.push(
+        std::process::Command::new("nbdfuse")
+            .arg(fuse.join("dev"))
+            .args(["--unix", sock.to_str().unwrap()])
+            .spawn()
+            .unwrap(),
+    );
+    guard.mounts.push(fuse.clone());
+    wait_for(&fuse.join("dev"));
+    let dir = t.join("arr");
+    lamina(&["array", "create", dir.to_str().unwrap(), "--device", fuse.join("dev").to_str().unwrap(), "--segment-size", "1M", "--write-unit", "128K"]);
+    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "16M"]);
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    c.write(0, &pattern(0, 1), false).unwrap();
+    c.flush().unwrap();
+    std::fs::write(&trigger, b"").unwrap();
+    let mut saw_eio = false;
+    for i in 0..64u64 {
+        let w = c.write(i * 4096, &pattern(i, 2), false);
+        let f = c.flush();
+        if matches!(w, Err(ClientError::Nbd(EIO))) || matches!(f, Err(ClientError::Nbd(EIO))) {
+            saw_eio = true;
+            break;
+        }
+    }
+    assert!(saw_eio, "a failing device must surface as EIO");
+    let st = status_json(&dir);
+    assert!(st["failed"].as_str().is_some_and(|f| !f.is_empty()), "status must say the array failed: {st}");
+    drop(c);
+    drop(srv);
+}
