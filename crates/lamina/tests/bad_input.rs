@@ -123,6 +123,12 @@ fn malformed_handshakes_close_only_their_connection() {
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     c.write(0, &pattern(0, 1), false).unwrap();
     assert_eq!(decode_pattern(0, &c.read(0, BS as u32).unwrap()), Ok(1));
+    // NBD_OPT_ABORT is acknowledged and the connection ends.
+    let mut s = hello(&srv.sock);
+    s.write_all(&FLAG_C_FIXED_NEWSTYLE.to_be_bytes()).unwrap();
+    option(&mut s, OPT_ABORT, &[]);
+    assert_eq!(option_reply(&mut s).1, REP_ACK);
+    assert!(closed_by_server(&mut s));
     // NBD_OPT_EXPORT_NAME for an unknown export cannot carry an error: hang up.
     let mut s = hello(&srv.sock);
     s.write_all(&FLAG_C_FIXED_NEWSTYLE.to_be_bytes()).unwrap();

@@ -259,3 +259,30 @@ fn power_cut_through_nbdkit_writeback_cache() {
     drop(stack);
     unmount(&t);
 }
+
+/// With multi-conn, a flush on one connection covers writes completed on all of
+/// them: write on A, flush on B, kill -9, and A's writes are there.
+#[test]
+fn flush_on_one_connection_covers_writes_of_others() {
+    let t = TempDir::new("multiconn");
+    let dir = t.join("arr");
+    create_array(&dir, "128M", &["--segment-size", "1M", "--write-unit", "128K"]);
+    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "16M"]);
+    for round in 0..5u64 {
+        let server = Server::start(&dir);
+        let mut a = Client::connect_unix(&server.sock, "v").unwrap();
+        let mut b = Client::connect_unix(&server.sock, "v").unwrap();
+        for lba in 0..200u64 {
+            a.write(lba * BS as u64, &lamina_testkit::pattern(lba, round + 1), false).unwrap();
+        }
+        b.flush().unwrap();
+        server.kill9();
+        let server = Server::start(&dir);
+        let mut c = Client::connect_unix(&server.sock, "v").unwrap();
+        for lba in 0..200u64 {
+            let got = lamina_testkit::decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()).unwrap();
+            assert_eq!(got, round + 1, "round {round}: block {lba} written on A, flushed on B, lost");
+        }
+        server.stop();
+    }
+}
