@@ -915,9 +915,19 @@ pub fn open(
     for (i, s) in segs.iter().enumerate() {
         shared.set_incarnation(SegmentId(i as u32), s.incarnation);
     }
-    // Readers locate unit headers through the unit-start bitmap: rebuild it for every
-    // segment holding data, from its summary or by walking its headers.
-    rebuild_unit_starts(&shared, &segs, &mut report);
+    // Readers locate unit headers through the unit-start bitmap. Segments the walk
+    // scanned get theirs now; the others load lazily on their first read.
+    for f in &found {
+        if released.contains(&(f.seg, f.incarnation)) || segs[f.seg as usize].incarnation != f.incarnation {
+            continue;
+        }
+        if f.start == 0 {
+            for u in &f.units {
+                shared.mark_unit_start(geo.pba(SegmentId(f.seg), u.offset));
+            }
+            shared.set_starts_known(SegmentId(f.seg));
+        }
+    }
 
     // ---- the engine
     let next_version = sb.version_reserved.max(1);
@@ -962,49 +972,6 @@ pub fn open(
         tracing::warn!("{w}");
     }
     Ok((engine, report))
-}
-
-/// Marks where units start in every segment that holds data.
-fn rebuild_unit_starts(shared: &Shared, segs: &[Seg], report: &mut RecoveryReport) {
-    let geo = &shared.geo;
-    for (i, s) in segs.iter().enumerate() {
-        if s.state != SegState::Closed {
-            continue;
-        }
-        let seg = i as u32;
-        let mut done = false;
-        if s.has_summary {
-            if let Ok(buf) = read_blocks(shared, report, seg, geo.data_end, geo.summary_blocks) {
-                if let Ok(h) = SummaryHeader::decode(&buf) {
-                    if h.segment == seg && h.incarnation == s.incarnation {
-                        for k in 0..h.record_count as usize {
-                            let r = record_at(&buf, k);
-                            if r.kind == kind::UNIT {
-                                shared.mark_unit_start(geo.pba(SegmentId(seg), r.a as u32));
-                            }
-                        }
-                        done = true;
-                    }
-                }
-            }
-        }
-        if !done {
-            let mut offset = 0;
-            while offset < s.write_ptr {
-                let Ok(buf) = read_blocks(shared, report, seg, offset, geo.header_blocks as u32) else {
-                    break;
-                };
-                let Ok(u) = UnitHeader::decode(&buf) else {
-                    break;
-                };
-                if u.segment != seg || u.offset != offset || u.incarnation != s.incarnation {
-                    break;
-                }
-                shared.mark_unit_start(geo.pba(SegmentId(seg), offset));
-                offset += u.total_blocks();
-            }
-        }
-    }
 }
 
 /// Executes the engine's device operations synchronously until none are left.

@@ -16,6 +16,7 @@ use crate::geometry::Geometry;
 use crate::map::{decode, Entry, Map};
 use crate::types::{Pba, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
+use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, pack_volume_lba, record_at, UnitHeader};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -113,6 +114,10 @@ pub struct Shared {
     seg_incarnation: Box<[AtomicU64]>,
     /// One bit per physical block: set where a unit header starts.
     unit_starts: Box<[AtomicU64]>,
+    /// Per segment: its unit-start bits are complete. Segments recovered from a
+    /// checkpoint start unknown and are loaded from their summary (or headers) by
+    /// the first read that needs them, so opening an array reads nothing of them.
+    starts_known: Box<[AtomicBool]>,
     volumes: RwLock<Vec<Option<Arc<VolumeShared>>>>,
     crc_cache: CrcCache,
     pub read_stats: ReadStats,
@@ -132,6 +137,7 @@ impl Shared {
             seg_pins: (0..segs).map(|_| AtomicU32::new(0)).collect(),
             seg_incarnation: (0..segs).map(|_| AtomicU64::new(0)).collect(),
             unit_starts: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            starts_known: (0..segs).map(|_| AtomicBool::new(false)).collect(),
             volumes: RwLock::new(Vec::new()),
             crc_cache: CrcCache::new(crc_cache_entries),
             read_stats: ReadStats::default(),
@@ -207,6 +213,50 @@ impl Shared {
         for bit in first..last {
             self.unit_starts[bit / 64].fetch_and(!(1u64 << (bit % 64)), Ordering::Relaxed);
         }
+        self.starts_known[seg.0 as usize].store(true, Ordering::SeqCst);
+    }
+
+    /// Declares a segment's unit starts complete (recovery marked them itself).
+    pub(crate) fn set_starts_known(&self, seg: SegmentId) {
+        self.starts_known[seg.0 as usize].store(true, Ordering::SeqCst);
+    }
+
+    /// Loads the unit starts of a segment from its summary, or by walking its unit
+    /// headers when it has none. The caller holds a pin on the segment.
+    fn load_unit_starts(&self, seg: SegmentId) -> Result<(), ReadError> {
+        let geo = &self.geo;
+        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
+        let mut buf = vec![0u8; geo.summary_blocks as usize * BLOCK_SIZE];
+        let (dev, off) = geo.locate(seg, geo.data_end);
+        if self.devices[dev].read_at(&mut buf, off).is_ok() {
+            if let Ok(h) = SummaryHeader::decode(&buf) {
+                if h.segment == seg.0 && h.incarnation == incarnation && h.array_id == geo.array_id {
+                    for k in 0..h.record_count as usize {
+                        let r = record_at(&buf, k);
+                        if r.kind == kind::UNIT {
+                            self.mark_unit_start(geo.pba(seg, r.a as u32));
+                        }
+                    }
+                    self.starts_known[seg.0 as usize].store(true, Ordering::SeqCst);
+                    return Ok(());
+                }
+            }
+        }
+        let h = geo.header_blocks as u32;
+        let mut hdr = vec![0u8; h as usize * BLOCK_SIZE];
+        let mut offset = 0;
+        while offset + h <= geo.data_end {
+            let (dev, off) = geo.locate(seg, offset);
+            self.devices[dev].read_at(&mut hdr, off)?;
+            let Ok(u) = UnitHeader::decode(&hdr) else { break };
+            if u.segment != seg.0 || u.offset != offset || u.incarnation != incarnation || u.array_id != geo.array_id {
+                break;
+            }
+            self.mark_unit_start(geo.pba(seg, offset));
+            offset += u.total_blocks();
+        }
+        self.starts_known[seg.0 as usize].store(true, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Records that a unit header starts at `pba`.
@@ -363,6 +413,9 @@ impl Shared {
             }
         };
         let pba = self.geo.pba(seg, seg_off);
+        if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
+            self.load_unit_starts(seg)?;
+        }
         let unit_start = self
             .unit_start_of(pba)
             .ok_or_else(|| corrupt(first_lba, "no unit header precedes the block".into()))?;

@@ -182,10 +182,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let started = Instant::now();
     let (engine, report) = open_array(&dir, OpenMode::ReadWrite)?;
     tracing::info!(
-        "recovered array {:?} in {:.2}s: checkpoint generation {}, {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, {} read",
+        "recovered array {:?} in {:.2}s: checkpoint generation {} ({} blocks), {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, {} read",
         engine.superblock().array_name,
         started.elapsed().as_secs_f64(),
         report.checkpoint_generation,
+        report.checkpoint_blocks,
         report.units_replayed,
         report.blocks_replayed,
         report.trims_replayed,
