@@ -27,9 +27,11 @@ use crate::io::{IoCompletion, IoKind, IoOp};
 use crate::map::{decode, encode_buffer, encode_device, Entry, UNMAPPED};
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{Pba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
-use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
 use lamina_format::summary::SummaryHeader;
-use lamina_format::unit::{kind, put_record, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT};
+use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
+use lamina_format::unit::{
+    kind, put_record, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT,
+};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -214,8 +216,15 @@ impl Stream {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BufState {
     Free,
-    Open { stream: u32 },
-    InFlight { seg: u32, offset: u32, data: u32, stream: u32 },
+    Open {
+        stream: u32,
+    },
+    InFlight {
+        seg: u32,
+        offset: u32,
+        data: u32,
+        stream: u32,
+    },
     /// Written; waiting for readers to unpin.
     Done,
 }
@@ -416,8 +425,9 @@ impl Engine {
         last_ckpt_gen: u64,
     ) -> Result<Self, EngineError> {
         let geo = shared.geo.clone();
-        let policy = policy_by_name(&cfg.gc_policy)
-            .ok_or_else(|| EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy)))?;
+        let policy = policy_by_name(&cfg.gc_policy).ok_or_else(|| {
+            EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy))
+        })?;
         let nbufs = shared.buffers.count();
         let usable_blocks = Self::compute_usable(&geo, &sb);
         let mut e = Engine {
@@ -555,7 +565,12 @@ impl Engine {
         out.append(&mut self.replies);
     }
 
-    pub(crate) fn reply(&mut self, token: Token, result: Result<(), EngineError>, buf: Option<Vec<u8>>) {
+    pub(crate) fn reply(
+        &mut self,
+        token: Token,
+        result: Result<(), EngineError>,
+        buf: Option<Vec<u8>>,
+    ) {
         self.replies.push(Reply {
             token,
             result,
@@ -828,7 +843,9 @@ impl Engine {
 
     fn finish_pending(&mut self, p: Pending, result: Result<(), EngineError>) {
         let (token, buf, fua) = match p {
-            Pending::Write { token, data, fua, .. } => (token, Some(data), fua),
+            Pending::Write {
+                token, data, fua, ..
+            } => (token, Some(data), fua),
             Pending::Zero { token, fua, .. } => (token, None, fua),
         };
         if result.is_ok() && fua {
@@ -870,7 +887,11 @@ impl Engine {
         let bs = BLOCK_SIZE_U64;
         let first_lba = *offset / bs;
         let last_lba = (*offset + data.len() as u64 - 1) / bs;
-        let vol_shared = self.volumes[*volume as usize].as_ref().unwrap().shared.clone();
+        let vol_shared = self.volumes[*volume as usize]
+            .as_ref()
+            .unwrap()
+            .shared
+            .clone();
         if !*checked_space {
             let new_blocks = (first_lba..=last_lba)
                 .filter(|&l| vol_shared.map.load(l) == UNMAPPED)
@@ -934,7 +955,11 @@ impl Engine {
         let (start, end) = (*offset, *offset + *length);
         let full_first = start.div_ceil(bs);
         let full_end = end / bs; // exclusive
-        let vol_shared = self.volumes[*volume as usize].as_ref().unwrap().shared.clone();
+        let vol_shared = self.volumes[*volume as usize]
+            .as_ref()
+            .unwrap()
+            .shared
+            .clone();
         let stream = self.volumes[*volume as usize].as_ref().unwrap().user_stream;
         // Partial edges first (they are writes of zeros merged into the old block).
         let edges: [(u64, u64); 2] = if full_first > full_end {
@@ -1039,7 +1064,14 @@ impl Engine {
 
     /// Appends one data block to a stream's open unit (which must have room) and
     /// points the map at it. `crc` may be passed when already known.
-    pub(crate) fn append_data(&mut self, s: usize, volume: u16, lba: u64, data: &[u8], crc: Option<u32>) {
+    pub(crate) fn append_data(
+        &mut self,
+        s: usize,
+        volume: u16,
+        lba: u64,
+        data: &[u8],
+        crc: Option<u32>,
+    ) {
         let h = self.geo.header_blocks as u32;
         let st = &mut self.streams[s];
         let u = st.unit.as_mut().expect("append without an open unit");
@@ -1070,7 +1102,12 @@ impl Engine {
 
     /// Makes sure stream `s` has an open unit with room for `data` more data blocks and
     /// `extras` more non-data records.
-    pub(crate) fn ensure_unit(&mut self, s: usize, data: u32, extras: usize) -> Result<(), Blocked> {
+    pub(crate) fn ensure_unit(
+        &mut self,
+        s: usize,
+        data: u32,
+        extras: usize,
+    ) -> Result<(), Blocked> {
         let records = self.geo.unit_records as usize;
         if let Some(u) = &self.streams[s].unit {
             let used = u.data as usize + self.streams[s].extras.len();
@@ -1259,7 +1296,8 @@ impl Engine {
         st.write_ptr = u.offset + blocks;
         let stream_kind = st.kind;
         let volume = st.volume;
-        self.shared.mark_unit_start(self.geo.pba(SegmentId(seg), u.offset));
+        self.shared
+            .mark_unit_start(self.geo.pba(SegmentId(seg), u.offset));
         let sg = &mut self.segs[seg as usize];
         sg.writes_inflight += 1;
         sg.write_ptr = u.offset + blocks;
@@ -1351,7 +1389,10 @@ impl Engine {
 
     /// A unit write completed: its blocks are now readable from the device.
     fn unit_written(&mut self, buf: u32) {
-        let BufState::InFlight { seg, offset, data, .. } = self.bufs[buf as usize] else {
+        let BufState::InFlight {
+            seg, offset, data, ..
+        } = self.bufs[buf as usize]
+        else {
             panic!("completion for buffer {buf} not in flight");
         };
         let h = self.geo.header_blocks as u32;
@@ -1472,7 +1513,10 @@ impl Engine {
     }
 
     fn sync_part_done(&mut self) {
-        let (t, remaining) = self.sync_inflight.take().expect("sync completion without a sync");
+        let (t, remaining) = self
+            .sync_inflight
+            .take()
+            .expect("sync completion without a sync");
         if remaining > 1 {
             self.sync_inflight = Some((t, remaining - 1));
             return;
@@ -1527,7 +1571,9 @@ impl Engine {
         let low = self.free.len() < self.gc_start_segments();
         let stalled = !self.pending.is_empty() || !self.gc.is_idle();
         if (low || stalled)
-            && (!self.draining.is_empty() || !self.release_ready.is_empty() || !self.releasing.is_empty())
+            && (!self.draining.is_empty()
+                || !self.release_ready.is_empty()
+                || !self.releasing.is_empty())
             && self.sync_inflight.is_none()
             && self.sync_wanted.is_none()
             && self.failed.is_none()
@@ -1607,7 +1653,7 @@ impl Engine {
                 "volume name {name:?} must be 1 to 64 bytes without '/'"
             )));
         }
-        if size_bytes == 0 || size_bytes % BLOCK_SIZE_U64 != 0 {
+        if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
             return Err(EngineError::Invalid(format!(
                 "volume size {size_bytes} must be a positive multiple of 4096 bytes"
             )));
@@ -1616,7 +1662,9 @@ impl Engine {
             return Err(EngineError::Invalid("volume too large".into()));
         }
         if self.volumes.iter().flatten().any(|v| v.shared.name == name) {
-            return Err(EngineError::Invalid(format!("volume {name:?} already exists")));
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} already exists"
+            )));
         }
         let id = (0..u16::MAX)
             .find(|&i| self.volumes.get(i as usize).is_none_or(|v| v.is_none()))
@@ -1627,19 +1675,29 @@ impl Engine {
     }
 
     /// Adds a volume and its streams (also used by recovery).
-    pub(crate) fn install_volume(&mut self, id: VolumeId, name: String, size_bytes: u64, created_version: u64) -> &mut Vol {
+    pub(crate) fn install_volume(
+        &mut self,
+        id: VolumeId,
+        name: String,
+        size_bytes: u64,
+        created_version: u64,
+    ) -> &mut Vol {
         let shared = Arc::new(VolumeShared {
             id,
             name,
             size_bytes,
-            map: crate::map::Map::new(size_bytes / BLOCK_SIZE_U64),
+            map: self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
             deleted: AtomicBool::new(false),
         });
         self.attach_volume(shared, created_version)
     }
 
     /// Attaches a volume whose map already exists, creating its streams.
-    pub(crate) fn attach_volume(&mut self, shared: Arc<VolumeShared>, created_version: u64) -> &mut Vol {
+    pub(crate) fn attach_volume(
+        &mut self,
+        shared: Arc<VolumeShared>,
+        created_version: u64,
+    ) -> &mut Vol {
         let id = shared.id;
         self.shared.set_volume(shared.clone());
         self.streams.push(Stream::new(StreamKind::User, 0, id.0));
@@ -1664,7 +1722,10 @@ impl Engine {
 
     /// Writes the superblock to every device directly (both copies, synced), outside
     /// the engine's I/O queue. Only used before the engine starts serving.
-    pub(crate) fn write_superblock_sync(&mut self, devices: &[Arc<dyn lamina_device::BlockDevice>]) -> Result<(), EngineError> {
+    pub(crate) fn write_superblock_sync(
+        &mut self,
+        devices: &[Arc<dyn lamina_device::BlockDevice>],
+    ) -> Result<(), EngineError> {
         self.sb.generation += 1;
         for off in SUPERBLOCK_OFFSETS {
             for (i, d) in devices.iter().enumerate() {
@@ -1692,7 +1753,9 @@ impl Engine {
         if self.pending.iter().any(|p| match p {
             Pending::Write { volume, .. } | Pending::Zero { volume, .. } => *volume == id.0,
         }) {
-            return Err(EngineError::Invalid(format!("volume {name:?} has requests in progress")));
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} has requests in progress"
+            )));
         }
         let vol = self.volumes[id.0 as usize].as_ref().unwrap();
         let (us, gs) = (vol.user_stream, vol.gc_stream);

@@ -16,8 +16,8 @@ use crate::error::EngineError;
 use crate::map::{decode, encode_device, Entry};
 use crate::types::{SegmentId, BLOCK_SIZE};
 use lamina_format::checkpoint::{
-    meta_crc, CheckpointHeader, CheckpointMeta, SegmentRecord, SegmentState, StreamRecord, VolumeRecord,
-    MAP_ENTRIES_PER_PAGE,
+    meta_crc, CheckpointHeader, CheckpointMeta, SegmentRecord, SegmentState, StreamRecord,
+    VolumeRecord,
 };
 use lamina_format::superblock::CheckpointRef;
 use lamina_format::unit::{kind, put_record, RawRecord, NO_SEGMENT};
@@ -124,7 +124,10 @@ impl Engine {
         let mut pages = Vec::new();
         for v in self.volumes.iter().flatten() {
             let map = &v.shared.map;
-            let used: Vec<u32> = (0..map.pages()).filter(|&p| map.page_in_use(p)).map(|p| p as u32).collect();
+            let used: Vec<u32> = (0..map.pages())
+                .filter(|&p| map.page_in_use(p))
+                .map(|p| p as u32)
+                .collect();
             pages.extend(used.iter().map(|&p| (v.shared.id.0, p)));
             volumes.push(VolumeRecord {
                 id: v.shared.id.0,
@@ -188,7 +191,9 @@ impl Engine {
             array_id: self.geo.array_id,
             generation: gen,
             start_version,
-            payload_blocks: 1 + (meta.len() as u64).div_ceil(BLOCK_SIZE as u64) + pages.len() as u64,
+            payload_blocks: 1
+                + (meta.len() as u64).div_ceil(BLOCK_SIZE as u64)
+                + pages.len() as u64,
             meta_bytes: meta.len() as u64,
             map_pages: pages.len() as u64,
             meta_crc: meta_crc(&meta),
@@ -205,7 +210,11 @@ impl Engine {
             phase: Phase::Writing,
         });
         self.blocks_since_checkpoint = 0;
-        tracing::debug!(generation = gen, blocks = header.payload_blocks, "checkpoint started");
+        tracing::debug!(
+            generation = gen,
+            blocks = header.payload_blocks,
+            "checkpoint started"
+        );
     }
 
     /// Content of payload block `index` of the checkpoint being written.
@@ -220,7 +229,7 @@ impl Engine {
             out[..n].copy_from_slice(&w.meta[o..o + n]);
         } else {
             let (vol, page) = w.pages[(index - 1 - meta_blocks) as usize];
-            let mut entries = [0u32; MAP_ENTRIES_PER_PAGE];
+            let mut entries = [0u32; crate::map::PAGE_ENTRIES];
             if let Some(v) = self.volumes.get(vol as usize).and_then(|v| v.as_ref()) {
                 v.shared.map.page(page as u64, &mut entries);
             }
@@ -248,7 +257,12 @@ impl Engine {
                 self.ckpt.waiters.extend(waiters);
                 self.start_checkpoint(None);
             } else {
-                let map_pages: u64 = self.volumes.iter().flatten().map(|v| v.live_blocks / 1024 + 1).sum();
+                let map_pages: u64 = self
+                    .volumes
+                    .iter()
+                    .flatten()
+                    .map(|v| v.live_blocks / 1024 + 1)
+                    .sum();
                 let due = self.cfg.checkpoint_interval_blocks.max(16 * map_pages);
                 if self.blocks_since_checkpoint >= due && !self.shutting_down {
                     self.start_checkpoint(None);
@@ -326,7 +340,10 @@ impl Engine {
 
     /// Called when a superblock update finished.
     pub(crate) fn sb_done(&mut self) {
-        let is_ckpt = matches!(self.ckpt.writer.as_ref().map(|w| &w.phase), Some(Phase::Superblock));
+        let is_ckpt = matches!(
+            self.ckpt.writer.as_ref().map(|w| &w.phase),
+            Some(Phase::Superblock)
+        );
         if !is_ckpt {
             return;
         }

@@ -70,15 +70,20 @@ impl Engine {
     /// The best victim by the configured policy, if any segment has space to reclaim.
     pub(crate) fn pick_victim(&self) -> Option<u32> {
         let now = self.next_version;
-        let candidates = self.segs.iter().enumerate().filter_map(|(i, s)| {
-            (s.state == SegState::Closed && s.kind != StreamKind::Meta && s.valid < s.data_blocks).then(|| Candidate {
+        let candidates = self
+            .segs
+            .iter()
+            .enumerate()
+            .filter(|&(_i, s)| {
+                s.state == SegState::Closed && s.kind != StreamKind::Meta && s.valid < s.data_blocks
+            })
+            .map(|(i, s)| Candidate {
                 segment: i as u32,
                 valid: s.valid,
                 capacity: s.data_blocks,
                 age: now.saturating_sub(s.close_version),
                 erase_count: s.erase_count,
-            })
-        });
+            });
         select(self.policy.as_ref(), candidates).map(|c| c.segment)
     }
 
@@ -88,7 +93,9 @@ impl Engine {
                 .volumes
                 .get(r.volume() as usize)
                 .and_then(|v| v.as_ref())
-                .is_some_and(|v| r.lba() < v.shared.map.len() && v.shared.map.load(r.lba()) == encode_device(pba))
+                .is_some_and(|v| {
+                    r.lba() < v.shared.map.len() && v.shared.map.load(r.lba()) == encode_device(pba)
+                })
     }
 
     pub(crate) fn progress_gc(&mut self) {
@@ -127,7 +134,13 @@ impl Engine {
 
     /// Issues the read for the current owners step (summary or one unit header).
     fn gc_read_owners(&mut self) {
-        let Phase::Owners { seg, walking, offset, .. } = &self.gc.phase else {
+        let Phase::Owners {
+            seg,
+            walking,
+            offset,
+            ..
+        } = &self.gc.phase
+        else {
             return;
         };
         let (seg, walking, offset) = (*seg, *walking, *offset);
@@ -143,16 +156,30 @@ impl Engine {
 
     /// The summary or a unit header of the victim arrived.
     pub(crate) fn gc_meta_done(&mut self, c: IoCompletion) {
-        let Phase::Owners { seg, walking, offset, mut live } = std::mem::take(&mut self.gc.phase) else {
+        let Phase::Owners {
+            seg,
+            walking,
+            offset,
+            mut live,
+        } = std::mem::take(&mut self.gc.phase)
+        else {
             panic!("GC metadata completion outside the owners phase");
         };
         let sg = self.segs[seg as usize].clone();
         let buf = c.buf.unwrap_or_default();
         let ok = c.result.is_ok();
         if !walking {
-            let parsed = if ok { SummaryHeader::decode(&buf).ok() } else { None };
+            let parsed = if ok {
+                SummaryHeader::decode(&buf).ok()
+            } else {
+                None
+            };
             match parsed {
-                Some(h) if h.segment == seg && h.incarnation == sg.incarnation && h.array_id == self.geo.array_id => {
+                Some(h)
+                    if h.segment == seg
+                        && h.incarnation == sg.incarnation
+                        && h.array_id == self.geo.array_id =>
+                {
                     let mut i = 0usize;
                     while i < h.record_count as usize {
                         let u = record_at(&buf, i);
@@ -176,7 +203,10 @@ impl Engine {
                     self.gc_start_relocation(seg, live);
                 }
                 _ => {
-                    tracing::warn!(segment = seg, "summary unreadable; walking unit headers instead");
+                    tracing::warn!(
+                        segment = seg,
+                        "summary unreadable; walking unit headers instead"
+                    );
                     self.gc.phase = Phase::Owners {
                         seg,
                         walking: true,
@@ -189,7 +219,11 @@ impl Engine {
             return;
         }
         // Walking unit headers.
-        let header = if ok { UnitHeader::decode(&buf).ok() } else { None };
+        let header = if ok {
+            UnitHeader::decode(&buf).ok()
+        } else {
+            None
+        };
         let next = match header {
             Some(h)
                 if h.segment == seg
@@ -199,7 +233,9 @@ impl Engine {
             {
                 for k in 0..h.data_blocks as usize {
                     let r = record_at(&buf, k);
-                    let pba = self.geo.pba(SegmentId(seg), offset + h.header_blocks as u32 + k as u32);
+                    let pba = self
+                        .geo
+                        .pba(SegmentId(seg), offset + h.header_blocks as u32 + k as u32);
                     if self.is_live(pba, &r) {
                         live.push((pba, r));
                     }
@@ -222,7 +258,11 @@ impl Engine {
             None => {
                 // A header we cannot read: the blocks it describes cannot be checked.
                 // Anything still mapped there is unreadable from now on.
-                tracing::error!(segment = seg, offset, "unit header damaged during garbage collection");
+                tracing::error!(
+                    segment = seg,
+                    offset,
+                    "unit header damaged during garbage collection"
+                );
                 self.gc_start_relocation(seg, live);
             }
         }
@@ -244,7 +284,15 @@ impl Engine {
     /// Reads the next batch, or relocates the blocks of the batch that arrived.
     fn gc_relocate(&mut self) {
         loop {
-            let Phase::Relocate { seg, live, next, batch, reads_pending, .. } = &mut self.gc.phase else {
+            let Phase::Relocate {
+                seg,
+                live,
+                next,
+                batch,
+                reads_pending,
+                ..
+            } = &mut self.gc.phase
+            else {
                 return;
             };
             if *reads_pending > 0 {
@@ -257,7 +305,11 @@ impl Engine {
                     let s = &self.segs[seg as usize];
                     if s.state == SegState::Closed && s.valid > 0 {
                         // Blocks we could not move (damaged header) stay where they are.
-                        tracing::warn!(segment = seg, valid = s.valid, "victim keeps blocks that could not be relocated");
+                        tracing::warn!(
+                            segment = seg,
+                            valid = s.valid,
+                            "victim keeps blocks that could not be relocated"
+                        );
                     }
                     return;
                 }
@@ -279,14 +331,25 @@ impl Engine {
                 }
                 *next = end;
                 let seg = *seg;
-                let runs: Vec<(usize, Pba, usize)> = batch.iter().enumerate().map(|(k, r)| (k, live[r.first].0, r.count)).collect();
+                let runs: Vec<(usize, Pba, usize)> = batch
+                    .iter()
+                    .enumerate()
+                    .map(|(k, r)| (k, live[r.first].0, r.count))
+                    .collect();
                 *reads_pending = runs.len() as u32;
                 for (k, pba, count) in runs {
                     let (_, off_in_seg) = self.geo.split(pba);
                     let (dev, off) = self.geo.locate(SegmentId(seg), off_in_seg);
                     let mut buf = self.gc.spare.pop().unwrap_or_default();
                     buf.resize(count * BLOCK_SIZE, 0);
-                    self.submit_io(Purpose::GcRead { batch_index: k as u32 }, dev, off, IoKind::Read { buf });
+                    self.submit_io(
+                        Purpose::GcRead {
+                            batch_index: k as u32,
+                        },
+                        dev,
+                        off,
+                        IoKind::Read { buf },
+                    );
                 }
                 return;
             }
@@ -298,7 +361,15 @@ impl Engine {
 
     /// Relocates the blocks of the current batch. False when blocked.
     fn gc_relocate_batch(&mut self) -> bool {
-        let Phase::Relocate { seg, live, batch, run_pos, block_pos, .. } = &mut self.gc.phase else {
+        let Phase::Relocate {
+            seg,
+            live,
+            batch,
+            run_pos,
+            block_pos,
+            ..
+        } = &mut self.gc.phase
+        else {
             return true;
         };
         let seg = *seg;
@@ -313,7 +384,10 @@ impl Engine {
                 if self.is_live(pba, &r) {
                     let volume = r.volume();
                     let data_ok = !run.failed && run.data.is_some();
-                    let block = run.data.as_deref().map(|d| &d[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE]);
+                    let block = run
+                        .data
+                        .as_deref()
+                        .map(|d| &d[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE]);
                     let crc_ok = data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b);
                     if crc_ok {
                         let gc_stream = self.volumes[volume as usize].as_ref().unwrap().gc_stream;
@@ -322,10 +396,12 @@ impl Engine {
                             break 'runs;
                         }
                         let run = &batch_local[rp];
-                        let block = &run.data.as_deref().unwrap()[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE];
+                        let block =
+                            &run.data.as_deref().unwrap()[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE];
                         self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
                         self.counters.gc_blocks += 1;
-                        self.blocks_since_checkpoint = self.blocks_since_checkpoint.saturating_sub(1);
+                        self.blocks_since_checkpoint =
+                            self.blocks_since_checkpoint.saturating_sub(1);
                         if let Some(v) = self.volumes[volume as usize].as_mut() {
                             v.gc_blocks += 1;
                         }
@@ -338,7 +414,11 @@ impl Engine {
                             lba = r.lba(),
                             "block failed verification during garbage collection; marked bad"
                         );
-                        let v = self.volumes[volume as usize].as_ref().unwrap().shared.clone();
+                        let v = self.volumes[volume as usize]
+                            .as_ref()
+                            .unwrap()
+                            .shared
+                            .clone();
                         let old = v.map.load(r.lba());
                         v.map.store(r.lba(), BAD);
                         self.unref(old);
@@ -351,7 +431,14 @@ impl Engine {
             bp = 0;
         }
         if blocked {
-            if let Phase::Relocate { live, batch, run_pos, block_pos, .. } = &mut self.gc.phase {
+            if let Phase::Relocate {
+                live,
+                batch,
+                run_pos,
+                block_pos,
+                ..
+            } = &mut self.gc.phase
+            {
                 *live = live_local;
                 *batch = batch_local;
                 *run_pos = rp;
@@ -365,7 +452,14 @@ impl Engine {
             }
         }
         live_local.truncate(live_local.len()); // keep
-        if let Phase::Relocate { live, batch, run_pos, block_pos, .. } = &mut self.gc.phase {
+        if let Phase::Relocate {
+            live,
+            batch,
+            run_pos,
+            block_pos,
+            ..
+        } = &mut self.gc.phase
+        {
             *live = live_local;
             *batch = batch_local;
             *run_pos = 0;
@@ -376,7 +470,13 @@ impl Engine {
 
     /// A GC data read completed.
     pub(crate) fn gc_read_done(&mut self, batch_index: u32, c: IoCompletion) {
-        let Phase::Relocate { batch, reads_pending, seg, .. } = &mut self.gc.phase else {
+        let Phase::Relocate {
+            batch,
+            reads_pending,
+            seg,
+            ..
+        } = &mut self.gc.phase
+        else {
             panic!("GC read completion outside relocation");
         };
         let run = &mut batch[batch_index as usize];

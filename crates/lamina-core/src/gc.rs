@@ -70,7 +70,10 @@ pub fn policy_by_name(name: &str) -> Option<Box<dyn VictimPolicy>> {
 pub const POLICY_NAMES: &[&str] = &["greedy", "cost-benefit"];
 
 /// Picks the best-scoring candidate.
-pub fn select(policy: &dyn VictimPolicy, candidates: impl Iterator<Item = Candidate>) -> Option<Candidate> {
+pub fn select(
+    policy: &dyn VictimPolicy,
+    candidates: impl Iterator<Item = Candidate>,
+) -> Option<Candidate> {
     let mut best: Option<(f64, Candidate)> = None;
     for c in candidates {
         if c.valid >= c.capacity {

@@ -6,8 +6,8 @@
 //! JBOD places each segment whole on one device, devices concatenated in table order.
 
 use crate::types::{Pba, SegmentId, BLOCK_SIZE_U64};
-use lamina_format::superblock::{Layout, Superblock};
 use lamina_format::summary::summary_blocks;
+use lamina_format::superblock::{Layout, Superblock};
 use lamina_format::unit::{header_blocks_for, records_capacity};
 
 /// Record slots every unit keeps beyond one per data block, for trims and releases.

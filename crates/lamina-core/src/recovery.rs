@@ -19,16 +19,18 @@ use crate::engine::{Counters, Engine, EngineConfig, Seg, SegState, Token, VERSIO
 use crate::error::EngineError;
 use crate::geometry::Geometry;
 use crate::io::execute;
-use crate::map::{encode_device, Map, BAD, UNMAPPED};
+use crate::map::{encode_device, BAD, UNMAPPED};
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_device::BlockDevice;
-use lamina_format::checkpoint::{CheckpointHeader, CheckpointMeta, SegmentState, MAP_ENTRIES_PER_PAGE};
+use lamina_format::checkpoint::{
+    CheckpointHeader, CheckpointMeta, SegmentState, MAP_ENTRIES_PER_PAGE,
+};
+use lamina_format::summary::SummaryHeader;
 use lamina_format::superblock::{
     CheckpointRef, DeviceEntry, Layout, Superblock, DEFAULT_DATA_OFFSET, MAX_DEVICES, MAX_NAME_LEN,
     SUPERBLOCK_OFFSETS,
 };
-use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};
@@ -239,9 +241,11 @@ pub fn read_superblocks(
         let mut errors = Vec::new();
         for (copy, off) in SUPERBLOCK_OFFSETS.iter().enumerate() {
             let mut b = vec![0u8; BLOCK_SIZE];
-            match d.read_at(&mut b, *off).map_err(EngineError::from).and_then(|_| {
-                Superblock::decode(&b).map_err(EngineError::from)
-            }) {
+            match d
+                .read_at(&mut b, *off)
+                .map_err(EngineError::from)
+                .and_then(|_| Superblock::decode(&b).map_err(EngineError::from))
+            {
                 Ok(sb) => {
                     if best.as_ref().is_none_or(|x| sb.generation > x.generation) {
                         best = Some(sb);
@@ -310,7 +314,9 @@ pub fn read_superblocks(
         }
         ordered[i] = Some(d.clone());
     }
-    let missing: Vec<usize> = (0..ordered.len()).filter(|&i| ordered[i].is_none()).collect();
+    let missing: Vec<usize> = (0..ordered.len())
+        .filter(|&i| ordered[i].is_none())
+        .collect();
     if !missing.is_empty() {
         return Err(EngineError::Invalid(format!(
             "array {:?} has {} devices; members {missing:?} were not given",
@@ -386,7 +392,9 @@ fn scan_segment(
         }
         incarnation = Some(u.incarnation);
         meta = (u.stream_kind, u.stream_class, u.volume);
-        let records = (0..u.record_count as usize).map(|i| record_at(&buf, i)).collect();
+        let records = (0..u.record_count as usize)
+            .map(|i| record_at(&buf, i))
+            .collect();
         units.push(FoundUnit {
             offset,
             header_blocks: h,
@@ -405,8 +413,9 @@ fn scan_segment(
     let mut has_summary = false;
     if offset + h + 1 > geo.data_end && meta.0 != StreamKind::Meta {
         if let Ok(buf) = read_blocks(shared, report, seg, geo.data_end, geo.summary_blocks) {
-            has_summary = SummaryHeader::decode(&buf)
-                .is_ok_and(|s| s.segment == seg && s.incarnation == incarnation && s.array_id == geo.array_id);
+            has_summary = SummaryHeader::decode(&buf).is_ok_and(|s| {
+                s.segment == seg && s.incarnation == incarnation && s.array_id == geo.array_id
+            });
         }
     }
     Some(Found {
@@ -451,7 +460,12 @@ impl<'a> CheckpointReader<'a> {
     }
 
     fn next_block(&mut self, report: &mut RecoveryReport) -> Result<Vec<u8>, EngineError> {
-        let damaged = |m: String| EngineError::Format(format!("checkpoint generation {}: {m}", self.cref.generation));
+        let damaged = |m: String| {
+            EngineError::Format(format!(
+                "checkpoint generation {}: {m}",
+                self.cref.generation
+            ))
+        };
         while self.queue.is_empty() {
             let geo = &self.shared.geo;
             let h = geo.header_blocks as u32;
@@ -487,18 +501,30 @@ impl<'a> CheckpointReader<'a> {
             self.incarnation = Some(u.incarnation);
             self.last_next_segment = u.next_segment;
             let data = if u.data_blocks > 0 {
-                read_blocks(self.shared, report, self.seg, self.offset + h, u.data_blocks)?
+                read_blocks(
+                    self.shared,
+                    report,
+                    self.seg,
+                    self.offset + h,
+                    u.data_blocks,
+                )?
             } else {
                 Vec::new()
             };
             for i in 0..u.data_blocks as usize {
                 let r = record_at(&hbuf, i);
-                if r.kind != kind::CHECKPOINT || r.c != self.cref.generation as u16 || u.version <= self.cref.version {
+                if r.kind != kind::CHECKPOINT
+                    || r.c != self.cref.generation as u16
+                    || u.version <= self.cref.version
+                {
                     continue;
                 }
                 let block = &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
                 if r.a != self.next_index + self.queue.len() as u64 {
-                    return Err(damaged(format!("block {} found where {} was expected", r.a, self.next_index)));
+                    return Err(damaged(format!(
+                        "block {} found where {} was expected",
+                        r.a, self.next_index
+                    )));
                 }
                 if lamina_format::crc32c(block) != r.b {
                     return Err(damaged(format!("payload block {} fails its checksum", r.a)));
@@ -558,8 +584,13 @@ pub fn open(
                 )));
             }
             let hdr = CheckpointHeader::decode(&block0)?;
-            if hdr.generation != cref.generation || hdr.start_version != cref.version || hdr.payload_blocks != cref.payload_blocks {
-                return Err(EngineError::Format("checkpoint header disagrees with the superblock".into()));
+            if hdr.generation != cref.generation
+                || hdr.start_version != cref.version
+                || hdr.payload_blocks != cref.payload_blocks
+            {
+                return Err(EngineError::Format(
+                    "checkpoint header disagrees with the superblock".into(),
+                ));
             }
             let mut meta_bytes = Vec::with_capacity(hdr.meta_bytes as usize);
             for _ in 0..hdr.meta_blocks() {
@@ -567,7 +598,9 @@ pub fn open(
             }
             meta_bytes.truncate(hdr.meta_bytes as usize);
             if lamina_format::crc32c(&meta_bytes) != hdr.meta_crc {
-                return Err(EngineError::Format("checkpoint metadata fails its checksum".into()));
+                return Err(EngineError::Format(
+                    "checkpoint metadata fails its checksum".into(),
+                ));
             }
             let meta = CheckpointMeta::decode(&meta_bytes)?;
             if meta.segments.len() != nsegs {
@@ -583,7 +616,7 @@ pub fn open(
                     id: VolumeId(v.id),
                     name: v.name.clone(),
                     size_bytes: v.size_bytes,
-                    map: Map::new(v.size_bytes / BLOCK_SIZE_U64),
+                    map: shared.new_map(v.size_bytes / BLOCK_SIZE_U64),
                     deleted: AtomicBool::new(false),
                 });
                 for &page in &v.pages {
@@ -639,13 +672,21 @@ pub fn open(
     for st in &meta.streams {
         if st.segment != NO_SEGMENT && (st.segment as usize) < nsegs {
             let s = &segs[st.segment as usize];
-            if let Some(f) = scan_segment(&shared, &mut report, st.segment, s.write_ptr, Some(s.incarnation), c_version) {
+            if let Some(f) = scan_segment(
+                &shared,
+                &mut report,
+                st.segment,
+                s.write_ptr,
+                Some(s.incarnation),
+                c_version,
+            ) {
                 found.push(f);
             }
             scanned_heads.insert(st.segment);
         }
         if st.next_segment != NO_SEGMENT && (st.next_segment as usize) < nsegs {
-            if let Some(f) = scan_segment(&shared, &mut report, st.next_segment, 0, None, c_version) {
+            if let Some(f) = scan_segment(&shared, &mut report, st.next_segment, 0, None, c_version)
+            {
                 found.push(f);
             }
             scanned_heads.insert(st.next_segment);
@@ -655,7 +696,9 @@ pub fn open(
     let mut empties = 0usize;
     let mut releases: BinaryHeap<Reverse<(u64, usize, u32, u64)>> = BinaryHeap::new();
     let mut released: HashSet<(u32, u64)> = HashSet::new();
-    let harvest = |f: &Found, heap: &mut BinaryHeap<Reverse<(u64, usize, u32, u64)>>, set: &mut HashSet<(u32, u64)>| {
+    let harvest = |f: &Found,
+                   heap: &mut BinaryHeap<Reverse<(u64, usize, u32, u64)>>,
+                   set: &mut HashSet<(u32, u64)>| {
         for u in &f.units {
             for (i, r) in u.records.iter().enumerate().skip(u.data_blocks as usize) {
                 if r.kind == kind::RELEASE {
@@ -708,16 +751,26 @@ pub fn open(
         if released.contains(&(f.seg, f.incarnation)) {
             continue;
         }
-        for u in f.units.iter().filter(|u| u.version > d_max && u.data_blocks > 0) {
-            let data = read_blocks(&shared, &mut report, f.seg, u.offset + u.header_blocks, u.data_blocks);
+        for u in f
+            .units
+            .iter()
+            .filter(|u| u.version > d_max && u.data_blocks > 0)
+        {
+            let data = read_blocks(
+                &shared,
+                &mut report,
+                f.seg,
+                u.offset + u.header_blocks,
+                u.data_blocks,
+            );
             for i in 0..u.data_blocks as usize {
                 let r = &u.records[i];
                 if r.kind != kind::DATA {
                     continue;
                 }
-                let ok = data
-                    .as_ref()
-                    .is_ok_and(|d| lamina_format::crc32c(&d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]) == r.b);
+                let ok = data.as_ref().is_ok_and(|d| {
+                    lamina_format::crc32c(&d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]) == r.b
+                });
                 if !ok {
                     torn.insert((f.seg, u.offset, i));
                     report.torn_blocks_ignored += 1;
@@ -765,7 +818,9 @@ pub fn open(
                         Ev::Data {
                             volume: r.volume(),
                             lba: r.lba(),
-                            pba: geo.pba(SegmentId(f.seg), u.offset + u.header_blocks + i as u32).0,
+                            pba: geo
+                                .pba(SegmentId(f.seg), u.offset + u.header_blocks + i as u32)
+                                .0,
                         },
                     ));
                     report.blocks_replayed += 1;
@@ -790,7 +845,12 @@ pub fn open(
         }
     }
     events.sort_by_key(|(v, _)| *v);
-    let vol_of = |id: u16| volumes.iter().find(|(v, _)| v.id.0 == id).map(|(v, _)| v.clone());
+    let vol_of = |id: u16| {
+        volumes
+            .iter()
+            .find(|(v, _)| v.id.0 == id)
+            .map(|(v, _)| v.clone())
+    };
     for (_, ev) in &events {
         match *ev {
             Ev::Data { volume, lba, pba } => {
@@ -800,7 +860,11 @@ pub fn open(
                     }
                 }
             }
-            Ev::Trim { volume, start, count } => {
+            Ev::Trim {
+                volume,
+                start,
+                count,
+            } => {
                 if let Some(v) = vol_of(volume) {
                     let end = (start + count).min(v.map.len());
                     for lba in start..end {
@@ -854,9 +918,9 @@ pub fn open(
     // Stream heads that received nothing: closed where they stood, or free if empty.
     for seg in &scanned_heads {
         let s = &mut segs[*seg as usize];
-        if s.state == SegState::Meta && !found.iter().any(|f| f.seg == *seg) {
-            *s = Seg::free(s.erase_count);
-        } else if s.state == SegState::Closed && s.write_ptr == 0 {
+        let empty_meta = s.state == SegState::Meta && !found.iter().any(|f| f.seg == *seg);
+        let empty_data = s.state == SegState::Closed && s.write_ptr == 0;
+        if empty_meta || empty_data {
             *s = Seg::free(s.erase_count);
         }
     }
@@ -901,8 +965,15 @@ pub fn open(
     // ---- the free queue: the walked order first, then the rest
     let mut in_queue = vec![false; nsegs];
     let mut free = VecDeque::new();
-    for seg in walked_queue.iter().copied().chain(meta.free_queue.iter().copied()) {
-        if (seg as usize) < nsegs && segs[seg as usize].state == SegState::Free && !in_queue[seg as usize] {
+    for seg in walked_queue
+        .iter()
+        .copied()
+        .chain(meta.free_queue.iter().copied())
+    {
+        if (seg as usize) < nsegs
+            && segs[seg as usize].state == SegState::Free
+            && !in_queue[seg as usize]
+        {
             in_queue[seg as usize] = true;
             free.push_back(seg);
         }
@@ -918,7 +989,9 @@ pub fn open(
     // Readers locate unit headers through the unit-start bitmap. Segments the walk
     // scanned get theirs now; the others load lazily on their first read.
     for f in &found {
-        if released.contains(&(f.seg, f.incarnation)) || segs[f.seg as usize].incarnation != f.incarnation {
+        if released.contains(&(f.seg, f.incarnation))
+            || segs[f.seg as usize].incarnation != f.incarnation
+        {
             continue;
         }
         if f.start == 0 {
@@ -957,7 +1030,10 @@ pub fn open(
         let devs = shared.devices.clone();
         engine.write_superblock_sync(&devs)?;
         // Record the recovered state so that later recoveries start from here.
-        let token = Token { conn: u32::MAX, handle: 0 };
+        let token = Token {
+            conn: u32::MAX,
+            handle: 0,
+        };
         engine.submit(token, crate::engine::Request::Checkpoint);
         run_inline(&mut engine);
         let mut replies = Vec::new();
@@ -965,7 +1041,9 @@ pub fn open(
         if let Some(r) = replies.into_iter().find(|r| r.token == token) {
             r.result?;
         } else {
-            return Err(EngineError::Io("post-recovery checkpoint did not complete".into()));
+            return Err(EngineError::Io(
+                "post-recovery checkpoint did not complete".into(),
+            ));
         }
     }
     for w in &report.warnings {

@@ -51,7 +51,11 @@ pub enum ReadError {
     Device(#[from] lamina_device::DeviceError),
     /// The block's checksum, or its owner, does not match its unit header.
     #[error("volume {volume} block {lba}: {detail}")]
-    Corrupt { volume: u16, lba: u64, detail: String },
+    Corrupt {
+        volume: u16,
+        lba: u64,
+        detail: String,
+    },
 }
 
 /// Read-side counters (written by client threads).
@@ -71,8 +75,12 @@ struct UnitCrcs {
     dead: Box<[bool]>,
 }
 
+/// (segment, incarnation, unit offset) of a cached unit header.
+type UnitKey = (u32, u64, u32);
+type CrcShard = Mutex<HashMap<UnitKey, Arc<UnitCrcs>>>;
+
 struct CrcCache {
-    shards: Vec<Mutex<HashMap<(u32, u64, u32), Arc<UnitCrcs>>>>,
+    shards: Vec<CrcShard>,
     per_shard: usize,
 }
 
@@ -85,16 +93,16 @@ impl CrcCache {
             per_shard: (entries / CRC_CACHE_SHARDS).max(4),
         }
     }
-    fn shard(&self, key: &(u32, u64, u32)) -> &Mutex<HashMap<(u32, u64, u32), Arc<UnitCrcs>>> {
+    fn shard(&self, key: &UnitKey) -> &CrcShard {
         let h = (key.0 as u64)
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .wrapping_add(key.2 as u64);
         &self.shards[(h >> 32) as usize % CRC_CACHE_SHARDS]
     }
-    fn get(&self, key: &(u32, u64, u32)) -> Option<Arc<UnitCrcs>> {
+    fn get(&self, key: &UnitKey) -> Option<Arc<UnitCrcs>> {
         self.shard(key).lock().unwrap().get(key).cloned()
     }
-    fn insert(&self, key: (u32, u64, u32), v: Arc<UnitCrcs>) {
+    fn insert(&self, key: UnitKey, v: Arc<UnitCrcs>) {
         let mut m = self.shard(&key).lock().unwrap();
         if m.len() >= self.per_shard {
             // Evict an arbitrary entry: hash order is as good as random here.
@@ -136,7 +144,9 @@ impl Shared {
         Shared {
             seg_pins: (0..segs).map(|_| AtomicU32::new(0)).collect(),
             seg_incarnation: (0..segs).map(|_| AtomicU64::new(0)).collect(),
-            unit_starts: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            unit_starts: (0..blocks.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             starts_known: (0..segs).map(|_| AtomicBool::new(false)).collect(),
             volumes: RwLock::new(Vec::new()),
             crc_cache: CrcCache::new(crc_cache_entries),
@@ -152,7 +162,10 @@ impl Shared {
     /// The volume exported under `name`; `""` is the first volume (the default).
     pub fn volume(&self, name: &str) -> Option<Arc<VolumeShared>> {
         let vols = self.volumes.read().unwrap();
-        let mut live = vols.iter().flatten().filter(|v| !v.deleted.load(Ordering::Relaxed));
+        let mut live = vols
+            .iter()
+            .flatten()
+            .filter(|v| !v.deleted.load(Ordering::Relaxed));
         if name.is_empty() {
             live.next().cloned()
         } else {
@@ -187,6 +200,15 @@ impl Shared {
             vols.resize(i + 1, None);
         }
         vols[i] = Some(v);
+    }
+
+    /// A map for a volume of `blocks` blocks, packed for this array's size.
+    pub fn new_map(&self, blocks: u64) -> Map {
+        Map::new(
+            blocks,
+            self.geo.segment_count * self.geo.segment_blocks,
+            self.buffers.count() * self.buffers.unit_blocks(),
+        )
     }
 
     pub(crate) fn remove_volume(&self, id: VolumeId) {
@@ -230,7 +252,8 @@ impl Shared {
         let (dev, off) = geo.locate(seg, geo.data_end);
         if self.devices[dev].read_at(&mut buf, off).is_ok() {
             if let Ok(h) = SummaryHeader::decode(&buf) {
-                if h.segment == seg.0 && h.incarnation == incarnation && h.array_id == geo.array_id {
+                if h.segment == seg.0 && h.incarnation == incarnation && h.array_id == geo.array_id
+                {
                     for k in 0..h.record_count as usize {
                         let r = record_at(&buf, k);
                         if r.kind == kind::UNIT {
@@ -248,8 +271,14 @@ impl Shared {
         while offset + h <= geo.data_end {
             let (dev, off) = geo.locate(seg, offset);
             self.devices[dev].read_at(&mut hdr, off)?;
-            let Ok(u) = UnitHeader::decode(&hdr) else { break };
-            if u.segment != seg.0 || u.offset != offset || u.incarnation != incarnation || u.array_id != geo.array_id {
+            let Ok(u) = UnitHeader::decode(&hdr) else {
+                break;
+            };
+            if u.segment != seg.0
+                || u.offset != offset
+                || u.incarnation != incarnation
+                || u.array_id != geo.array_id
+            {
                 break;
             }
             self.mark_unit_start(geo.pba(seg, offset));
@@ -319,7 +348,12 @@ impl Shared {
     }
 
     /// Reads whole blocks starting at `first` into `out` (a multiple of 4 KiB).
-    pub fn read_blocks(&self, vol: &VolumeShared, first: u64, out: &mut [u8]) -> Result<(), ReadError> {
+    pub fn read_blocks(
+        &self,
+        vol: &VolumeShared,
+        first: u64,
+        out: &mut [u8],
+    ) -> Result<(), ReadError> {
         let nblocks = (out.len() / BLOCK_SIZE) as u64;
         let mut i = 0u64;
         while i < nblocks {
@@ -404,8 +438,15 @@ impl Shared {
             return Err(e.into());
         }
         let corrupt = |lba: u64, detail: String| {
-            self.read_stats.checksum_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(volume = vol.id.0, lba, segment = seg.0, "read verification failed: {detail}");
+            self.read_stats
+                .checksum_errors
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                volume = vol.id.0,
+                lba,
+                segment = seg.0,
+                "read verification failed: {detail}"
+            );
             ReadError::Corrupt {
                 volume: vol.id.0,
                 lba,
@@ -419,12 +460,10 @@ impl Shared {
         let unit_start = self
             .unit_start_of(pba)
             .ok_or_else(|| corrupt(first_lba, "no unit header precedes the block".into()))?;
-        let crcs = self
-            .unit_crcs(seg, unit_start)
-            .map_err(|e| match e {
-                ReadError::Corrupt { detail, .. } => corrupt(first_lba, detail),
-                other => other,
-            })?;
+        let crcs = self.unit_crcs(seg, unit_start).map_err(|e| match e {
+            ReadError::Corrupt { detail, .. } => corrupt(first_lba, detail),
+            other => other,
+        })?;
         let first_index = (seg_off - unit_start - self.geo.header_blocks as u32) as usize;
         for (k, block) in dst.chunks_exact(BLOCK_SIZE).enumerate() {
             let idx = first_index + k;
@@ -457,7 +496,9 @@ impl Shared {
         if let Some(c) = self.crc_cache.get(&key) {
             return Ok(c);
         }
-        self.read_stats.crc_cache_misses.fetch_add(1, Ordering::Relaxed);
+        self.read_stats
+            .crc_cache_misses
+            .fetch_add(1, Ordering::Relaxed);
         let h = self.geo.header_blocks as usize;
         let mut hdr = vec![0u8; h * BLOCK_SIZE];
         let (dev, byte_off) = self.geo.locate(seg, unit_start);

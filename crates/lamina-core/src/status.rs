@@ -66,7 +66,11 @@ impl Engine {
             let segments = self
                 .segs
                 .iter()
-                .filter(|s| s.state != SegState::Free && s.state != SegState::Meta && s.volume == v.shared.id.0)
+                .filter(|s| {
+                    s.state != SegState::Free
+                        && s.state != SegState::Meta
+                        && s.volume == v.shared.id.0
+                })
                 .count() as u64;
             volumes.push(VolumeStatus {
                 id: v.shared.id.0,
@@ -84,7 +88,12 @@ impl Engine {
         use std::sync::atomic::Ordering::Relaxed;
         StatusReport {
             array_name: self.sb.array_name.clone(),
-            array_uuid: self.sb.array_uuid.iter().map(|b| format!("{b:02x}")).collect(),
+            array_uuid: self
+                .sb
+                .array_uuid
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect(),
             layout: self.sb.layout.name().into(),
             devices: self.shared.devices.iter().map(|d| d.describe()).collect(),
             segment_size_bytes: self.geo.segment_blocks as u64 * bs,

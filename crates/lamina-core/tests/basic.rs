@@ -18,7 +18,15 @@ fn write_flush_read_restart() {
     let mut e = open_rw(&devs, small_config());
     let vol = create_volume(&mut e, "v", 4 << 20);
     for lba in 0..100u64 {
-        let r = call(&mut e, Request::Write { volume: vol, offset: lba * 4096, data: pattern(lba, 1), fua: false });
+        let r = call(
+            &mut e,
+            Request::Write {
+                volume: vol,
+                offset: lba * 4096,
+                data: pattern(lba, 1),
+                fua: false,
+            },
+        );
         r.result.unwrap();
     }
     call(&mut e, Request::Flush).result.unwrap();
@@ -30,18 +38,52 @@ fn write_flush_read_restart() {
     let mut e = open_rw(&devs, small_config());
     let vol = e.shared().volume("v").unwrap().id;
     for lba in 0..100u64 {
-        assert_eq!(decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(), 1, "lba {lba} after restart");
+        assert_eq!(
+            decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(),
+            1,
+            "lba {lba} after restart"
+        );
     }
     // Overwrite, zero a range, restart again.
     for lba in 0..50u64 {
-        call(&mut e, Request::Write { volume: vol, offset: lba * 4096, data: pattern(lba, 2), fua: false }).result.unwrap();
+        call(
+            &mut e,
+            Request::Write {
+                volume: vol,
+                offset: lba * 4096,
+                data: pattern(lba, 2),
+                fua: false,
+            },
+        )
+        .result
+        .unwrap();
     }
-    call(&mut e, Request::Zero { volume: vol, offset: 10 * 4096, length: 5 * 4096, fua: true }).result.unwrap();
+    call(
+        &mut e,
+        Request::Zero {
+            volume: vol,
+            offset: 10 * 4096,
+            length: 5 * 4096,
+            fua: true,
+        },
+    )
+    .result
+    .unwrap();
     drop(e);
     let e = open_rw(&devs, small_config());
     for lba in 0..100u64 {
-        let want = if (10..15).contains(&lba) { 0 } else if lba < 50 { 2 } else { 1 };
-        assert_eq!(decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(), want, "lba {lba}");
+        let want = if (10..15).contains(&lba) {
+            0
+        } else if lba < 50 {
+            2
+        } else {
+            1
+        };
+        assert_eq!(
+            decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(),
+            want,
+            "lba {lba}"
+        );
     }
 }
 
@@ -60,21 +102,38 @@ fn gc_runs_and_data_survives() {
         x ^= x << 17;
         let lba = if i < blocks { i } else { x % blocks };
         version[lba as usize] += 1;
-        let r = call(&mut e, Request::Write { volume: vol, offset: lba * 4096, data: pattern(lba, version[lba as usize]), fua: false });
-        r.result.unwrap_or_else(|err| panic!("write {i} of lba {lba}: {err}"));
+        let r = call(
+            &mut e,
+            Request::Write {
+                volume: vol,
+                offset: lba * 4096,
+                data: pattern(lba, version[lba as usize]),
+                fua: false,
+            },
+        );
+        r.result
+            .unwrap_or_else(|err| panic!("write {i} of lba {lba}: {err}"));
     }
     let st = e.status();
     eprintln!("{st:#?}");
     assert!(st.gc_bytes_relocated > 0, "GC must have run: {st:?}");
     assert!(st.write_amplification.unwrap() > 1.0);
     for lba in 0..blocks {
-        assert_eq!(decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(), version[lba as usize], "lba {lba}");
+        assert_eq!(
+            decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(),
+            version[lba as usize],
+            "lba {lba}"
+        );
     }
     call(&mut e, Request::Flush).result.unwrap();
     drop(e);
     let e = open_rw(&devs, small_config());
     for lba in 0..blocks {
-        assert_eq!(decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(), version[lba as usize], "lba {lba} after restart");
+        assert_eq!(
+            decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(),
+            version[lba as usize],
+            "lba {lba} after restart"
+        );
     }
 }
 
@@ -85,13 +144,23 @@ fn device_errors_are_reported_not_hidden() {
     use lamina_core::EngineError;
     use lamina_device::fault::{FaultDevice, FaultOp};
     let mem: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(64)));
-    format_devices(&[mem.clone()], &small_params());
+    format_devices(std::slice::from_ref(&mem), &small_params());
     let fault = Arc::new(FaultDevice::new(mem));
     let devs: Vec<Arc<dyn BlockDevice>> = vec![fault.clone()];
     let mut e = open_rw(&devs, small_config());
     let vol = create_volume(&mut e, "v", 4 << 20);
     for lba in 0..64u64 {
-        call(&mut e, Request::Write { volume: vol, offset: lba * 4096, data: pattern(lba, 1), fua: false }).result.unwrap();
+        call(
+            &mut e,
+            Request::Write {
+                volume: vol,
+                offset: lba * 4096,
+                data: pattern(lba, 1),
+                fua: false,
+            },
+        )
+        .result
+        .unwrap();
     }
     call(&mut e, Request::Flush).result.unwrap();
     // Every read of the device fails: reads of data on it report an error, never
@@ -105,7 +174,15 @@ fn device_errors_are_reported_not_hidden() {
     // A failed write: the array goes read-only with a reason; reads still work.
     fault.fail(FaultOp::Write, 0, u64::MAX, u64::MAX);
     for lba in 0..300u64 {
-        let r = call(&mut e, Request::Write { volume: vol, offset: (lba % 64) * 4096, data: pattern(lba % 64, 2), fua: false });
+        let r = call(
+            &mut e,
+            Request::Write {
+                volume: vol,
+                offset: (lba % 64) * 4096,
+                data: pattern(lba % 64, 2),
+                fua: false,
+            },
+        );
         if r.result.is_err() {
             break;
         }
@@ -115,7 +192,15 @@ fn device_errors_are_reported_not_hidden() {
     assert!(matches!(err, EngineError::Failed(_)), "{err:?}");
     assert_eq!(err.errno(), 5);
     assert!(e.status().failed.is_some());
-    let r = call(&mut e, Request::Write { volume: vol, offset: 0, data: pattern(0, 3), fua: false });
+    let r = call(
+        &mut e,
+        Request::Write {
+            volume: vol,
+            offset: 0,
+            data: pattern(0, 3),
+            fua: false,
+        },
+    );
     assert_eq!(r.result.unwrap_err().errno(), 5);
     fault.heal();
     let got = decode_pattern(5, &read_block(&e, vol, 5)).unwrap();
@@ -131,16 +216,45 @@ fn damaged_superblock_copy_is_survived_and_both_are_refused() {
     {
         let mut e = open_rw(&devs, small_config());
         let vol = create_volume(&mut e, "v", 1 << 20);
-        call(&mut e, Request::Write { volume: vol, offset: 0, data: pattern(0, 9), fua: true }).result.unwrap();
+        call(
+            &mut e,
+            Request::Write {
+                volume: vol,
+                offset: 0,
+                data: pattern(0, 9),
+                fua: true,
+            },
+        )
+        .result
+        .unwrap();
     }
-    devs[0].write_at(&[0xee; 512], SUPERBLOCK_OFFSETS[0] + 512).unwrap();
-    let (e, report) = lamina_core::open(devs.clone(), small_config(), lamina_core::OpenMode::ReadWrite).expect("open with one copy");
-    assert!(report.warnings.iter().any(|w| w.contains("superblock")), "{:?}", report.warnings);
-    assert_eq!(decode_pattern(0, &read_block(&e, e.shared().volume("v").unwrap().id, 0)).unwrap(), 9);
+    devs[0]
+        .write_at(&[0xee; 512], SUPERBLOCK_OFFSETS[0] + 512)
+        .unwrap();
+    let (e, report) = lamina_core::open(
+        devs.clone(),
+        small_config(),
+        lamina_core::OpenMode::ReadWrite,
+    )
+    .expect("open with one copy");
+    assert!(
+        report.warnings.iter().any(|w| w.contains("superblock")),
+        "{:?}",
+        report.warnings
+    );
+    assert_eq!(
+        decode_pattern(0, &read_block(&e, e.shared().volume("v").unwrap().id, 0)).unwrap(),
+        9
+    );
     drop(e);
     for off in SUPERBLOCK_OFFSETS {
         devs[0].write_at(&[0xee; 512], off + 512).unwrap();
     }
-    let err = lamina_core::open(devs, small_config(), lamina_core::OpenMode::ReadOnly).err().expect("must refuse");
-    assert!(err.to_string().contains("no valid Lamina superblock"), "{err}");
+    let err = lamina_core::open(devs, small_config(), lamina_core::OpenMode::ReadOnly)
+        .err()
+        .expect("must refuse");
+    assert!(
+        err.to_string().contains("no valid Lamina superblock"),
+        "{err}"
+    );
 }

@@ -15,9 +15,9 @@
 mod common;
 use common::*;
 use lamina_core::{Request, Token, VolumeId};
-use lamina_testkit::{FlushMark, Oracle, WriteMark};
 use lamina_device::crash::{CrashDevice, PowerCut};
 use lamina_device::BlockDevice;
+use lamina_testkit::{FlushMark, Oracle, WriteMark};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -57,10 +57,12 @@ impl Run {
         for r in replies {
             let h = r.token.handle;
             if let Some((first, mark)) = self.outstanding.writes.remove(&h) {
-                r.result.unwrap_or_else(|e| panic!("seed {}: write failed: {e}", self.seed));
+                r.result
+                    .unwrap_or_else(|e| panic!("seed {}: write failed: {e}", self.seed));
                 self.model.ack(first, &mark);
             } else if let Some(mark) = self.outstanding.flushes.remove(&h) {
-                r.result.unwrap_or_else(|e| panic!("seed {}: flush failed: {e}", self.seed));
+                r.result
+                    .unwrap_or_else(|e| panic!("seed {}: flush failed: {e}", self.seed));
                 self.model.flush_done(&mark);
             }
         }
@@ -74,7 +76,11 @@ impl Run {
             self.outstanding.flushes.insert(h, mark);
             return;
         }
-        let count = if self.rng.gen_bool(0.8) { 1 } else { self.rng.gen_range(1..=16) };
+        let count = if self.rng.gen_bool(0.8) {
+            1
+        } else {
+            self.rng.gen_range(1..=16)
+        };
         // Skewed toward a hot region so GC sees mixed segments.
         let first = if self.rng.gen_bool(0.6) {
             self.rng.gen_range(0..self.blocks / 8)
@@ -116,12 +122,20 @@ impl Run {
     /// Cuts the power, recovers from the surviving image and checks every block.
     fn crash_and_check(&mut self, round: usize) {
         let keep = [0.0, 0.5, 0.9, 1.0][self.rng.gen_range(0..4)];
-        let image = self.dev.power_cut(&mut self.rng, PowerCut { keep_probability: keep });
+        let image = self.dev.power_cut(
+            &mut self.rng,
+            PowerCut {
+                keep_probability: keep,
+            },
+        );
         self.driver.queue.clear();
         let dev = Arc::new(CrashDevice::from_image("crash0", image));
         let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
-        let (engine, _report) = lamina_core::open(devs, small_config(), lamina_core::OpenMode::ReadWrite)
-            .unwrap_or_else(|e| panic!("seed {} round {round}: recovery failed: {e}", self.seed));
+        let (engine, _report) =
+            lamina_core::open(devs, small_config(), lamina_core::OpenMode::ReadWrite)
+                .unwrap_or_else(|e| {
+                    panic!("seed {} round {round}: recovery failed: {e}", self.seed)
+                });
         self.engine = engine;
         self.dev = dev;
         let vol = self.engine.shared().volume("v").expect("volume survives");
@@ -188,7 +202,10 @@ fn power_cuts_never_lose_flushed_writes() {
         run_seed(seed.parse().unwrap(), 3000, 4);
         return;
     }
-    let seeds: u64 = std::env::var("LAMINA_CRASH_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(24);
+    let seeds: u64 = std::env::var("LAMINA_CRASH_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(24);
     for seed in 0..seeds {
         run_seed(seed, 3000, 4);
     }

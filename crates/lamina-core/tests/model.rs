@@ -17,14 +17,27 @@ const VOL_BLOCKS: u64 = 1024;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Write { offset: u64, len: u64, seed: u8 },
-    Zero { offset: u64, len: u64 },
-    Read { offset: u64, len: u64 },
+    Write {
+        offset: u64,
+        len: u64,
+        seed: u8,
+    },
+    Zero {
+        offset: u64,
+        len: u64,
+    },
+    Read {
+        offset: u64,
+        len: u64,
+    },
     Flush,
     Checkpoint,
     Restart,
     /// Overwrite a hot range many times, to force GC.
-    Churn { first: u64, rounds: u8 },
+    Churn {
+        first: u64,
+        rounds: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -41,7 +54,9 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn bytes(seed: u8, offset: u64, len: u64) -> Vec<u8> {
-    (0..len).map(|i| (offset + i).wrapping_mul(31).wrapping_add(seed as u64) as u8 | 1).collect()
+    (0..len)
+        .map(|i| (offset + i).wrapping_mul(31).wrapping_add(seed as u64) as u8 | 1)
+        .collect()
 }
 
 fn check_all(e: &lamina_core::Engine, model: &[u8]) -> Result<(), TestCaseError> {
@@ -114,7 +129,12 @@ proptest! {
 #[test]
 fn several_devices_in_any_order() {
     let devs: Vec<Arc<dyn BlockDevice>> = (0..3)
-        .map(|i| Arc::new(MemDevice::new(format!("mem{i}"), device_bytes(20 + 4 * i as u64))) as Arc<dyn BlockDevice>)
+        .map(|i| {
+            Arc::new(MemDevice::new(
+                format!("mem{i}"),
+                device_bytes(20 + 4 * i as u64),
+            )) as Arc<dyn BlockDevice>
+        })
         .collect();
     format_devices(&devs, &small_params());
     let mut e = open_rw(&devs, small_config());
@@ -123,7 +143,17 @@ fn several_devices_in_any_order() {
     let vol = create_volume(&mut e, "v", blocks * BS as u64);
     for round in 1..=3u64 {
         for lba in 0..blocks {
-            call(&mut e, Request::Write { volume: vol, offset: lba * BS as u64, data: pattern(lba, round), fua: false }).result.unwrap();
+            call(
+                &mut e,
+                Request::Write {
+                    volume: vol,
+                    offset: lba * BS as u64,
+                    data: pattern(lba, round),
+                    fua: false,
+                },
+            )
+            .result
+            .unwrap();
         }
     }
     call(&mut e, Request::Flush).result.unwrap();
@@ -132,18 +162,37 @@ fn several_devices_in_any_order() {
     let shuffled = vec![devs[2].clone(), devs[0].clone(), devs[1].clone()];
     let e = open_rw(&shuffled, small_config());
     for lba in 0..blocks {
-        assert_eq!(decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(), 3, "lba {lba}");
+        assert_eq!(
+            decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(),
+            3,
+            "lba {lba}"
+        );
     }
     drop(e);
     // A missing member and a foreign device are refused with a clear message.
-    let err = lamina_core::open(vec![devs[0].clone(), devs[1].clone()], small_config(), lamina_core::OpenMode::ReadOnly)
-        .err()
-        .unwrap();
+    let err = lamina_core::open(
+        vec![devs[0].clone(), devs[1].clone()],
+        small_config(),
+        lamina_core::OpenMode::ReadOnly,
+    )
+    .err()
+    .unwrap();
     assert!(err.to_string().contains("were not given"), "{err}");
     let foreign: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("other", device_bytes(20)));
-    lamina_core::format(&[foreign.clone()], &small_params(), [0xcd; 16], &[[9; 16]], 0).unwrap();
-    let err = lamina_core::open(vec![devs[0].clone(), devs[1].clone(), foreign], small_config(), lamina_core::OpenMode::ReadOnly)
-        .err()
-        .unwrap();
+    lamina_core::format(
+        std::slice::from_ref(&foreign),
+        &small_params(),
+        [0xcd; 16],
+        &[[9; 16]],
+        0,
+    )
+    .unwrap();
+    let err = lamina_core::open(
+        vec![devs[0].clone(), devs[1].clone(), foreign],
+        small_config(),
+        lamina_core::OpenMode::ReadOnly,
+    )
+    .err()
+    .unwrap();
     assert!(err.to_string().contains("another array"), "{err}");
 }

@@ -101,7 +101,7 @@ impl BlockDevice for CrashDevice {
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
         check_range(self, "write", offset, buf.len())?;
         assert!(
-            offset % SECTOR as u64 == 0 && buf.len() % SECTOR == 0,
+            offset.is_multiple_of(SECTOR as u64) && buf.len().is_multiple_of(SECTOR),
             "crash device takes sector-aligned writes"
         );
         let mut st = self.state.lock().unwrap();
@@ -139,12 +139,27 @@ mod tests {
         d.read_at(&mut b, 0).unwrap();
         assert_eq!(b, [2u8; 4096], "reads see unsynced data");
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        let lost = d.power_cut(&mut rng, PowerCut { keep_probability: 0.0 });
+        let lost = d.power_cut(
+            &mut rng,
+            PowerCut {
+                keep_probability: 0.0,
+            },
+        );
         assert!(lost[..4096].iter().all(|&x| x == 1));
         assert!(lost[4096..8192].iter().all(|&x| x == 0));
-        let kept = d.power_cut(&mut rng, PowerCut { keep_probability: 1.0 });
+        let kept = d.power_cut(
+            &mut rng,
+            PowerCut {
+                keep_probability: 1.0,
+            },
+        );
         assert!(kept[..4096].iter().all(|&x| x == 2));
-        let torn = d.power_cut(&mut rng, PowerCut { keep_probability: 0.5 });
+        let torn = d.power_cut(
+            &mut rng,
+            PowerCut {
+                keep_probability: 0.5,
+            },
+        );
         let sectors_new = torn[..4096].chunks(512).filter(|s| s[0] == 2).count();
         assert!(sectors_new > 0 && sectors_new < 8, "a write can be torn");
     }

@@ -78,7 +78,8 @@ impl FaultDevice {
 
     /// Adds latency to every operation.
     pub fn slow_down(&self, delay: Duration) {
-        self.delay_us.store(delay.as_micros() as u64, Ordering::SeqCst);
+        self.delay_us
+            .store(delay.as_micros() as u64, Ordering::SeqCst);
     }
 
     /// Faults that fired so far.
@@ -86,7 +87,13 @@ impl FaultDevice {
         self.injected.load(Ordering::SeqCst)
     }
 
-    fn check(&self, op: FaultOp, offset: u64, len: usize, name: &'static str) -> Result<(), DeviceError> {
+    fn check(
+        &self,
+        op: FaultOp,
+        offset: u64,
+        len: usize,
+        name: &'static str,
+    ) -> Result<(), DeviceError> {
         let d = self.delay_us.load(Ordering::Relaxed);
         if d > 0 {
             std::thread::sleep(Duration::from_micros(d));
@@ -103,7 +110,9 @@ impl FaultDevice {
         let end = offset + len as u64;
         let mut faults = self.faults.lock().unwrap();
         for f in faults.iter_mut() {
-            let hit = f.op == op && f.remaining > 0 && (op == FaultOp::Sync || (offset < f.end && end > f.start));
+            let hit = f.op == op
+                && f.remaining > 0
+                && (op == FaultOp::Sync || (offset < f.end && end > f.start));
             if hit {
                 if f.remaining != u64::MAX {
                     f.remaining -= 1;

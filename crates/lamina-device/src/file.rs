@@ -71,9 +71,7 @@ impl FileDevice {
         } else if meta.is_file() {
             meta.len()
         } else {
-            return Err(open_err(
-                "not a regular file or block device".to_string(),
-            ));
+            return Err(open_err("not a regular file or block device".to_string()));
         };
         let op = match mode {
             OpenMode::ReadWrite => libc::LOCK_EX,

@@ -304,8 +304,8 @@ impl CheckpointMeta {
         let mut segments = Vec::with_capacity(n);
         for i in 0..n {
             let st = r.u8()?;
-            let state =
-                SegmentState::from_u8(st).ok_or_else(|| invalid(format!("segment {i} state {st}")))?;
+            let state = SegmentState::from_u8(st)
+                .ok_or_else(|| invalid(format!("segment {i} state {st}")))?;
             segments.push(SegmentRecord {
                 state,
                 stream_kind: r.u8()?,
@@ -429,9 +429,17 @@ mod tests {
         m.counters.clear();
         let enc = m.encode();
         assert_eq!(CheckpointMeta::decode(&enc).unwrap(), m);
-        let empty = CheckpointMeta { segments: vec![m.segments[0]], ..Default::default() }.encode();
+        let empty = CheckpointMeta {
+            segments: vec![m.segments[0]],
+            ..Default::default()
+        }
+        .encode();
         assert_eq!(empty.len(), 4 + 4 + SEGMENT_RECORD_SIZE + 4 + 4 + 4);
-        let streams = CheckpointMeta { streams: vec![sample().streams[0]], ..Default::default() }.encode();
+        let streams = CheckpointMeta {
+            streams: vec![sample().streams[0]],
+            ..Default::default()
+        }
+        .encode();
         assert_eq!(streams.len(), 4 + 4 + 4 + 4 + STREAM_RECORD_SIZE + 4);
     }
 

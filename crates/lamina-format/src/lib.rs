@@ -18,8 +18,8 @@
 
 pub mod checkpoint;
 pub mod codec;
-pub mod superblock;
 pub mod summary;
+pub mod superblock;
 pub mod unit;
 
 /// Size of a logical and physical block. Every address in Lamina counts these.

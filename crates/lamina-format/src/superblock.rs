@@ -54,7 +54,7 @@ const OFF_DEVICE_TABLE: usize = 256;
 const DEVICE_ENTRY_SIZE: usize = 48;
 const OFF_CRC: usize = BLOCK_SIZE - 4;
 const _: () = assert!(OFF_DEVICE_TABLE + MAX_DEVICES * DEVICE_ENTRY_SIZE <= OFF_CRC);
-const _: () = assert!(OFF_NAME + MAX_NAME_LEN + 1 <= OFF_DEVICE_TABLE);
+const _: () = assert!(OFF_NAME + MAX_NAME_LEN < OFF_DEVICE_TABLE);
 
 /// How segments are spread over the devices of an array.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,7 +238,10 @@ impl Superblock {
             )));
         }
         let name_bytes = &b[OFF_NAME..OFF_NAME + MAX_NAME_LEN];
-        let name_len = name_bytes.iter().position(|&c| c == 0).unwrap_or(MAX_NAME_LEN);
+        let name_len = name_bytes
+            .iter()
+            .position(|&c| c == 0)
+            .unwrap_or(MAX_NAME_LEN);
         let array_name = String::from_utf8(name_bytes[..name_len].to_vec())
             .map_err(|_| invalid("array name is not UTF-8".into()))?;
         let ckpt_version = get_u64(b, OFF_CKPT_VERSION);
@@ -278,7 +281,10 @@ impl Superblock {
             checkpoint,
             devices,
         };
-        if sb.segment_blocks < 8 || sb.write_unit_blocks < 2 || sb.write_unit_blocks > sb.segment_blocks {
+        if sb.segment_blocks < 8
+            || sb.write_unit_blocks < 2
+            || sb.write_unit_blocks > sb.segment_blocks
+        {
             return Err(invalid(format!(
                 "segment of {} blocks with write unit of {} blocks",
                 sb.segment_blocks, sb.write_unit_blocks

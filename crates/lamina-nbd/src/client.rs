@@ -65,7 +65,8 @@ impl Client {
         if magic != NBDMAGIC || opt != IHAVEOPT {
             return Err(ClientError::Protocol("not a newstyle NBD server".into()));
         }
-        self.w.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())?;
+        self.w
+            .write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())?;
         let mut data = Vec::new();
         data.extend_from_slice(&(export.len() as u32).to_be_bytes());
         data.extend_from_slice(export.as_bytes());
@@ -114,7 +115,14 @@ impl Client {
     }
 
     /// Queues a request (not yet flushed to the socket). Returns its handle.
-    pub fn send(&mut self, kind: u16, flags: u16, offset: u64, length: u32, payload: &[u8]) -> io::Result<u64> {
+    pub fn send(
+        &mut self,
+        kind: u16,
+        flags: u16,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) -> io::Result<u64> {
         let handle = self.next_handle;
         self.next_handle += 1;
         let h = RequestHeader {
@@ -152,10 +160,21 @@ impl Client {
             data.resize(len, 0);
             self.r.read_exact(&mut data)?;
         }
-        Ok(Received { handle, error, data })
+        Ok(Received {
+            handle,
+            error,
+            data,
+        })
     }
 
-    fn call(&mut self, kind: u16, flags: u16, offset: u64, length: u32, payload: &[u8]) -> Result<Vec<u8>, ClientError> {
+    fn call(
+        &mut self,
+        kind: u16,
+        flags: u16,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) -> Result<Vec<u8>, ClientError> {
         let h = self.send(kind, flags, offset, length, payload)?;
         let r = self.recv()?;
         if r.handle != h {
@@ -173,7 +192,8 @@ impl Client {
 
     pub fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<(), ClientError> {
         let flags = if fua { CMD_FLAG_FUA } else { 0 };
-        self.call(CMD_WRITE, flags, offset, data.len() as u32, data).map(|_| ())
+        self.call(CMD_WRITE, flags, offset, data.len() as u32, data)
+            .map(|_| ())
     }
 
     pub fn flush(&mut self) -> Result<(), ClientError> {

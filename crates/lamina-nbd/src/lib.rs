@@ -5,4 +5,6 @@ pub mod client;
 pub mod proto;
 pub mod server;
 
-pub use server::{serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Listener};
+pub use server::{
+    serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Listener,
+};

@@ -17,11 +17,13 @@ use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 /// Requests one connection may have outstanding.
 pub const MAX_INFLIGHT: usize = 256;
+/// Write payload bytes one connection may have outstanding (beyond one request).
+pub const MAX_INFLIGHT_BYTES: u64 = 64 << 20;
 /// Connections served at once; more are closed on accept.
 pub const MAX_CONNECTIONS: usize = 256;
 /// How long a client may take over the handshake.
@@ -42,9 +44,17 @@ pub struct ExportInfo {
 /// A request that completes asynchronously.
 #[derive(Debug)]
 pub enum Command {
-    Write { offset: u64, data: Vec<u8>, fua: bool },
+    Write {
+        offset: u64,
+        data: Vec<u8>,
+        fua: bool,
+    },
     /// Trim or write-zeroes: the range reads as zeros afterwards.
-    Zero { offset: u64, length: u64, fua: bool },
+    Zero {
+        offset: u64,
+        length: u64,
+        fua: bool,
+    },
     Flush,
 }
 
@@ -162,6 +172,27 @@ impl ConnWriter {
 
 type Writer = Arc<Mutex<ConnWriter>>;
 
+/// Bounds the write payload a connection holds in memory: a client cannot make the
+/// server buffer MAX_INFLIGHT x MAX_PAYLOAD bytes.
+struct ByteBudget {
+    used: Mutex<u64>,
+    freed: Condvar,
+}
+
+impl ByteBudget {
+    fn acquire(&self, n: u64) {
+        let mut used = self.used.lock().unwrap();
+        while *used > 0 && *used + n > MAX_INFLIGHT_BYTES {
+            used = self.freed.wait(used).unwrap();
+        }
+        *used += n;
+    }
+    fn release(&self, n: u64) {
+        *self.used.lock().unwrap() -= n;
+        self.freed.notify_all();
+    }
+}
+
 /// Where the completions of one connection's commands go. Any thread may complete
 /// commands: the replies are written right away when the socket is free and takes
 /// them without blocking, otherwise the connection's replier thread finishes them.
@@ -172,6 +203,7 @@ pub struct ReplySink {
     replier: Sender<ReplierMsg>,
     /// A kick is queued; no need for another.
     kicked: AtomicBool,
+    budget: ByteBudget,
 }
 
 enum ReplierMsg {
@@ -190,9 +222,11 @@ impl ReplySink {
             return;
         }
         let mut bytes = Vec::with_capacity(16 * completions.len());
+        let mut payload = 0u64;
         for c in completions.drain(..) {
             bytes.extend_from_slice(&simple_reply(c.handle, c.error));
             if let Some(b) = c.buf {
+                payload += b.len() as u64;
                 if b.capacity() <= POOL_KEEP_BYTES {
                     let _ = self.pool.try_send(b);
                 }
@@ -210,6 +244,9 @@ impl ReplySink {
             Err(_) => {
                 let _ = self.replier.send(ReplierMsg::Bytes(bytes));
             }
+        }
+        if payload > 0 {
+            self.budget.release(payload);
         }
         for _ in 0..n {
             let _ = self.credits.send(());
@@ -298,7 +335,9 @@ fn handshake<B: Backend>(
         let option = read_u32(r)?;
         let len = read_u32(r)?;
         if len > MAX_OPTION_DATA {
-            return Err(protocol(format!("option {option} with {len} bytes of data")));
+            return Err(protocol(format!(
+                "option {option} with {len} bytes of data"
+            )));
         }
         let mut data = vec![0u8; len as usize];
         r.read_exact(&mut data)?;
@@ -310,7 +349,8 @@ fn handshake<B: Backend>(
         }
         match option {
             OPT_EXPORT_NAME => {
-                let name = String::from_utf8(data).map_err(|_| protocol("export name is not UTF-8"))?;
+                let name =
+                    String::from_utf8(data).map_err(|_| protocol("export name is not UTF-8"))?;
                 let Some((export, info)) = backend.open_export(&name) else {
                     // This option cannot carry an error: the spec says hang up.
                     return Err(protocol(format!("unknown export {name:?}")));
@@ -325,7 +365,9 @@ fn handshake<B: Backend>(
                 return Ok(Some((export, info)));
             }
             _ if !fixed => {
-                return Err(protocol(format!("option {option} from a non-fixed-newstyle client")));
+                return Err(protocol(format!(
+                    "option {option} from a non-fixed-newstyle client"
+                )));
             }
             OPT_ABORT => {
                 let _ = reply(REP_ACK, &[]);
@@ -361,7 +403,11 @@ fn handshake<B: Backend>(
                         return None;
                     }
                     let reqs: Vec<u16> = (0..n)
-                        .map(|i| u16::from_be_bytes(data[6 + nl + 2 * i..8 + nl + 2 * i].try_into().unwrap()))
+                        .map(|i| {
+                            u16::from_be_bytes(
+                                data[6 + nl + 2 * i..8 + nl + 2 * i].try_into().unwrap(),
+                            )
+                        })
                         .collect();
                     Some((name, reqs))
                 })();
@@ -414,7 +460,7 @@ pub fn serve_connection<B: Backend>(backend: Arc<B>, stream: Box<dyn Conn>) -> i
         stream: stream.try_clone_conn()?,
         pending: Vec::new(),
     }));
-    let mut r = BufReader::with_capacity(256 * 1024, stream);
+    let mut r = BufReader::with_capacity(64 * 1024, stream);
     let Some((export, info)) = handshake(&*backend, &mut r, &writer)? else {
         r.get_ref().shutdown_conn();
         return Ok(());
@@ -446,6 +492,10 @@ fn transmission<B: Backend>(
         pool: pool_tx,
         replier: replier_tx,
         kicked: AtomicBool::new(false),
+        budget: ByteBudget {
+            used: Mutex::new(0),
+            freed: Condvar::new(),
+        },
     });
     let replier = {
         let writer = writer.clone();
@@ -482,7 +532,10 @@ fn transmission<B: Backend>(
                             let h = simple_reply(req.handle, 0);
                             let mut g = writer.lock().unwrap();
                             g.drain_blocking()?;
-                            write_all_vectored(&mut *g.stream, &mut [IoSlice::new(&h), IoSlice::new(&read_buf)])?;
+                            write_all_vectored(
+                                &mut *g.stream,
+                                &mut [IoSlice::new(&h), IoSlice::new(&read_buf)],
+                            )?;
                         }
                         Err(e) => error_reply(e)?,
                     }
@@ -496,11 +549,20 @@ fn transmission<B: Backend>(
                         error_reply(EINVAL)?;
                         continue;
                     }
+                    sink.budget.acquire(len);
                     let mut data = pool_rx.try_recv().unwrap_or_default();
                     data.resize(req.length as usize, 0);
-                    r.read_exact(&mut data)?;
+                    if let Err(e) = r.read_exact(&mut data) {
+                        sink.budget.release(len);
+                        return Err(e);
+                    }
                     credit_rx.recv().unwrap();
-                    backend.submit(export, req.handle, Command::Write { offset, data, fua }, &sink);
+                    backend.submit(
+                        export,
+                        req.handle,
+                        Command::Write { offset, data, fua },
+                        &sink,
+                    );
                 }
                 CMD_FLUSH => {
                     if bad_flags || offset != 0 || len != 0 {
@@ -516,7 +578,16 @@ fn transmission<B: Backend>(
                         continue;
                     }
                     credit_rx.recv().unwrap();
-                    backend.submit(export, req.handle, Command::Zero { offset, length: len, fua }, &sink);
+                    backend.submit(
+                        export,
+                        req.handle,
+                        Command::Zero {
+                            offset,
+                            length: len,
+                            fua,
+                        },
+                        &sink,
+                    );
                 }
                 CMD_DISC => return Ok(()),
                 _ => error_reply(EINVAL)?,
@@ -606,12 +677,14 @@ pub fn serve<B: Backend>(backend: Arc<B>, listener: Listener, stop: Arc<AtomicBo
         active.fetch_add(1, Ordering::SeqCst);
         let backend = backend.clone();
         let active = active.clone();
-        let spawned = std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
-            if let Err(e) = serve_connection(backend, conn) {
-                tracing::info!("connection closed: {e}");
-            }
-            active.fetch_sub(1, Ordering::SeqCst);
-        });
+        let spawned = std::thread::Builder::new()
+            .name("nbd-conn".into())
+            .spawn(move || {
+                if let Err(e) = serve_connection(backend, conn) {
+                    tracing::info!("connection closed: {e}");
+                }
+                active.fetch_sub(1, Ordering::SeqCst);
+            });
         if let Err(e) = spawned {
             tracing::error!("cannot start a connection thread: {e}");
         }

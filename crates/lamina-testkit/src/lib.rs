@@ -20,7 +20,8 @@ pub fn fill_pattern(lba: u64, version: u64, b: &mut [u8]) {
         b.fill(0);
         return;
     }
-    let mut x = lba.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ 1;
+    let mut x =
+        lba.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ 1;
     for chunk in b.chunks_exact_mut(8) {
         x ^= x << 13;
         x ^= x >> 7;
@@ -42,7 +43,9 @@ pub fn decode_pattern(lba: u64, b: &[u8]) -> Result<u64, String> {
         return Err(format!("block {lba} holds data of block {l}"));
     }
     if pattern(lba, v) != b {
-        return Err(format!("block {lba} is torn or corrupt (its header says version {v})"));
+        return Err(format!(
+            "block {lba} is torn or corrupt (its header says version {v})"
+        ));
     }
     Ok(v)
 }
@@ -135,7 +138,9 @@ impl Oracle {
         let v = decode_pattern(lba, data)?;
         let allowed = self.allowed(lba);
         if !allowed.contains(&v) {
-            return Err(format!("block {lba} holds version {v}; allowed {allowed:?}"));
+            return Err(format!(
+                "block {lba} holds version {v}; allowed {allowed:?}"
+            ));
         }
         Ok(v)
     }

@@ -25,10 +25,17 @@ const MAX_LINE: u64 = 64 * 1024;
 
 fn handle(rt: &Runtime, req: &Value) -> Value {
     let op = req.get("op").and_then(|v| v.as_str()).unwrap_or("");
-    let status = || rt.call(Request::Status).map(|s| s.expect("status reply carries a report"));
+    let status = || {
+        rt.call(Request::Status)
+            .map(|s| s.expect("status reply carries a report"))
+    };
     let result: Result<Value, String> = match op {
-        "status" => status().map(|s| json!({"ok": true, "status": status_json(&s, true)})).map_err(|e| e.to_string()),
-        "metrics" => status().map(|s| json!({"ok": true, "metrics": metrics_text(&s)})).map_err(|e| e.to_string()),
+        "status" => status()
+            .map(|s| json!({"ok": true, "status": status_json(&s, true)}))
+            .map_err(|e| e.to_string()),
+        "metrics" => status()
+            .map(|s| json!({"ok": true, "metrics": metrics_text(&s)}))
+            .map_err(|e| e.to_string()),
         "volume-create" => {
             let name = req.get("name").and_then(|v| v.as_str());
             let size = req.get("size").and_then(|v| v.as_u64());
@@ -45,12 +52,17 @@ fn handle(rt: &Runtime, req: &Value) -> Value {
         }
         "volume-delete" => match req.get("name").and_then(|v| v.as_str()) {
             Some(name) => rt
-                .call(Request::DeleteVolume { name: name.to_string() })
+                .call(Request::DeleteVolume {
+                    name: name.to_string(),
+                })
                 .map(|_| json!({"ok": true}))
                 .map_err(|e| e.to_string()),
             None => Err("volume-delete needs \"name\"".into()),
         },
-        "checkpoint" => rt.call(Request::Checkpoint).map(|_| json!({"ok": true})).map_err(|e| e.to_string()),
+        "checkpoint" => rt
+            .call(Request::Checkpoint)
+            .map(|_| json!({"ok": true}))
+            .map_err(|e| e.to_string()),
         other => Err(format!("unknown op {other:?}")),
     };
     result.unwrap_or_else(|e| json!({"ok": false, "error": e}))
@@ -91,11 +103,14 @@ pub fn request(socket: &Path, req: &Value) -> Result<Option<Value>> {
     BufReader::new(&conn)
         .read_line(&mut line)
         .with_context(|| format!("no answer on {}", socket.display()))?;
-    let v: Value = serde_json::from_str(&line).with_context(|| format!("bad answer on {}", socket.display()))?;
+    let v: Value = serde_json::from_str(&line)
+        .with_context(|| format!("bad answer on {}", socket.display()))?;
     if v.get("ok").and_then(|b| b.as_bool()) != Some(true) {
         bail!(
             "{}",
-            v.get("error").and_then(|e| e.as_str()).unwrap_or("request failed")
+            v.get("error")
+                .and_then(|e| e.as_str())
+                .unwrap_or("request failed")
         );
     }
     Ok(Some(v))
@@ -103,7 +118,9 @@ pub fn request(socket: &Path, req: &Value) -> Result<Option<Value>> {
 
 /// Turns the JSON status back into a report, for the human renderer.
 pub fn status_from_json(v: &Value) -> Result<StatusReport> {
-    let s = v.get("status").ok_or_else(|| anyhow!("answer without status"))?;
+    let s = v
+        .get("status")
+        .ok_or_else(|| anyhow!("answer without status"))?;
     let u = |k: &str| s.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
     let a = s.get("array").cloned().unwrap_or_default();
     let mut r = StatusReport {
@@ -112,7 +129,11 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         layout: a["layout"].as_str().unwrap_or("").into(),
         devices: a["devices"]
             .as_array()
-            .map(|d| d.iter().filter_map(|x| x.as_str().map(String::from)).collect())
+            .map(|d| {
+                d.iter()
+                    .filter_map(|x| x.as_str().map(String::from))
+                    .collect()
+            })
             .unwrap_or_default(),
         segment_size_bytes: a["segment_size_bytes"].as_u64().unwrap_or(0),
         write_unit_bytes: a["write_unit_bytes"].as_u64().unwrap_or(0),

@@ -107,9 +107,15 @@ impl Config {
 
     pub fn load(dir: &Path) -> Result<Self> {
         let p = Self::path(dir);
-        let text = std::fs::read_to_string(&p)
-            .with_context(|| format!("{} holds no Lamina array (cannot read {})", dir.display(), p.display()))?;
-        let cfg: Config = toml::from_str(&text).with_context(|| format!("{} is not a valid configuration", p.display()))?;
+        let text = std::fs::read_to_string(&p).with_context(|| {
+            format!(
+                "{} holds no Lamina array (cannot read {})",
+                dir.display(),
+                p.display()
+            )
+        })?;
+        let cfg: Config = toml::from_str(&text)
+            .with_context(|| format!("{} is not a valid configuration", p.display()))?;
         if cfg.devices.is_empty() {
             bail!("{}: `devices` lists no device", p.display());
         }
@@ -123,10 +129,15 @@ impl Config {
             }
         }
         if let Some(s) = &cfg.engine.checkpoint_interval {
-            parse_size(s).map_err(anyhow::Error::msg).with_context(|| format!("{}: checkpoint_interval", Self::path(dir).display()))?;
+            parse_size(s)
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("{}: checkpoint_interval", Self::path(dir).display()))?;
         }
         if cfg.engine.buffer_units == Some(0) {
-            bail!("{}: buffer_units must be at least 1", Self::path(dir).display());
+            bail!(
+                "{}: buffer_units must be at least 1",
+                Self::path(dir).display()
+            );
         }
         Ok(cfg)
     }

@@ -108,7 +108,12 @@ struct ArrayCreateArgs {
     /// Directory for the array's configuration (created if missing).
     dir: PathBuf,
     /// A device: PATH or PATH:SIZE (repeat for more devices).
-    #[arg(long = "device", short = 'd', required = true, value_name = "PATH[:SIZE]")]
+    #[arg(
+        long = "device",
+        short = 'd',
+        required = true,
+        value_name = "PATH[:SIZE]"
+    )]
     devices: Vec<String>,
     /// Segment size: the unit of allocation and garbage collection.
     #[arg(long, default_value = "8M", value_name = "SIZE")]
@@ -216,7 +221,11 @@ pub fn create_array(
     params: FormatParams,
 ) -> Result<()> {
     if Config::exists(dir) {
-        bail!("{} already holds an array ({} exists)", dir.display(), Config::path(dir).display());
+        bail!(
+            "{} already holds an array ({} exists)",
+            dir.display(),
+            Config::path(dir).display()
+        );
     }
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut seen = std::collections::HashSet::new();
@@ -252,7 +261,10 @@ pub fn create_array(
         } else {
             let Some(s) = size else {
                 cleanup(&created);
-                bail!("{} does not exist; give PATH:SIZE to create a sparse file", abs.display());
+                bail!(
+                    "{} does not exist; give PATH:SIZE to create a sparse file",
+                    abs.display()
+                );
             };
             let d = FileDevice::create_sparse(&abs, *s)?;
             created.push(abs.clone());
@@ -278,7 +290,11 @@ pub fn create_array(
 
 fn array_create(a: ArrayCreateArgs) -> Result<()> {
     let dir = absolute(&a.dir)?;
-    let specs = a.devices.iter().map(|d| parse_device(d)).collect::<Result<Vec<_>>>()?;
+    let specs = a
+        .devices
+        .iter()
+        .map(|d| parse_device(d))
+        .collect::<Result<Vec<_>>>()?;
     let layout = match a.layout.as_str() {
         "jbod" => Layout::Jbod,
         "said0" => Layout::Said0,
@@ -315,7 +331,10 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
 }
 
 /// Opens the devices listed in `dir`'s config and recovers the array.
-pub fn open_array(dir: &Path, mode: OpenMode) -> Result<(lamina_core::Engine, lamina_core::RecoveryReport)> {
+pub fn open_array(
+    dir: &Path,
+    mode: OpenMode,
+) -> Result<(lamina_core::Engine, lamina_core::RecoveryReport)> {
     let cfg = Config::load(dir)?;
     let dm = match mode {
         OpenMode::ReadWrite => DevMode::ReadWrite,
@@ -358,7 +377,13 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             let size = parse_size(&size).map_err(anyhow::Error::msg)?;
             let req = json!({"op": "volume-create", "name": name, "size": size});
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
-                offline(&dir, Request::CreateVolume { name: name.clone(), size_bytes: size })?;
+                offline(
+                    &dir,
+                    Request::CreateVolume {
+                        name: name.clone(),
+                        size_bytes: size,
+                    },
+                )?;
             }
             println!("created volume {name:?} ({})", human(size));
         }
@@ -379,7 +404,12 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             } else {
                 println!("{:<20} {:>12} {:>12}", "NAME", "SIZE", "LIVE");
                 for v in &report.volumes {
-                    println!("{:<20} {:>12} {:>12}", v.name, human(v.size_bytes), human(v.live_bytes));
+                    println!(
+                        "{:<20} {:>12} {:>12}",
+                        v.name,
+                        human(v.size_bytes),
+                        human(v.live_bytes)
+                    );
                 }
             }
         }
@@ -391,8 +421,9 @@ fn get_status(dir: &Path) -> Result<(lamina_core::StatusReport, bool)> {
     if let Some(v) = admin::request(&admin_socket(dir)?, &json!({"op": "status"}))? {
         return Ok((admin::status_from_json(&v)?, true));
     }
-    let (engine, _) = open_array(dir, OpenMode::ReadOnly)
-        .context("cannot read the array (if `lamina serve` is running, its admin socket did not answer)")?;
+    let (engine, _) = open_array(dir, OpenMode::ReadOnly).context(
+        "cannot read the array (if `lamina serve` is running, its admin socket did not answer)",
+    )?;
     Ok((engine.status(), false))
 }
 
@@ -400,7 +431,10 @@ fn status(a: StatusArgs) -> Result<()> {
     let dir = absolute(&a.dir.unwrap_or_else(default_dir))?;
     let (report, running) = get_status(&dir)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&output::status_json(&report, running))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&output::status_json(&report, running))?
+        );
     } else if a.prometheus {
         print!("{}", output::metrics_text(&report));
     } else {

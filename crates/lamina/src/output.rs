@@ -131,26 +131,124 @@ pub fn metrics_text(s: &StatusReport) -> String {
         }
     };
     let vol = |f: &dyn Fn(&lamina_core::VolumeStatus) -> f64| -> Vec<(String, f64)> {
-        s.volumes.iter().map(|v| (format!("{{volume=\"{}\"}}", v.name), f(v))).collect()
+        s.volumes
+            .iter()
+            .map(|v| (format!("{{volume=\"{}\"}}", v.name), f(v)))
+            .collect()
     };
-    metric("capacity_bytes", "gauge", "Segment space on all devices.", vec![(String::new(), s.capacity_bytes as f64)]);
-    metric("usable_bytes", "gauge", "Live data the array accepts.", vec![(String::new(), s.usable_bytes as f64)]);
-    metric("live_bytes", "gauge", "Live data.", vec![(String::new(), s.live_bytes as f64)]);
-    metric("free_segments", "gauge", "Segments in the free queue.", vec![(String::new(), s.free_segments as f64)]);
-    metric("user_bytes_written_total", "counter", "Bytes written by clients.", vec![(String::new(), s.user_bytes_written as f64)]);
-    metric("media_bytes_written_total", "counter", "Bytes written to devices.", vec![(String::new(), s.media_bytes_written as f64)]);
-    metric("gc_bytes_relocated_total", "counter", "Bytes moved by garbage collection.", vec![(String::new(), s.gc_bytes_relocated as f64)]);
-    metric("metadata_bytes_written_total", "counter", "Bytes of checkpoints, release records and superblocks.", vec![(String::new(), s.metadata_bytes_written as f64)]);
-    metric("write_amplification", "gauge", "Media bytes per user byte.", vec![(String::new(), s.write_amplification.unwrap_or(0.0))]);
-    metric("flushes_total", "counter", "Client flushes.", vec![(String::new(), s.flushes as f64)]);
-    metric("syncs_total", "counter", "Device sync rounds.", vec![(String::new(), s.syncs as f64)]);
-    metric("checkpoints_total", "counter", "Checkpoints committed.", vec![(String::new(), s.checkpoints as f64)]);
-    metric("corrupt_blocks_total", "counter", "Blocks found damaged by GC.", vec![(String::new(), s.corrupt_blocks as f64)]);
-    metric("read_checksum_errors_total", "counter", "Reads that failed verification.", vec![(String::new(), s.read_checksum_errors as f64)]);
-    metric("volume_live_bytes", "gauge", "Live data per volume.", vol(&|v| v.live_bytes as f64));
-    metric("volume_user_bytes_written_total", "counter", "Bytes written by clients per volume.", vol(&|v| v.user_bytes_written as f64));
-    metric("volume_media_bytes_written_total", "counter", "Bytes written to devices per volume.", vol(&|v| v.media_bytes_written as f64));
-    metric("volume_gc_bytes_relocated_total", "counter", "Bytes moved by GC per volume.", vol(&|v| v.gc_bytes_relocated as f64));
-    metric("volume_write_amplification", "gauge", "Media bytes per user byte per volume.", vol(&|v| v.write_amplification.unwrap_or(0.0)));
+    metric(
+        "capacity_bytes",
+        "gauge",
+        "Segment space on all devices.",
+        vec![(String::new(), s.capacity_bytes as f64)],
+    );
+    metric(
+        "usable_bytes",
+        "gauge",
+        "Live data the array accepts.",
+        vec![(String::new(), s.usable_bytes as f64)],
+    );
+    metric(
+        "live_bytes",
+        "gauge",
+        "Live data.",
+        vec![(String::new(), s.live_bytes as f64)],
+    );
+    metric(
+        "free_segments",
+        "gauge",
+        "Segments in the free queue.",
+        vec![(String::new(), s.free_segments as f64)],
+    );
+    metric(
+        "user_bytes_written_total",
+        "counter",
+        "Bytes written by clients.",
+        vec![(String::new(), s.user_bytes_written as f64)],
+    );
+    metric(
+        "media_bytes_written_total",
+        "counter",
+        "Bytes written to devices.",
+        vec![(String::new(), s.media_bytes_written as f64)],
+    );
+    metric(
+        "gc_bytes_relocated_total",
+        "counter",
+        "Bytes moved by garbage collection.",
+        vec![(String::new(), s.gc_bytes_relocated as f64)],
+    );
+    metric(
+        "metadata_bytes_written_total",
+        "counter",
+        "Bytes of checkpoints, release records and superblocks.",
+        vec![(String::new(), s.metadata_bytes_written as f64)],
+    );
+    metric(
+        "write_amplification",
+        "gauge",
+        "Media bytes per user byte.",
+        vec![(String::new(), s.write_amplification.unwrap_or(0.0))],
+    );
+    metric(
+        "flushes_total",
+        "counter",
+        "Client flushes.",
+        vec![(String::new(), s.flushes as f64)],
+    );
+    metric(
+        "syncs_total",
+        "counter",
+        "Device sync rounds.",
+        vec![(String::new(), s.syncs as f64)],
+    );
+    metric(
+        "checkpoints_total",
+        "counter",
+        "Checkpoints committed.",
+        vec![(String::new(), s.checkpoints as f64)],
+    );
+    metric(
+        "corrupt_blocks_total",
+        "counter",
+        "Blocks found damaged by GC.",
+        vec![(String::new(), s.corrupt_blocks as f64)],
+    );
+    metric(
+        "read_checksum_errors_total",
+        "counter",
+        "Reads that failed verification.",
+        vec![(String::new(), s.read_checksum_errors as f64)],
+    );
+    metric(
+        "volume_live_bytes",
+        "gauge",
+        "Live data per volume.",
+        vol(&|v| v.live_bytes as f64),
+    );
+    metric(
+        "volume_user_bytes_written_total",
+        "counter",
+        "Bytes written by clients per volume.",
+        vol(&|v| v.user_bytes_written as f64),
+    );
+    metric(
+        "volume_media_bytes_written_total",
+        "counter",
+        "Bytes written to devices per volume.",
+        vol(&|v| v.media_bytes_written as f64),
+    );
+    metric(
+        "volume_gc_bytes_relocated_total",
+        "counter",
+        "Bytes moved by GC per volume.",
+        vol(&|v| v.gc_bytes_relocated as f64),
+    );
+    metric(
+        "volume_write_amplification",
+        "gauge",
+        "Media bytes per user byte per volume.",
+        vol(&|v| v.write_amplification.unwrap_or(0.0)),
+    );
     o
 }

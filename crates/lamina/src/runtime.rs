@@ -93,7 +93,9 @@ impl Runtime {
     pub fn shutdown(&self) -> Result<(), EngineError> {
         self.shutting_down.store(true, Ordering::SeqCst);
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.inbox.send(Msg::Shutdown(tx)).map_err(|_| EngineError::ShuttingDown)?;
+        self.inbox
+            .send(Msg::Shutdown(tx))
+            .map_err(|_| EngineError::ShuttingDown)?;
         rx.recv().map_err(|_| EngineError::ShuttingDown)?
     }
 }
@@ -122,7 +124,13 @@ fn engine_thread(mut engine: Engine, rx: Receiver<Msg>, io_tx: Sender<IoOp>) {
                     routes.len() as u64 - 1
                 });
                 routes[slot as usize] = Some(to);
-                engine.submit(Token { conn: 0, handle: slot }, req);
+                engine.submit(
+                    Token {
+                        conn: 0,
+                        handle: slot,
+                    },
+                    req,
+                );
             }
             Msg::Io(c) => engine.io_completed(c),
             Msg::Shutdown(done) => {
@@ -133,7 +141,13 @@ fn engine_thread(mut engine: Engine, rx: Receiver<Msg>, io_tx: Sender<IoOp>) {
                     routes.len() as u64 - 1
                 });
                 routes[slot as usize] = None;
-                engine.submit(Token { conn: 0, handle: slot }, Request::Checkpoint);
+                engine.submit(
+                    Token {
+                        conn: 0,
+                        handle: slot,
+                    },
+                    Request::Checkpoint,
+                );
                 shutdown = Some((done, slot));
             }
         };
@@ -175,7 +189,11 @@ fn engine_thread(mut engine: Engine, rx: Receiver<Msg>, io_tx: Sender<IoOp>) {
                     if let Err(e) = &r.result {
                         tracing::debug!("request failed: {e}");
                     }
-                    let c = Completion { handle, error, buf: r.buf };
+                    let c = Completion {
+                        handle,
+                        error,
+                        buf: r.buf,
+                    };
                     match batches.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
                         Some((_, v)) => v.push(c),
                         None => batches.push((sink, vec![c])),
@@ -228,7 +246,11 @@ impl Backend for LaminaBackend {
             return Err(lamina_nbd::proto::EIO);
         }
         self.rt.shared.read(export, offset, buf).map_err(|e| {
-            tracing::error!("read of {} bytes at {offset} on {:?} failed: {e}", buf.len(), export.name);
+            tracing::error!(
+                "read of {} bytes at {offset} on {:?} failed: {e}",
+                buf.len(),
+                export.name
+            );
             lamina_nbd::proto::EIO
         })
     }
@@ -242,7 +264,11 @@ impl Backend for LaminaBackend {
                 data,
                 fua,
             },
-            Command::Zero { offset, length, fua } => Request::Zero {
+            Command::Zero {
+                offset,
+                length,
+                fua,
+            } => Request::Zero {
                 volume,
                 offset,
                 length,
@@ -250,7 +276,12 @@ impl Backend for LaminaBackend {
             },
             Command::Flush => Request::Flush,
         };
-        if self.rt.inbox.send(Msg::Req(req, ReplyTo::Nbd(reply.clone(), handle))).is_err() {
+        if self
+            .rt
+            .inbox
+            .send(Msg::Req(req, ReplyTo::Nbd(reply.clone(), handle)))
+            .is_err()
+        {
             reply.complete(&mut vec![Completion {
                 handle,
                 error: lamina_nbd::proto::ESHUTDOWN,

@@ -51,7 +51,11 @@ impl Write for Tee {
 }
 
 fn init_logging(log_file: &Path) {
-    let file = std::fs::OpenOptions::new().create(true).append(true).open(log_file).ok();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file)
+        .ok();
     let tee = Tee(Arc::new(Mutex::new(file)));
     let filter = tracing_subscriber::EnvFilter::try_from_env("LAMINA_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -66,9 +70,13 @@ fn init_logging(log_file: &Path) {
 fn bind_unix(path: &Path) -> Result<UnixListener> {
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
-            bail!("{} is in use: is another `lamina serve` running?", path.display());
+            bail!(
+                "{} is in use: is another `lamina serve` running?",
+                path.display()
+            );
         }
-        std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
     }
     UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
 }
@@ -123,7 +131,10 @@ fn serve_metrics(listener: TcpListener, rt: Runtime) {
             let (code, body) = if req.starts_with("GET /metrics") {
                 match rt.call(Request::Status) {
                     Ok(Some(s)) => ("200 OK", crate::output::metrics_text(&s)),
-                    _ => ("503 Service Unavailable", "engine unavailable\n".to_string()),
+                    _ => (
+                        "503 Service Unavailable",
+                        "engine unavailable\n".to_string(),
+                    ),
                 }
             } else {
                 ("404 Not Found", "try /metrics\n".to_string())
@@ -203,7 +214,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let (unix, tcp) = if a.unix.is_some() || a.tcp.is_some() {
         (a.unix.map(|p| Config::resolve(&dir, &p)), a.tcp)
     } else {
-        (cfg.serve.unix.as_ref().map(|p| Config::resolve(&dir, p)), cfg.serve.tcp.clone())
+        (
+            cfg.serve.unix.as_ref().map(|p| Config::resolve(&dir, p)),
+            cfg.serve.tcp.clone(),
+        )
     };
     let mut sockets = Vec::new();
     let mut endpoints = Vec::new();
@@ -240,7 +254,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         std::thread::spawn(move || crate::admin::serve(admin, rt));
     }
     if let Some(addr) = a.metrics.or(cfg.serve.metrics.clone()) {
-        let l = TcpListener::bind(&addr).with_context(|| format!("cannot listen for metrics on {addr}"))?;
+        let l = TcpListener::bind(&addr)
+            .with_context(|| format!("cannot listen for metrics on {addr}"))?;
         let rt = rt.clone();
         std::thread::spawn(move || serve_metrics(l, rt));
         tracing::info!("metrics at http://{addr}/metrics");
@@ -272,9 +287,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
         if let Some(addr) = &tcp_bound {
             println!("  nbdinfo nbd://{addr}/{vol}");
         }
-        println!("Status: lamina status {}   Stop: Ctrl-C (flushes and checkpoints)", dir.display());
+        println!(
+            "Status: lamina status {}   Stop: Ctrl-C (flushes and checkpoints)",
+            dir.display()
+        );
     } else {
-        println!("The array has no volume yet: lamina volume create {} NAME --size SIZE", dir.display());
+        println!(
+            "The array has no volume yet: lamina volume create {} NAME --size SIZE",
+            dir.display()
+        );
     }
     let _ = std::io::stdout().flush();
 

@@ -13,8 +13,19 @@ use std::time::Duration;
 
 fn small_array(t: &TempDir, vol: &str) -> std::path::PathBuf {
     let dir = t.join("arr");
-    create_array(&dir, "128M", &["--segment-size", "1M", "--write-unit", "128K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", vol]);
+    create_array(
+        &dir,
+        "128M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        vol,
+    ]);
     dir
 }
 
@@ -26,7 +37,10 @@ fn closed_by_server(s: &mut UnixStream) -> bool {
         match s.read(&mut buf) {
             Ok(0) => return true,
             Ok(_) => continue,
-            Err(e) => return e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::TimedOut,
+            Err(e) => {
+                return e.kind() != std::io::ErrorKind::WouldBlock
+                    && e.kind() != std::io::ErrorKind::TimedOut
+            }
         }
     }
 }
@@ -151,7 +165,14 @@ fn expect_errno(r: Result<Vec<u8>, ClientError>, errno: u32) {
     }
 }
 
-fn raw(c: &mut Client, kind: u16, flags: u16, offset: u64, len: u32, payload: &[u8]) -> Result<Vec<u8>, ClientError> {
+fn raw(
+    c: &mut Client,
+    kind: u16,
+    flags: u16,
+    offset: u64,
+    len: u32,
+    payload: &[u8],
+) -> Result<Vec<u8>, ClientError> {
     let h = c.send(kind, flags, offset, len, payload)?;
     let r = c.recv()?;
     assert_eq!(r.handle, h);
@@ -179,11 +200,17 @@ fn bad_requests_get_einval_and_the_connection_goes_on() {
     let big = vec![1u8; MAX_PAYLOAD as usize + 4096];
     expect_errno(raw(&mut c, CMD_WRITE, 0, 0, big.len() as u32, &big), EINVAL);
     expect_errno(raw(&mut c, CMD_TRIM, 0, size - 4096, 8192, &[]), EINVAL);
-    expect_errno(raw(&mut c, CMD_WRITE_ZEROES, 0, u64::MAX, 4096, &[]), EINVAL);
+    expect_errno(
+        raw(&mut c, CMD_WRITE_ZEROES, 0, u64::MAX, 4096, &[]),
+        EINVAL,
+    );
     expect_errno(raw(&mut c, 42, 0, 0, 0, &[]), EINVAL);
     expect_errno(raw(&mut c, CMD_READ, 1 << 7, 0, 4096, &[]), EINVAL);
     expect_errno(raw(&mut c, CMD_READ, 1 << 2, 0, 4096, &[]), EINVAL); // DF without structured replies
-    expect_errno(raw(&mut c, CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 4096, &[0u8; 4096]), EINVAL);
+    expect_errno(
+        raw(&mut c, CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 4096, &[0u8; 4096]),
+        EINVAL,
+    );
     expect_errno(raw(&mut c, CMD_FLUSH, 0, 4096, 0, &[]), EINVAL);
     // Nothing was damaged, and the connection still works.
     assert_eq!(decode_pattern(0, &c.read(0, 4096).unwrap()), Ok(5));
@@ -210,7 +237,8 @@ fn bad_requests_get_einval_and_the_connection_goes_on() {
     let _ = c.recv().unwrap();
     drop(c);
     let mut s = hello(&srv.sock);
-    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes()).unwrap();
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
     option(&mut s, OPT_EXPORT_NAME, b"v");
     let mut info = [0u8; 10];
     s.read_exact(&mut info).unwrap();
@@ -230,9 +258,20 @@ fn bad_requests_get_einval_and_the_connection_goes_on() {
 fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
     let t = TempDir::new("enospc");
     let dir = t.join("arr");
-    let usable = create_array(&dir, "64M", &["--segment-size", "1M", "--write-unit", "128K"]);
+    let usable = create_array(
+        &dir,
+        "64M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
     // Thin provisioning: the volume is four times larger than the array.
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", &(4 * usable / (1 << 20) * (1 << 20)).to_string()]);
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        &(4 * usable / (1 << 20) * (1 << 20)).to_string(),
+    ]);
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     let chunk = 256u64;
@@ -240,7 +279,11 @@ fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
     let mut buf = vec![0u8; chunk as usize * BS];
     loop {
         for k in 0..chunk {
-            lamina_testkit::fill_pattern(written + k, 1, &mut buf[k as usize * BS..(k as usize + 1) * BS]);
+            lamina_testkit::fill_pattern(
+                written + k,
+                1,
+                &mut buf[k as usize * BS..(k as usize + 1) * BS],
+            );
         }
         match c.write(written * BS as u64, &buf, false) {
             Ok(()) => written += chunk,
@@ -250,20 +293,34 @@ fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
             }
             Err(e) => panic!("{e}"),
         }
-        assert!(written * (BS as u64) <= usable, "wrote more than the usable capacity");
+        assert!(
+            written * (BS as u64) <= usable,
+            "wrote more than the usable capacity"
+        );
     }
-    assert!(written * BS as u64 > usable / 2, "ENOSPC came too early: {written} blocks of {usable} bytes");
+    assert!(
+        written * BS as u64 > usable / 2,
+        "ENOSPC came too early: {written} blocks of {usable} bytes"
+    );
     // Nothing already written is damaged.
     c.flush().unwrap();
     for lba in (0..written).step_by(97) {
-        assert_eq!(decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()), Ok(1), "block {lba}");
+        assert_eq!(
+            decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()),
+            Ok(1),
+            "block {lba}"
+        );
     }
     // Overwrites of mapped blocks still work when full; trimming frees space.
     c.write(0, &pattern(0, 2), false).unwrap();
     c.trim(0, (written / 2 * BS as u64) as u32).unwrap();
-    c.write(written * BS as u64, &pattern(written, 3), false).expect("space after a trim");
+    c.write(written * BS as u64, &pattern(written, 3), false)
+        .expect("space after a trim");
     c.flush().unwrap();
-    assert_eq!(decode_pattern(written, &c.read(written * BS as u64, BS as u32).unwrap()), Ok(3));
+    assert_eq!(
+        decode_pattern(written, &c.read(written * BS as u64, BS as u32).unwrap()),
+        Ok(3)
+    );
     srv.stop();
 }
 
@@ -288,7 +345,10 @@ fn damaged_metadata_is_named() {
     let sb = lamina_format::superblock::Superblock::decode(&sbuf).unwrap();
     let geo = lamina_core::geometry::Geometry::from_superblock(&sb);
     let cref = sb.checkpoint.unwrap();
-    let (_, off) = geo.locate(lamina_core::SegmentId(cref.first_segment), geo.header_blocks as u32);
+    let (_, off) = geo.locate(
+        lamina_core::SegmentId(cref.first_segment),
+        geo.header_blocks as u32,
+    );
     // One damaged superblock copy: the other is used.
     poke(100);
     let srv = Server::start(&dir);
@@ -300,20 +360,34 @@ fn damaged_metadata_is_named() {
     std::os::unix::fs::FileExt::read_exact_at(&f, &mut sbuf, 0).unwrap();
     let sb = lamina_format::superblock::Superblock::decode(&sbuf).unwrap();
     let cref = sb.checkpoint.unwrap();
-    let (_, off2) = geo.locate(lamina_core::SegmentId(cref.first_segment), geo.header_blocks as u32);
+    let (_, off2) = geo.locate(
+        lamina_core::SegmentId(cref.first_segment),
+        geo.header_blocks as u32,
+    );
     let _ = off;
     poke(off2 + 100);
-    let out = lamina_output(&["serve", dir.to_str().unwrap(), "--unix", dir.join("nbd.sock").to_str().unwrap()]);
+    let out = lamina_output(&[
+        "serve",
+        dir.to_str().unwrap(),
+        "--unix",
+        dir.join("nbd.sock").to_str().unwrap(),
+    ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("checkpoint"), "the message must name the checkpoint: {err}");
+    assert!(
+        err.contains("checkpoint"),
+        "the message must name the checkpoint: {err}"
+    );
     // Both superblock copies damaged.
     poke(100);
     poke(256 * 1024 + 100);
     let out = lamina_output(&["status", dir.to_str().unwrap()]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("superblock"), "the message must name the superblock: {err}");
+    assert!(
+        err.contains("superblock"),
+        "the message must name the superblock: {err}"
+    );
 }
 
 #[test]
@@ -327,11 +401,18 @@ fn bad_configuration_and_commands_get_clear_messages() {
         let out = lamina_output(args);
         assert_eq!(out.status.code(), Some(1), "lamina {args:?} should fail");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(needle), "lamina {args:?}: expected {needle:?} in: {err}");
+        assert!(
+            err.contains(needle),
+            "lamina {args:?}: expected {needle:?} in: {err}"
+        );
     };
     std::fs::write(&cfg_path, format!("{good}\nbogus_key = 1\n")).unwrap();
     fails_with(&["status", d], "bogus_key");
-    std::fs::write(&cfg_path, good.replace("[engine]", "[engine]\ngc_policy = \"magic\"")).unwrap();
+    std::fs::write(
+        &cfg_path,
+        good.replace("[engine]", "[engine]\ngc_policy = \"magic\""),
+    )
+    .unwrap();
     fails_with(&["status", d], "gc_policy");
     std::fs::write(&cfg_path, "devices = [\"/nonexistent/lamina.img\"]\n").unwrap();
     fails_with(&["status", d], "/nonexistent/lamina.img");
@@ -339,26 +420,82 @@ fn bad_configuration_and_commands_get_clear_messages() {
     fails_with(&["status", d], "lamina.toml");
     std::fs::write(&cfg_path, &good).unwrap();
     // Volume requests.
-    fails_with(&["volume", "create", d, "v", "--size", "1M"], "already exists");
-    fails_with(&["volume", "create", d, "w", "--size", "1000"], "multiple of 4096");
-    fails_with(&["volume", "create", d, "w", "--size", "12Q"], "invalid size");
+    fails_with(
+        &["volume", "create", d, "v", "--size", "1M"],
+        "already exists",
+    );
+    fails_with(
+        &["volume", "create", d, "w", "--size", "1000"],
+        "multiple of 4096",
+    );
+    fails_with(
+        &["volume", "create", d, "w", "--size", "12Q"],
+        "invalid size",
+    );
     fails_with(&["volume", "delete", d, "nope"], "no volume named");
     // Array creation: nothing is written when the input is wrong.
     let other = t.join("other");
     let dev = dir.join("dev.img");
     let before = std::fs::read(&dev).unwrap();
     let o = other.to_str().unwrap();
-    fails_with(&["array", "create", o, "--device", dev.to_str().unwrap()], "already belongs");
+    fails_with(
+        &["array", "create", o, "--device", dev.to_str().unwrap()],
+        "already belongs",
+    );
     let x = t.join("x.img");
     let xs = format!("{}:64M", x.display());
-    fails_with(&["array", "create", o, "--device", &xs, "--device", &xs], "listed twice");
-    fails_with(&["array", "create", o, "--device", &format!("{}:2M", t.join("tiny.img").display())], "too small");
-    fails_with(&["array", "create", o, "--device", &xs, "--layout", "said5"], "not available yet");
-    fails_with(&["array", "create", o, "--device", &xs, "--overprovision=-1"], "over-provisioning");
-    fails_with(&["array", "create", o, "--device", &xs, "--segment-size", "5000"], "multiple of 4 KiB");
-    fails_with(&["array", "create", o, "--device", t.join("missing.img").to_str().unwrap()], "PATH:SIZE");
-    assert!(std::fs::read(&dev).unwrap() == before, "a refused create must not touch the device");
-    assert!(!x.exists() && !t.join("tiny.img").exists(), "refused creates leave no files behind");
+    fails_with(
+        &["array", "create", o, "--device", &xs, "--device", &xs],
+        "listed twice",
+    );
+    fails_with(
+        &[
+            "array",
+            "create",
+            o,
+            "--device",
+            &format!("{}:2M", t.join("tiny.img").display()),
+        ],
+        "too small",
+    );
+    fails_with(
+        &["array", "create", o, "--device", &xs, "--layout", "said5"],
+        "not available yet",
+    );
+    fails_with(
+        &["array", "create", o, "--device", &xs, "--overprovision=-1"],
+        "over-provisioning",
+    );
+    fails_with(
+        &[
+            "array",
+            "create",
+            o,
+            "--device",
+            &xs,
+            "--segment-size",
+            "5000",
+        ],
+        "multiple of 4 KiB",
+    );
+    fails_with(
+        &[
+            "array",
+            "create",
+            o,
+            "--device",
+            t.join("missing.img").to_str().unwrap(),
+        ],
+        "PATH:SIZE",
+    );
+    assert!(
+        std::fs::read(&dev).unwrap() == before,
+        "a refused create must not touch the device"
+    );
+    assert!(
+        !x.exists() && !t.join("tiny.img").exists(),
+        "refused creates leave no files behind"
+    );
     fails_with(&["serve", t.path().to_str().unwrap()], "not empty");
     // Usage errors exit with 2.
     assert_eq!(lamina_output(&["frobnicate"]).status.code(), Some(2));
@@ -369,7 +506,11 @@ fn bad_configuration_and_commands_get_clear_messages() {
 /// accepting writes with a reason that `lamina status` shows.
 #[test]
 fn device_errors_become_eio() {
-    if !need("bad_input::device_errors_become_eio", &["nbdkit", "nbdfuse", "fusermount3"], true) {
+    if !need(
+        "bad_input::device_errors_become_eio",
+        &["nbdkit", "nbdfuse", "fusermount3"],
+        true,
+    ) {
         return;
     }
     let t = TempDir::new("eio");
@@ -378,7 +519,16 @@ fn device_errors_become_eio() {
     let trigger = t.join("fail-now");
     guard.children.push(
         std::process::Command::new("nbdkit")
-            .args(["--foreground", "-U", sock.to_str().unwrap(), "--filter=error", "memory", "128M", "error=EIO", "error-rate=100%"])
+            .args([
+                "--foreground",
+                "-U",
+                sock.to_str().unwrap(),
+                "--filter=error",
+                "memory",
+                "128M",
+                "error=EIO",
+                "error-rate=100%",
+            ])
             .arg(format!("error-file={}", trigger.display()))
             .spawn()
             .unwrap(),
@@ -396,8 +546,25 @@ fn device_errors_become_eio() {
     guard.mounts.push(fuse.clone());
     wait_for(&fuse.join("dev"));
     let dir = t.join("arr");
-    lamina(&["array", "create", dir.to_str().unwrap(), "--device", fuse.join("dev").to_str().unwrap(), "--segment-size", "1M", "--write-unit", "128K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "16M"]);
+    lamina(&[
+        "array",
+        "create",
+        dir.to_str().unwrap(),
+        "--device",
+        fuse.join("dev").to_str().unwrap(),
+        "--segment-size",
+        "1M",
+        "--write-unit",
+        "128K",
+    ]);
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "16M",
+    ]);
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     c.write(0, &pattern(0, 1), false).unwrap();
@@ -414,7 +581,39 @@ fn device_errors_become_eio() {
     }
     assert!(saw_eio, "a failing device must surface as EIO");
     let st = status_json(&dir);
-    assert!(st["failed"].as_str().is_some_and(|f| !f.is_empty()), "status must say the array failed: {st}");
+    assert!(
+        st["failed"].as_str().is_some_and(|f| !f.is_empty()),
+        "status must say the array failed: {st}"
+    );
     drop(c);
     drop(srv);
+}
+
+/// A client that disconnects in the middle of a write payload, or with requests
+/// still outstanding, leaves nothing stuck: the server keeps serving.
+#[test]
+fn disconnects_mid_request_leave_nothing_stuck() {
+    let t = TempDir::new("disconnect");
+    let dir = small_array(&t, "8M");
+    let srv = Server::start(&dir);
+    for _ in 0..5 {
+        let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+        // Header of a 1 MiB write, then only half the payload.
+        c.send(CMD_WRITE, 0, 0, 1 << 20, &vec![3u8; 1 << 19])
+            .unwrap();
+        c.push().unwrap();
+        drop(c);
+        let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+        for i in 0..64 {
+            c.send(CMD_WRITE, 0, i * 4096, 4096, &[1u8; 4096]).unwrap();
+        }
+        c.send(CMD_FLUSH, 0, 0, 0, &[]).unwrap();
+        c.push().unwrap();
+        drop(c);
+    }
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    c.write(0, &pattern(0, 8), true).unwrap();
+    assert_eq!(decode_pattern(0, &c.read(0, 4096).unwrap()), Ok(8));
+    drop(c);
+    srv.stop();
 }

@@ -6,16 +6,39 @@ use common::*;
 
 #[test]
 fn nbdinfo_reports_what_lamina_advertises() {
-    if !need("clients::nbdinfo_reports_what_lamina_advertises", &["nbdinfo"], false) {
+    if !need(
+        "clients::nbdinfo_reports_what_lamina_advertises",
+        &["nbdinfo"],
+        false,
+    ) {
         return;
     }
     let t = TempDir::new("nbdinfo");
     let dir = t.join("arr");
-    create_array(&dir, "128M", &["--segment-size", "1M", "--write-unit", "256K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "alpha", "--size", "16M"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "beta", "--size", "8M"]);
+    create_array(
+        &dir,
+        "128M",
+        &["--segment-size", "1M", "--write-unit", "256K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "alpha",
+        "--size",
+        "16M",
+    ]);
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "beta",
+        "--size",
+        "8M",
+    ]);
     let s = Server::start(&dir);
-    let info: serde_json::Value = serde_json::from_str(&run("nbdinfo", &["--json", &s.uri("beta")])).unwrap();
+    let info: serde_json::Value =
+        serde_json::from_str(&run("nbdinfo", &["--json", &s.uri("beta")])).unwrap();
     let e = &info["exports"][0];
     assert_eq!(e["export-size"], 8 << 20);
     assert_eq!(e["can_multi_conn"], true);
@@ -27,20 +50,36 @@ fn nbdinfo_reports_what_lamina_advertises() {
     // NBD_OPT_LIST lists every volume; the empty name is the first volume.
     let list = run("nbdinfo", &["--list", &s.uri("")]);
     assert!(list.contains("alpha") && list.contains("beta"), "{list}");
-    let default: serde_json::Value = serde_json::from_str(&run("nbdinfo", &["--json", &s.uri("")])).unwrap();
+    let default: serde_json::Value =
+        serde_json::from_str(&run("nbdinfo", &["--json", &s.uri("")])).unwrap();
     assert_eq!(default["exports"][0]["export-size"], 16 << 20);
     s.stop();
 }
 
 #[test]
 fn nbdcopy_in_and_out_and_qemu_img_compare() {
-    if !need("clients::nbdcopy_in_and_out_and_qemu_img_compare", &["nbdcopy", "qemu-img"], false) {
+    if !need(
+        "clients::nbdcopy_in_and_out_and_qemu_img_compare",
+        &["nbdcopy", "qemu-img"],
+        false,
+    ) {
         return;
     }
     let t = TempDir::new("nbdcopy");
     let dir = t.join("arr");
-    create_array(&dir, "256M", &["--segment-size", "1M", "--write-unit", "256K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "64M"]);
+    create_array(
+        &dir,
+        "256M",
+        &["--segment-size", "1M", "--write-unit", "256K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "64M",
+    ]);
     let s = Server::start(&dir);
     // Random data with holes: zero runs exercise NBD_CMD_WRITE_ZEROES / TRIM.
     let src = t.join("src.raw");
@@ -57,15 +96,114 @@ fn nbdcopy_in_and_out_and_qemu_img_compare() {
     }
     std::fs::write(&src, &data).unwrap();
     // nbdcopy uses several connections when the server offers multi-conn.
-    run("nbdcopy", &["--connections=4", src.to_str().unwrap(), &s.uri("v")]);
+    run(
+        "nbdcopy",
+        &["--connections=4", src.to_str().unwrap(), &s.uri("v")],
+    );
     let back = t.join("back.raw");
     run("nbdcopy", &[&s.uri("v"), back.to_str().unwrap()]);
-    assert!(std::fs::read(&back).unwrap() == data, "nbdcopy round trip differs");
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "nbdcopy round trip differs"
+    );
     let qemu_uri = format!("nbd:unix:{}:exportname=v", s.sock.display());
-    run("qemu-img", &["compare", "-f", "raw", "-F", "raw", src.to_str().unwrap(), &qemu_uri]);
+    run(
+        "qemu-img",
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            src.to_str().unwrap(),
+            &qemu_uri,
+        ],
+    );
     s.stop();
     // And after a restart.
     let s = Server::start(&dir);
-    run("qemu-img", &["compare", "-f", "raw", "-F", "raw", src.to_str().unwrap(), &format!("nbd:unix:{}:exportname=v", s.sock.display())]);
+    run(
+        "qemu-img",
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            src.to_str().unwrap(),
+            &format!("nbd:unix:{}:exportname=v", s.sock.display()),
+        ],
+    );
     s.stop();
+}
+
+/// Prometheus metrics: over HTTP from a running server, and from `status --prometheus`.
+#[test]
+fn prometheus_metrics() {
+    use std::io::{Read, Write};
+    let t = TempDir::new("metrics");
+    let dir = t.join("arr");
+    create_array(
+        &dir,
+        "64M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "8M",
+    ]);
+    // Find a free port, then hand it to the server.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let sock = dir.join("nbd.sock");
+    let mut child = std::process::Command::new(lamina_bin())
+        .args([
+            "serve",
+            dir.to_str().unwrap(),
+            "--unix",
+            sock.to_str().unwrap(),
+            "--metrics",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&sock);
+    let mut c = lamina_nbd::client::Client::connect_unix(&sock, "v").unwrap();
+    c.write(0, &[7u8; 8192], true).unwrap();
+    let mut body = String::new();
+    for _ in 0..100 {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            s.read_to_string(&mut body).unwrap();
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(
+        body.contains("lamina_user_bytes_written_total 8192"),
+        "{body}"
+    );
+    assert!(
+        body.contains("lamina_volume_live_bytes{volume=\"v\"} 8192"),
+        "{body}"
+    );
+    let text = lamina(&["status", dir.to_str().unwrap(), "--prometheus"]);
+    assert!(
+        text.contains("# TYPE lamina_write_amplification gauge"),
+        "{text}"
+    );
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert!(child.wait().unwrap().success());
 }

@@ -25,7 +25,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 enum Outstanding {
-    Write { first: u64, mark: WriteMark, fua: bool },
+    Write {
+        first: u64,
+        mark: WriteMark,
+        fua: bool,
+    },
     Flush(FlushMark),
 }
 
@@ -49,9 +53,15 @@ fn workload(
             let p: f64 = rng.gen();
             let sent = if p < 0.08 {
                 let mark = oracle.flush_sent();
-                client.send(CMD_FLUSH, 0, 0, 0, &[]).map(|h| (h, Outstanding::Flush(mark)))
+                client
+                    .send(CMD_FLUSH, 0, 0, 0, &[])
+                    .map(|h| (h, Outstanding::Flush(mark)))
             } else {
-                let count = if rng.gen_bool(0.7) { 1 } else { rng.gen_range(1..=8) };
+                let count = if rng.gen_bool(0.7) {
+                    1
+                } else {
+                    rng.gen_range(1..=8)
+                };
                 let first = if rng.gen_bool(0.5) {
                     rng.gen_range(0..blocks / 16)
                 } else {
@@ -62,7 +72,11 @@ fn workload(
                 let flags = if fua { CMD_FLAG_FUA } else { 0 };
                 let len = (count * BS as u64) as u32;
                 if p < 0.14 {
-                    let kind = if rng.gen_bool(0.5) { CMD_TRIM } else { CMD_WRITE_ZEROES };
+                    let kind = if rng.gen_bool(0.5) {
+                        CMD_TRIM
+                    } else {
+                        CMD_WRITE_ZEROES
+                    };
                     let mark = oracle.issue(first, count, |_| 0);
                     client
                         .send(kind, flags, first * BS as u64, len, &[])
@@ -76,7 +90,13 @@ fn workload(
                     }
                     let mark = oracle.issue(first, count, v);
                     client
-                        .send(CMD_WRITE, flags, first * BS as u64, len, &buf[..len as usize])
+                        .send(
+                            CMD_WRITE,
+                            flags,
+                            first * BS as u64,
+                            len,
+                            &buf[..len as usize],
+                        )
                         .map(|h| (h, Outstanding::Write { first, mark, fua }))
                 }
             };
@@ -101,8 +121,16 @@ fn workload(
             }
             assert_eq!(r.error, 0, "request failed with error {}", r.error);
             match o {
-                Outstanding::Write { first, mark, fua: true } => oracle.ack_durable(first, &mark),
-                Outstanding::Write { first, mark, fua: false } => oracle.ack(first, &mark),
+                Outstanding::Write {
+                    first,
+                    mark,
+                    fua: true,
+                } => oracle.ack_durable(first, &mark),
+                Outstanding::Write {
+                    first,
+                    mark,
+                    fua: false,
+                } => oracle.ack(first, &mark),
                 Outstanding::Flush(mark) => oracle.flush_done(&mark),
             }
         }
@@ -119,7 +147,9 @@ fn verify(sock: &Path, oracle: &mut Oracle, round: usize) {
     let mut lba = 0;
     while lba < blocks {
         let n = chunk.min(blocks - lba);
-        let data = c.read(lba * BS as u64, (n * BS as u64) as u32).expect("read back");
+        let data = c
+            .read(lba * BS as u64, (n * BS as u64) as u32)
+            .expect("read back");
         for k in 0..n {
             let b = &data[(k as usize) * BS..(k as usize + 1) * BS];
             match oracle.check(lba + k, b) {
@@ -143,20 +173,41 @@ fn kill_after(pid: i32, delay: Duration, stop: Arc<AtomicBool>) -> std::thread::
 
 #[test]
 fn kill_9_at_random_moments() {
-    let rounds: usize = std::env::var("LAMINA_KILL_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
-    let seed: u64 = std::env::var("LAMINA_KILL_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
+    let rounds: usize = std::env::var("LAMINA_KILL_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let seed: u64 = std::env::var("LAMINA_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
     eprintln!("kill_9_at_random_moments: seed {seed} (LAMINA_KILL_SEED to replay the workload)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let t = TempDir::new("kill9");
     let dir = t.join("arr");
-    create_array(&dir, "128M", &["--segment-size", "1M", "--write-unit", "128K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "48M"]);
+    create_array(
+        &dir,
+        "128M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "48M",
+    ]);
     let mut oracle = Oracle::new((48 << 20) / BS as u64);
     let mut version = 0u64;
     let mut server = Server::start(&dir);
     for round in 0..rounds {
         let stop = Arc::new(AtomicBool::new(false));
-        let killer = kill_after(server.pid(), Duration::from_millis(rng.gen_range(50..900)), stop.clone());
+        let killer = kill_after(
+            server.pid(),
+            Duration::from_millis(rng.gen_range(50..900)),
+            stop.clone(),
+        );
         if let Ok(mut c) = Client::connect_unix(&server.sock, "v") {
             workload(&mut c, &mut oracle, &mut rng, &mut version, &stop, false);
         }
@@ -166,7 +217,10 @@ fn kill_9_at_random_moments() {
         verify(&server.sock, &mut oracle, round);
     }
     let st = status_json(&dir);
-    eprintln!("after {rounds} kills: user {} gc {} checkpoints gen {}", st["user_bytes_written"], st["gc_bytes_relocated"], st["checkpoint_generation"]);
+    eprintln!(
+        "after {rounds} kills: user {} gc {} checkpoints gen {}",
+        st["user_bytes_written"], st["gc_bytes_relocated"], st["checkpoint_generation"]
+    );
     server.stop();
 }
 
@@ -185,7 +239,15 @@ fn cached_device(t: &TempDir, backing: &Path) -> (Proc, Proc) {
     let _ = std::fs::remove_file(&sock);
     let kit = Proc(
         Command::new("nbdkit")
-            .args(["--foreground", "-U", sock.to_str().unwrap(), "--filter=cache", "file", backing.to_str().unwrap(), "cache=writeback"])
+            .args([
+                "--foreground",
+                "-U",
+                sock.to_str().unwrap(),
+                "--filter=cache",
+                "file",
+                backing.to_str().unwrap(),
+                "cache=writeback",
+            ])
             .stdout(Stdio::null())
             .spawn()
             .expect("nbdkit"),
@@ -206,15 +268,25 @@ fn cached_device(t: &TempDir, backing: &Path) -> (Proc, Proc) {
 }
 
 fn unmount(t: &TempDir) {
-    let _ = Command::new("fusermount3").arg("-u").arg(t.join("fuse")).status();
+    let _ = Command::new("fusermount3")
+        .arg("-u")
+        .arg(t.join("fuse"))
+        .status();
 }
 
 #[test]
 fn power_cut_through_nbdkit_writeback_cache() {
-    if !need("crash::power_cut_through_nbdkit_writeback_cache", &["nbdkit", "nbdfuse", "fusermount3"], true) {
+    if !need(
+        "crash::power_cut_through_nbdkit_writeback_cache",
+        &["nbdkit", "nbdfuse", "fusermount3"],
+        true,
+    ) {
         return;
     }
-    let rounds: usize = std::env::var("LAMINA_POWER_CUT_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(6);
+    let rounds: usize = std::env::var("LAMINA_POWER_CUT_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(6);
     let seed: u64 = rand::random();
     eprintln!("power_cut_through_nbdkit_writeback_cache: seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -222,12 +294,32 @@ fn power_cut_through_nbdkit_writeback_cache() {
     let mut guard = Guard::new();
     guard.mounts.push(t.join("fuse"));
     let backing = t.join("backing.img");
-    std::fs::File::create(&backing).unwrap().set_len(96 << 20).unwrap();
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(96 << 20)
+        .unwrap();
     let dir = t.join("arr");
     let (kit, fuse) = cached_device(&t, &backing);
     let dev = t.join("fuse").join("dev");
-    lamina(&["array", "create", dir.to_str().unwrap(), "--device", dev.to_str().unwrap(), "--segment-size", "1M", "--write-unit", "128K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "24M"]);
+    lamina(&[
+        "array",
+        "create",
+        dir.to_str().unwrap(),
+        "--device",
+        dev.to_str().unwrap(),
+        "--segment-size",
+        "1M",
+        "--write-unit",
+        "128K",
+    ]);
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "24M",
+    ]);
     let mut oracle = Oracle::new((24 << 20) / BS as u64);
     let mut version = 0u64;
     let mut stack = Some((kit, fuse));
@@ -238,7 +330,11 @@ fn power_cut_through_nbdkit_writeback_cache() {
         // The power cut: nbdkit (the "disk") dies first, taking its unflushed cache.
         let (kit, fuse) = stack.take().unwrap();
         let kit_pid = kit.0.id() as i32;
-        let killer = kill_after(kit_pid, Duration::from_millis(rng.gen_range(100..1200)), stop.clone());
+        let killer = kill_after(
+            kit_pid,
+            Duration::from_millis(rng.gen_range(100..1200)),
+            stop.clone(),
+        );
         if let Ok(mut c) = Client::connect_unix(&server.sock, "v") {
             workload(&mut c, &mut oracle, &mut rng, &mut version, &stop, true);
         }
@@ -266,22 +362,44 @@ fn power_cut_through_nbdkit_writeback_cache() {
 fn flush_on_one_connection_covers_writes_of_others() {
     let t = TempDir::new("multiconn");
     let dir = t.join("arr");
-    create_array(&dir, "128M", &["--segment-size", "1M", "--write-unit", "128K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "16M"]);
+    create_array(
+        &dir,
+        "128M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "16M",
+    ]);
     for round in 0..5u64 {
         let server = Server::start(&dir);
         let mut a = Client::connect_unix(&server.sock, "v").unwrap();
         let mut b = Client::connect_unix(&server.sock, "v").unwrap();
         for lba in 0..200u64 {
-            a.write(lba * BS as u64, &lamina_testkit::pattern(lba, round + 1), false).unwrap();
+            a.write(
+                lba * BS as u64,
+                &lamina_testkit::pattern(lba, round + 1),
+                false,
+            )
+            .unwrap();
         }
         b.flush().unwrap();
         server.kill9();
         let server = Server::start(&dir);
         let mut c = Client::connect_unix(&server.sock, "v").unwrap();
         for lba in 0..200u64 {
-            let got = lamina_testkit::decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()).unwrap();
-            assert_eq!(got, round + 1, "round {round}: block {lba} written on A, flushed on B, lost");
+            let got =
+                lamina_testkit::decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap())
+                    .unwrap();
+            assert_eq!(
+                got,
+                round + 1,
+                "round {round}: block {lba} written on A, flushed on B, lost"
+            );
         }
         server.stop();
     }

@@ -14,12 +14,26 @@ fn devices_can_move_and_be_listed_in_any_order() {
     let a = t.join("a.img");
     let b = t.join("b.img");
     lamina(&[
-        "array", "create", dir.to_str().unwrap(),
-        "--device", &format!("{}:48M", a.display()),
-        "--device", &format!("{}:64M", b.display()),
-        "--segment-size", "1M", "--write-unit", "128K",
+        "array",
+        "create",
+        dir.to_str().unwrap(),
+        "--device",
+        &format!("{}:48M", a.display()),
+        "--device",
+        &format!("{}:64M", b.display()),
+        "--segment-size",
+        "1M",
+        "--write-unit",
+        "128K",
     ]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "64M"]);
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "64M",
+    ]);
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     for lba in (0..16384u64).step_by(7) {
@@ -37,17 +51,31 @@ fn devices_can_move_and_be_listed_in_any_order() {
     std::fs::create_dir_all(&dir2).unwrap();
     std::fs::write(
         dir2.join("lamina.toml"),
-        format!("devices = [\"{}\", \"{}\"]\n", moved.join("second.img").display(), moved.join("first.img").display()),
+        format!(
+            "devices = [\"{}\", \"{}\"]\n",
+            moved.join("second.img").display(),
+            moved.join("first.img").display()
+        ),
     )
     .unwrap();
     let srv = Server::start(&dir2);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     for lba in (0..16384u64).step_by(7) {
-        assert_eq!(decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()), Ok(1), "block {lba}");
+        assert_eq!(
+            decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()),
+            Ok(1),
+            "block {lba}"
+        );
     }
     drop(c);
     srv.stop();
-    assert_eq!(status_json(&dir2)["array"]["devices"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        status_json(&dir2)["array"]["devices"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
 }
 
 /// A loop block device as the array's member (the raw block device path).
@@ -58,18 +86,42 @@ fn block_device_member() {
     }
     let t = TempDir::new("blockdev");
     let img = t.join("backing.img");
-    std::fs::File::create(&img).unwrap().set_len(96 << 20).unwrap();
-    let loopdev = run("losetup", &["-f", "--show", img.to_str().unwrap()]).trim().to_string();
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(96 << 20)
+        .unwrap();
+    let loopdev = run("losetup", &["-f", "--show", img.to_str().unwrap()])
+        .trim()
+        .to_string();
     struct Detach(String);
     impl Drop for Detach {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
+            let _ = std::process::Command::new("losetup")
+                .args(["-d", &self.0])
+                .status();
         }
     }
     let _detach = Detach(loopdev.clone());
     let dir = t.join("arr");
-    lamina(&["array", "create", dir.to_str().unwrap(), "--device", &loopdev, "--segment-size", "1M", "--write-unit", "128K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "32M"]);
+    lamina(&[
+        "array",
+        "create",
+        dir.to_str().unwrap(),
+        "--device",
+        &loopdev,
+        "--segment-size",
+        "1M",
+        "--write-unit",
+        "128K",
+    ]);
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "32M",
+    ]);
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     for lba in 0..512u64 {
@@ -81,7 +133,10 @@ fn block_device_member() {
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     for lba in 0..512u64 {
-        assert_eq!(decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()), Ok(2));
+        assert_eq!(
+            decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()),
+            Ok(2)
+        );
     }
     drop(c);
     srv.stop();

@@ -35,10 +35,16 @@ impl Stack {
         };
         let t0 = Instant::now();
         while !fuse_dir.join("disk").exists() {
-            assert!(t0.elapsed() < Duration::from_secs(30), "nbdfuse did not come up");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "nbdfuse did not come up"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
-        let dev = run("losetup", &["-f", "--show", fuse_dir.join("disk").to_str().unwrap()]);
+        let dev = run(
+            "losetup",
+            &["-f", "--show", fuse_dir.join("disk").to_str().unwrap()],
+        );
         s.loopdev = Some(dev.trim().to_string());
         s
     }
@@ -61,7 +67,10 @@ impl Stack {
             run("losetup", &["-d", &d]);
         }
         if let Some(mut c) = self.nbdfuse.take() {
-            let _ = Command::new("fusermount3").arg("-u").arg(&self.fuse_dir).status();
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.fuse_dir)
+                .status();
             let t0 = Instant::now();
             while c.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(10) {
                 std::thread::sleep(Duration::from_millis(50));
@@ -81,7 +90,10 @@ impl Drop for Stack {
             let _ = Command::new("losetup").args(["-d", &d]).status();
         }
         if let Some(mut c) = self.nbdfuse.take() {
-            let _ = Command::new("fusermount3").arg("-u").arg(&self.fuse_dir).status();
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.fuse_dir)
+                .status();
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -92,15 +104,34 @@ impl Drop for Stack {
 fn ext4_survives_restart_with_identical_files() {
     if !need(
         "ext4::ext4_survives_restart_with_identical_files",
-        &["nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck", "mount", "sha256sum"],
+        &[
+            "nbdfuse",
+            "fusermount3",
+            "losetup",
+            "mkfs.ext4",
+            "e2fsck",
+            "mount",
+            "sha256sum",
+        ],
         true,
     ) {
         return;
     }
     let t = TempDir::new("ext4");
     let dir = t.join("arr");
-    create_array(&dir, "1G", &["--segment-size", "2M", "--write-unit", "256K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "fs", "--size", "512M"]);
+    create_array(
+        &dir,
+        "1G",
+        &["--segment-size", "2M", "--write-unit", "256K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "fs",
+        "--size",
+        "512M",
+    ]);
     let s = Server::start(&dir);
     let mut stack = Stack::attach(&s.uri("fs"), &t.join("fuse"));
     run("mkfs.ext4", &["-q", "-F", "-E", "nodiscard", stack.dev()]);
@@ -108,15 +139,33 @@ fn ext4_survives_restart_with_identical_files() {
     stack.mount(&mnt);
     // A tree of real files (documentation: thousands of small and mid-sized files)
     // plus a few large ones of random bytes.
-    run("cp", &["-a", "/usr/share/doc", mnt.join("doc").to_str().unwrap()]);
+    run(
+        "cp",
+        &["-a", "/usr/share/doc", mnt.join("doc").to_str().unwrap()],
+    );
     for i in 0..3 {
         run(
             "dd",
-            &["if=/dev/urandom", &format!("of={}", mnt.join(format!("big{i}")).display()), "bs=1M", "count=24", "status=none"],
+            &[
+                "if=/dev/urandom",
+                &format!("of={}", mnt.join(format!("big{i}")).display()),
+                "bs=1M",
+                "count=24",
+                "status=none",
+            ],
         );
     }
     run("fstrim", &[mnt.to_str().unwrap()]);
-    let sums = run("sh", &["-c", &format!("cd {} && find . -type f -print0 | sort -z | xargs -0 sha256sum", mnt.display())]);
+    let sums = run(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "cd {} && find . -type f -print0 | sort -z | xargs -0 sha256sum",
+                mnt.display()
+            ),
+        ],
+    );
     assert!(sums.lines().count() > 100, "copied too few files");
     stack.detach();
     s.stop();
@@ -128,7 +177,16 @@ fn ext4_survives_restart_with_identical_files() {
     let mut stack = Stack::attach(&s.uri("fs"), &t.join("fuse"));
     run("e2fsck", &["-fn", stack.dev()]);
     stack.mount(&mnt);
-    let again = run("sh", &["-c", &format!("cd {} && find . -type f -print0 | sort -z | xargs -0 sha256sum", mnt.display())]);
+    let again = run(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "cd {} && find . -type f -print0 | sort -z | xargs -0 sha256sum",
+                mnt.display()
+            ),
+        ],
+    );
     assert!(again == sums, "file checksums changed across the restart");
     stack.detach();
     s.stop();

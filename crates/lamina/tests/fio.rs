@@ -19,9 +19,20 @@ fn random_writes_with_gc_verify_clean() {
     }
     let t = TempDir::new("fio-gc");
     let dir = t.join("arr");
-    let usable = create_array(&dir, "256M", &["--segment-size", "1M", "--write-unit", "256K"]);
+    let usable = create_array(
+        &dir,
+        "256M",
+        &["--segment-size", "1M", "--write-unit", "256K"],
+    );
     let vol = usable * 8 / 10 / (1 << 20) * (1 << 20);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", &vol.to_string()]);
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        &vol.to_string(),
+    ]);
     let s = Server::start(&dir);
     let j = fio_json(&[
         "--name=gc",
@@ -40,14 +51,26 @@ fn random_writes_with_gc_verify_clean() {
     assert_eq!(job["error"], 0, "fio reported an error: {job}");
     let written = job["write"]["io_bytes"].as_u64().unwrap();
     let verified = job["read"]["io_bytes"].as_u64().unwrap();
-    assert!(written >= 4 * vol, "wrote {written} bytes, want at least 4 x {vol}");
-    assert_eq!(verified, written, "every written block was read back and verified");
+    assert!(
+        written >= 4 * vol,
+        "wrote {written} bytes, want at least 4 x {vol}"
+    );
+    assert_eq!(
+        verified, written,
+        "every written block was read back and verified"
+    );
     let st = status_json(&dir);
     eprintln!(
         "fio gc: user {} media {} gc {} WA {}",
-        st["user_bytes_written"], st["media_bytes_written"], st["gc_bytes_relocated"], st["write_amplification"]
+        st["user_bytes_written"],
+        st["media_bytes_written"],
+        st["gc_bytes_relocated"],
+        st["write_amplification"]
     );
-    assert!(st["gc_bytes_relocated"].as_u64().unwrap() > 0, "GC relocated nothing: {st}");
+    assert!(
+        st["gc_bytes_relocated"].as_u64().unwrap() > 0,
+        "GC relocated nothing: {st}"
+    );
     let wa = st["write_amplification"].as_f64().unwrap();
     assert!(wa > 1.0 && wa < 10.0, "write amplification {wa}");
     assert!(st["user_bytes_written"].as_u64().unwrap() >= 4 * vol);
@@ -64,8 +87,19 @@ fn several_connections_verify_clean() {
     }
     let t = TempDir::new("fio-mc");
     let dir = t.join("arr");
-    create_array(&dir, "256M", &["--segment-size", "1M", "--write-unit", "256K"]);
-    lamina(&["volume", "create", dir.to_str().unwrap(), "v", "--size", "128M"]);
+    create_array(
+        &dir,
+        "256M",
+        &["--segment-size", "1M", "--write-unit", "256K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "128M",
+    ]);
     let s = Server::start(&dir);
     let j = fio_json(&[
         "--name=mc",
@@ -86,6 +120,9 @@ fn several_connections_verify_clean() {
     for job in j["jobs"].as_array().unwrap() {
         assert_eq!(job["error"], 0, "fio job failed: {job}");
     }
-    assert!(status_json(&dir)["flushes"].as_u64().unwrap() > 0, "fsync=64 must send flushes");
+    assert!(
+        status_json(&dir)["flushes"].as_u64().unwrap() > 0,
+        "fsync=64 must send flushes"
+    );
     s.stop();
 }

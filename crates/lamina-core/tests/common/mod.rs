@@ -4,7 +4,10 @@
 #![allow(dead_code)]
 
 use lamina_core::io::{execute, IoOp};
-use lamina_core::{format, open, run_inline, Engine, EngineConfig, FormatParams, OpenMode, Reply, Request, Token, VolumeId};
+use lamina_core::{
+    format, open, run_inline, Engine, EngineConfig, FormatParams, OpenMode, Reply, Request, Token,
+    VolumeId,
+};
 use lamina_device::BlockDevice;
 use std::sync::Arc;
 
@@ -40,7 +43,9 @@ pub fn format_devices(devs: &[Arc<dyn BlockDevice>], params: &FormatParams) {
 }
 
 pub fn open_rw(devs: &[Arc<dyn BlockDevice>], cfg: EngineConfig) -> Engine {
-    open(devs.to_vec(), cfg, OpenMode::ReadWrite).expect("open").0
+    open(devs.to_vec(), cfg, OpenMode::ReadWrite)
+        .expect("open")
+        .0
 }
 
 /// Submits a request and runs the engine until its reply arrives (all I/O inline).
@@ -72,6 +77,7 @@ pub fn create_volume(e: &mut Engine, name: &str, size: u64) -> VolumeId {
     e.shared().volume(name).unwrap().id
 }
 
+#[allow(unused_imports)]
 pub use lamina_testkit::{decode_pattern, pattern};
 
 pub fn read_block(e: &Engine, vol: VolumeId, lba: u64) -> Vec<u8> {

@@ -86,12 +86,18 @@ pub fn lamina(args: &[&str]) -> String {
 }
 
 pub fn lamina_output(args: &[&str]) -> Output {
-    Command::new(lamina_bin()).args(args).output().expect("run lamina")
+    Command::new(lamina_bin())
+        .args(args)
+        .output()
+        .expect("run lamina")
 }
 
 /// Runs a command; panics with its output unless it succeeds.
 pub fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
     assert!(
         out.status.success(),
         "{cmd} {args:?} failed:\n{}{}",
@@ -127,7 +133,12 @@ impl Server {
         let sock = dir.join("nbd.sock");
         let _ = std::fs::remove_file(&sock);
         let child = Command::new(lamina_bin())
-            .args(["serve", dir.to_str().unwrap(), "--unix", sock.to_str().unwrap()])
+            .args([
+                "serve",
+                dir.to_str().unwrap(),
+                "--unix",
+                sock.to_str().unwrap(),
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -142,10 +153,18 @@ impl Server {
             if let Ok(Some(status)) = s.child.try_wait() {
                 let mut err = String::new();
                 use std::io::Read;
-                s.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                s.child
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
                 panic!("lamina serve exited with {status}:\n{err}");
             }
-            assert!(t0.elapsed() < Duration::from_secs(60), "lamina serve did not start");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "lamina serve did not start"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         // Keep draining stderr so the server never blocks on a full pipe.
@@ -180,7 +199,10 @@ impl Server {
                 assert!(st.success(), "lamina serve exited with {st}");
                 return;
             }
-            assert!(t0.elapsed() < Duration::from_secs(60), "lamina serve did not stop");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "lamina serve did not stop"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -212,7 +234,12 @@ impl Guard {
 impl Drop for Guard {
     fn drop(&mut self) {
         for m in &self.mounts {
-            let _ = Command::new("fusermount3").arg("-u").arg("-z").arg(m).stderr(Stdio::null()).status();
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg("-z")
+                .arg(m)
+                .stderr(Stdio::null())
+                .status();
         }
         for c in self.children.iter_mut().rev() {
             let _ = c.kill();
@@ -225,7 +252,11 @@ impl Drop for Guard {
 pub fn wait_for(p: &Path) {
     let t0 = Instant::now();
     while !p.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(30), "{} did not appear", p.display());
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{} did not appear",
+            p.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
