@@ -152,6 +152,9 @@ pub(crate) struct Seg {
     pub writes_inflight: u32,
     /// Draining / Releasing: flush generation to wait for. Meta: checkpoint generation.
     pub gen: u64,
+    /// GC found a block here it could not read or verify: the segment keeps it (reads
+    /// of it return an error) and is not collected again until it is reused.
+    pub gc_exclude: bool,
 }
 
 impl Seg {
@@ -170,6 +173,7 @@ impl Seg {
             has_summary: false,
             writes_inflight: 0,
             gen: 0,
+            gc_exclude: false,
         }
     }
 }
@@ -238,6 +242,15 @@ pub(crate) struct Vol {
     pub gc_blocks: u64,
     pub media_blocks: u64,
     pub live_blocks: u64,
+    /// Visible to clients. A new volume becomes visible only once a checkpoint that
+    /// records it has committed, so nothing acknowledged on it can be lost with it.
+    pub published: bool,
+    /// Checkpoint generation after whose commit the volume is published.
+    pub publish_at: u64,
+    /// Being deleted: hidden, refuses I/O, its blocks stay where they are (GC leaves
+    /// them alone) until the checkpoint of this generation, which no longer lists the
+    /// volume, commits; then its blocks are unmapped and its space released.
+    pub deleting: Option<u64>,
 }
 
 /// Counters of the whole array, in blocks.
@@ -251,6 +264,9 @@ pub struct Counters {
     pub syncs: u64,
     pub checkpoints: u64,
     pub corrupt_blocks: u64,
+    /// Id the next volume gets. Ids are never reused, so no record of a deleted
+    /// volume can ever be replayed into a new one.
+    pub next_volume_id: u64,
 }
 
 impl Counters {
@@ -264,6 +280,7 @@ impl Counters {
             self.syncs,
             self.checkpoints,
             self.corrupt_blocks,
+            self.next_volume_id,
         ]
     }
     pub(crate) fn from_slice(v: &[u64]) -> Self {
@@ -277,6 +294,7 @@ impl Counters {
             syncs: g(5),
             checkpoints: g(6),
             corrupt_blocks: g(7),
+            next_volume_id: g(8),
         }
     }
 }
@@ -379,6 +397,8 @@ pub struct Engine {
     tickets: Tickets,
     pub(crate) next_version: Version,
     pub(crate) durable_version: Version,
+    /// First version of this run; durability marks in headers start here.
+    run_start: Version,
     pending: VecDeque<Pending>,
     flush_waiters: Vec<FlushWaiter>,
     pub(crate) flush_gen: u64,
@@ -444,7 +464,10 @@ impl Engine {
             free_bufs: (0..nbufs).rev().collect(),
             tickets: Tickets::default(),
             next_version,
+            // Nothing of this run is durable yet; what earlier runs wrote is vouched
+            // for by their own marks, not by ours (see `run_start`).
             durable_version: next_version - 1,
+            run_start: next_version,
             pending: VecDeque::new(),
             flush_waiters: Vec::new(),
             flush_gen: 0,
@@ -692,7 +715,10 @@ impl Engine {
             .volumes
             .get(volume.0 as usize)
             .and_then(|v| v.as_ref())
-            .ok_or_else(|| EngineError::Invalid(format!("no {volume}")))?;
+            .filter(|v| v.published && v.deleting.is_none())
+            .ok_or_else(|| {
+                EngineError::Invalid(format!("no {volume} (or it is being created or deleted)"))
+            })?;
         let size = vol.shared.size_bytes;
         if offset.checked_add(length).is_none_or(|end| end > size) {
             return Err(EngineError::Invalid(format!(
@@ -1282,6 +1308,7 @@ impl Engine {
             volume: st.volume,
             next_segment: st.next_seg.unwrap_or(NO_SEGMENT),
             durable_version: self.durable_version,
+            run_start: self.run_start,
         };
         header.seal_into(hdr);
         st.extras.clear();
@@ -1661,45 +1688,50 @@ impl Engine {
         if size_bytes / BLOCK_SIZE_U64 > lamina_format::unit::MAX_RECORD_LBA {
             return Err(EngineError::Invalid("volume too large".into()));
         }
-        if self.volumes.iter().flatten().any(|v| v.shared.name == name) {
+        if self
+            .volumes
+            .iter()
+            .flatten()
+            .any(|v| v.shared.name == name && v.deleting.is_none())
+        {
             return Err(EngineError::Invalid(format!(
                 "volume {name:?} already exists"
             )));
         }
-        let id = (0..u16::MAX)
-            .find(|&i| self.volumes.get(i as usize).is_none_or(|v| v.is_none()))
-            .ok_or_else(|| EngineError::Invalid("too many volumes".into()))?;
+        let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
+        if next >= u16::MAX as u64 {
+            return Err(EngineError::Invalid(
+                "volume ids of this array are exhausted (65535 volumes created)".into(),
+            ));
+        }
+        self.counters.next_volume_id = next + 1;
         let created = self.take_version();
-        self.install_volume(VolumeId(id), name.to_string(), size_bytes, created);
-        Ok(())
-    }
-
-    /// Adds a volume and its streams (also used by recovery).
-    pub(crate) fn install_volume(
-        &mut self,
-        id: VolumeId,
-        name: String,
-        size_bytes: u64,
-        created_version: u64,
-    ) -> &mut Vol {
+        let publish_at = self.ckpt.target_generation();
         let shared = Arc::new(VolumeShared {
-            id,
-            name,
+            id: VolumeId(next as u16),
+            name: name.to_string(),
             size_bytes,
             map: self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
             deleted: AtomicBool::new(false),
         });
-        self.attach_volume(shared, created_version)
+        let vol = self.attach_volume(shared, created, false);
+        vol.publish_at = publish_at;
+        Ok(())
     }
 
-    /// Attaches a volume whose map already exists, creating its streams.
+    /// Attaches a volume whose map already exists, creating its streams. `publish`:
+    /// visible to clients at once (recovery) or only after the next checkpoint.
     pub(crate) fn attach_volume(
         &mut self,
         shared: Arc<VolumeShared>,
         created_version: u64,
+        publish: bool,
     ) -> &mut Vol {
         let id = shared.id;
-        self.shared.set_volume(shared.clone());
+        if publish {
+            self.shared.set_volume(shared.clone());
+        }
+        self.counters.next_volume_id = self.counters.next_volume_id.max(id.0 as u64 + 1);
         self.streams.push(Stream::new(StreamKind::User, 0, id.0));
         self.streams.push(Stream::new(StreamKind::Gc, 0, id.0));
         let n = self.streams.len();
@@ -1716,6 +1748,9 @@ impl Engine {
             gc_blocks: 0,
             media_blocks: 0,
             live_blocks: 0,
+            published: publish,
+            publish_at: 0,
+            deleting: None,
         });
         self.volumes[i].as_mut().unwrap()
     }
@@ -1747,7 +1782,7 @@ impl Engine {
             .volumes
             .iter()
             .flatten()
-            .find(|v| v.shared.name == name)
+            .find(|v| v.shared.name == name && v.deleting.is_none())
             .map(|v| v.shared.id)
             .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
         if self.pending.iter().any(|p| match p {
@@ -1757,23 +1792,40 @@ impl Engine {
                 "volume {name:?} has requests in progress"
             )));
         }
-        let vol = self.volumes[id.0 as usize].as_ref().unwrap();
-        let (us, gs) = (vol.user_stream, vol.gc_stream);
-        let map = vol.shared.clone();
-        for s in [us, gs] {
-            self.close_segment(s);
-        }
-        for lba in 0..map.blocks() {
-            let old = map.map.load(lba);
-            if old != UNMAPPED {
-                map.map.store(lba, UNMAPPED);
-                self.unref(old);
-                self.live_blocks -= 1;
+        // Hidden and closed to I/O now; destroyed when a checkpoint without it commits.
+        self.shared.remove_volume(id);
+        let gen = self.ckpt.target_generation();
+        self.volumes[id.0 as usize].as_mut().unwrap().deleting = Some(gen);
+        Ok(())
+    }
+
+    /// Publishes created volumes and destroys deleted ones once checkpoint `gen`
+    /// has committed.
+    pub(crate) fn volumes_committed(&mut self, gen: u64) {
+        for i in 0..self.volumes.len() {
+            let Some(v) = self.volumes[i].as_mut() else {
+                continue;
+            };
+            if !v.published && v.publish_at <= gen && v.deleting.is_none() {
+                v.published = true;
+                self.shared.set_volume(v.shared.clone());
+            }
+            if v.deleting.is_some_and(|d| d <= gen) {
+                let (us, gs, map) = (v.user_stream, v.gc_stream, v.shared.clone());
+                for s in [us, gs] {
+                    self.close_segment(s);
+                }
+                for lba in 0..map.blocks() {
+                    let old = map.map.load(lba);
+                    if old != UNMAPPED {
+                        map.map.store(lba, UNMAPPED);
+                        self.unref(old);
+                        self.live_blocks -= 1;
+                    }
+                }
+                self.volumes[i] = None;
             }
         }
-        self.shared.remove_volume(id);
-        self.volumes[id.0 as usize] = None;
-        Ok(())
     }
 
     /// Blocks the engine will reserve for GC before letting users write.

@@ -46,7 +46,11 @@ struct Writer {
     start_version: u64,
     header: Box<[u8; BLOCK_SIZE]>,
     meta: Vec<u8>,
-    pages: Vec<(u16, u32)>,
+    /// The volumes of the snapshot: pages are read from these maps even if the
+    /// volume is deleted meanwhile.
+    vols: Vec<std::sync::Arc<crate::shared::VolumeShared>>,
+    /// (index into `vols`, page) in payload order.
+    pages: Vec<(usize, u32)>,
     next: u64,
     total: u64,
     first: Option<(u32, u64)>,
@@ -67,6 +71,15 @@ impl CkptState {
 
     pub(crate) fn is_idle(&self) -> bool {
         self.writer.is_none() && !self.again
+    }
+
+    /// Generation of the first checkpoint whose snapshot will see a change made now.
+    pub(crate) fn target_generation(&self) -> u64 {
+        if self.writer.is_some() {
+            self.last_gen + 2
+        } else {
+            self.last_gen + 1
+        }
     }
 
     pub(crate) fn fail_waiters(&mut self, replies: &mut Vec<Reply>, msg: &str) {
@@ -122,13 +135,20 @@ impl Engine {
 
         let mut volumes = Vec::new();
         let mut pages = Vec::new();
-        for v in self.volumes.iter().flatten() {
+        let mut vols = Vec::new();
+        for v in self
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| v.deleting.is_none())
+        {
             let map = &v.shared.map;
             let used: Vec<u32> = (0..map.pages())
                 .filter(|&p| map.page_in_use(p))
                 .map(|p| p as u32)
                 .collect();
-            pages.extend(used.iter().map(|&p| (v.shared.id.0, p)));
+            pages.extend(used.iter().map(|&p| (vols.len(), p)));
+            vols.push(v.shared.clone());
             volumes.push(VolumeRecord {
                 id: v.shared.id.0,
                 name: v.shared.name.clone(),
@@ -204,6 +224,7 @@ impl Engine {
             total: header.payload_blocks,
             header: header.encode(),
             meta,
+            vols,
             pages,
             next: 0,
             first: None,
@@ -230,9 +251,7 @@ impl Engine {
         } else {
             let (vol, page) = w.pages[(index - 1 - meta_blocks) as usize];
             let mut entries = [0u32; crate::map::PAGE_ENTRIES];
-            if let Some(v) = self.volumes.get(vol as usize).and_then(|v| v.as_ref()) {
-                v.shared.map.page(page as u64, &mut entries);
-            }
+            w.vols[vol].map.page(page as u64, &mut entries);
             for (i, e) in entries.iter().enumerate() {
                 // Blocks still in the write buffer are recorded at the place they
                 // are being written to; the commit flush makes that place durable.
@@ -350,6 +369,7 @@ impl Engine {
         let w = self.ckpt.writer.take().unwrap();
         self.ckpt.last_gen = w.gen;
         self.counters.checkpoints += 1;
+        self.volumes_committed(w.gen);
         // Metadata segments of earlier generations are superseded now.
         let ms = &self.streams[self.meta_stream];
         let keep = [ms.seg, ms.next_seg];

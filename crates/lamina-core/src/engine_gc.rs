@@ -14,7 +14,7 @@
 use crate::engine::{Engine, Purpose, SegState};
 use crate::gc::{select, Candidate};
 use crate::io::{IoCompletion, IoKind};
-use crate::map::{encode_device, BAD};
+use crate::map::encode_device;
 use crate::types::{Pba, SegmentId, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
@@ -38,12 +38,14 @@ enum Phase {
     /// Reading the victim's summary, or its unit header at `offset` when walking.
     Owners {
         seg: u32,
+        incarnation: u64,
         walking: bool,
         offset: u32,
         live: Vec<(Pba, RawRecord)>,
     },
     Relocate {
         seg: u32,
+        incarnation: u64,
         live: Vec<(Pba, RawRecord)>,
         next: usize,
         batch: Vec<Run>,
@@ -93,8 +95,12 @@ impl Engine {
                 .volumes
                 .get(r.volume() as usize)
                 .and_then(|v| v.as_ref())
+                // A volume being deleted keeps its blocks where they are until the
+                // deletion commits (see `Vol::deleting`).
                 .is_some_and(|v| {
-                    r.lba() < v.shared.map.len() && v.shared.map.load(r.lba()) == encode_device(pba)
+                    v.deleting.is_none()
+                        && r.lba() < v.shared.map.len()
+                        && v.shared.map.load(r.lba()) == encode_device(pba)
                 })
     }
 
@@ -121,6 +127,7 @@ impl Engine {
                 let has_summary = self.segs[seg as usize].has_summary;
                 self.gc.phase = Phase::Owners {
                     seg,
+                    incarnation: self.segs[seg as usize].incarnation,
                     walking: !has_summary,
                     offset: 0,
                     live: Vec::new(),
@@ -158,6 +165,7 @@ impl Engine {
     pub(crate) fn gc_meta_done(&mut self, c: IoCompletion) {
         let Phase::Owners {
             seg,
+            incarnation,
             walking,
             offset,
             mut live,
@@ -165,6 +173,9 @@ impl Engine {
         else {
             panic!("GC metadata completion outside the owners phase");
         };
+        if !self.victim_unchanged(seg, incarnation) {
+            return; // emptied and released meanwhile: nothing left to do
+        }
         let sg = self.segs[seg as usize].clone();
         let buf = c.buf.unwrap_or_default();
         let ok = c.result.is_ok();
@@ -200,7 +211,7 @@ impl Engine {
                         }
                         i += d as usize;
                     }
-                    self.gc_start_relocation(seg, live);
+                    self.gc_start_relocation(seg, incarnation, live);
                 }
                 _ => {
                     tracing::warn!(
@@ -209,6 +220,7 @@ impl Engine {
                     );
                     self.gc.phase = Phase::Owners {
                         seg,
+                        incarnation,
                         walking: true,
                         offset: 0,
                         live,
@@ -248,29 +260,39 @@ impl Engine {
             Some(n) if n < sg.write_ptr => {
                 self.gc.phase = Phase::Owners {
                     seg,
+                    incarnation,
                     walking: true,
                     offset: n,
                     live,
                 };
                 self.gc_read_owners();
             }
-            Some(_) => self.gc_start_relocation(seg, live),
+            Some(_) => self.gc_start_relocation(seg, incarnation, live),
             None => {
-                // A header we cannot read: the blocks it describes cannot be checked.
-                // Anything still mapped there is unreadable from now on.
+                // A header we cannot read: the blocks it describes stay where they
+                // are (reads of them report the damage) and the segment is not
+                // collected again.
                 tracing::error!(
                     segment = seg,
                     offset,
                     "unit header damaged during garbage collection"
                 );
-                self.gc_start_relocation(seg, live);
+                self.segs[seg as usize].gc_exclude = true;
+                self.gc_start_relocation(seg, incarnation, live);
             }
         }
     }
 
-    fn gc_start_relocation(&mut self, seg: u32, live: Vec<(Pba, RawRecord)>) {
+    /// The victim is still the closed segment incarnation GC started on.
+    fn victim_unchanged(&self, seg: u32, incarnation: u64) -> bool {
+        let s = &self.segs[seg as usize];
+        s.state == SegState::Closed && s.incarnation == incarnation
+    }
+
+    fn gc_start_relocation(&mut self, seg: u32, incarnation: u64, live: Vec<(Pba, RawRecord)>) {
         self.gc.phase = Phase::Relocate {
             seg,
+            incarnation,
             live,
             next: 0,
             batch: Vec::new(),
@@ -284,6 +306,23 @@ impl Engine {
     /// Reads the next batch, or relocates the blocks of the batch that arrived.
     fn gc_relocate(&mut self) {
         loop {
+            let (s, inc, pending) = match &self.gc.phase {
+                Phase::Relocate {
+                    seg,
+                    incarnation,
+                    reads_pending,
+                    ..
+                } => (*seg, *incarnation, *reads_pending),
+                _ => return,
+            };
+            if pending > 0 {
+                return;
+            }
+            if !self.victim_unchanged(s, inc) {
+                // Emptied (and perhaps reused) while GC waited: what it read is stale.
+                self.gc.phase = Phase::Idle;
+                return;
+            }
             let Phase::Relocate {
                 seg,
                 live,
@@ -295,9 +334,6 @@ impl Engine {
             else {
                 return;
             };
-            if *reads_pending > 0 {
-                return;
-            }
             if batch.is_empty() {
                 if *next >= live.len() {
                     let seg = *seg;
@@ -406,22 +442,17 @@ impl Engine {
                             v.gc_blocks += 1;
                         }
                     } else {
-                        // The only copy is unreadable or damaged: report it and make
-                        // reads of the block fail rather than return wrong data.
+                        // The only copy is unreadable or damaged. It stays mapped where it
+                        // is, so reads of it report the error instead of returning other
+                        // data, and the segment, which holds it, is never released.
                         tracing::error!(
                             segment = seg,
                             volume,
                             lba = r.lba(),
-                            "block failed verification during garbage collection; marked bad"
+                            read_failed = run.failed,
+                            "block failed verification during garbage collection; left in place"
                         );
-                        let v = self.volumes[volume as usize]
-                            .as_ref()
-                            .unwrap()
-                            .shared
-                            .clone();
-                        let old = v.map.load(r.lba());
-                        v.map.store(r.lba(), BAD);
-                        self.unref(old);
+                        self.segs[seg as usize].gc_exclude = true;
                         self.counters.corrupt_blocks += 1;
                     }
                 }

@@ -22,7 +22,10 @@ pub mod types;
 
 pub use engine::{Engine, EngineConfig, Reply, Request, Token};
 pub use error::EngineError;
-pub use recovery::{format, open, run_inline, FormatParams, OpenMode, RecoveryReport};
+pub use recovery::{
+    format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,
+    RECOVERY_TOKEN,
+};
 pub use shared::{Shared, VolumeShared};
 pub use status::{StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

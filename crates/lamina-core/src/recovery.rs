@@ -334,6 +334,7 @@ struct FoundUnit {
     data_blocks: u32,
     version: u64,
     durable_version: u64,
+    run_start: u64,
     records: Vec<RawRecord>,
 }
 
@@ -401,6 +402,7 @@ fn scan_segment(
             data_blocks: u.data_blocks,
             version: u.version,
             durable_version: u.durable_version,
+            run_start: u.run_start,
             records,
         });
         prev = u.version;
@@ -538,8 +540,11 @@ impl<'a> CheckpointReader<'a> {
     }
 }
 
-/// Opens an array: reads superblocks, loads the checkpoint, replays what followed.
-pub fn open(
+/// Like [`open`], but in read-write mode the checkpoint of the recovered state is
+/// only submitted (with [`RECOVERY_TOKEN`]): the caller must drive the engine's I/O
+/// until that reply arrives before serving. Tests use this to crash in the middle of
+/// it.
+pub fn open_unfinished(
     devices: Vec<Arc<dyn BlockDevice>>,
     cfg: EngineConfig,
     mode: OpenMode,
@@ -692,7 +697,9 @@ pub fn open(
             scanned_heads.insert(st.next_segment);
         }
     }
-    let k_stop = meta.streams.len() + 3;
+    // Only stream heads (and the metadata stream's reserved successor) can have been
+    // allocated and still be empty; a margin covers streams of volumes created after C.
+    let k_stop = meta.streams.len() + 3 + 8;
     let mut empties = 0usize;
     let mut releases: BinaryHeap<Reverse<(u64, usize, u32, u64)>> = BinaryHeap::new();
     let mut released: HashSet<(u32, u64)> = HashSet::new();
@@ -731,47 +738,60 @@ pub fn open(
         match scan_segment(&shared, &mut report, seg, 0, None, min_version) {
             Some(f) => {
                 empties = 0;
-                harvest(&f, &mut releases, &mut released);
-                found.push(f);
+                // A segment taken from the queue, released and reused after C is
+                // met again among the releases: record each incarnation once.
+                if !found
+                    .iter()
+                    .any(|g| g.seg == f.seg && g.incarnation == f.incarnation)
+                {
+                    harvest(&f, &mut releases, &mut released);
+                    found.push(f);
+                }
             }
             None => empties += 1,
         }
     }
     report.releases_seen = released.len() as u64;
 
-    // ---- torn units: verify data of units above the highest durability mark
-    let d_max = found
-        .iter()
-        .flat_map(|f| f.units.iter().map(|u| u.durable_version))
-        .max()
-        .unwrap_or(0)
-        .max(c_version);
+    // ---- torn units: verify the data of units no durability mark vouches for.
+    // A mark covers versions of its own run only (run_start ..= durable_version):
+    // a later run never synced what an earlier, crashed run left behind.
+    let mut marks: std::collections::HashMap<u64, u64> = Default::default();
+    for u in found.iter().flat_map(|f| f.units.iter()) {
+        let m = marks.entry(u.run_start).or_insert(0);
+        *m = (*m).max(u.durable_version);
+    }
+    let vouched = |u: &FoundUnit| marks.get(&u.run_start).is_some_and(|&d| u.version <= d);
     let mut torn: HashSet<(u32, u32, usize)> = HashSet::new();
     for f in &found {
         if released.contains(&(f.seg, f.incarnation)) {
             continue;
         }
-        for u in f
-            .units
-            .iter()
-            .filter(|u| u.version > d_max && u.data_blocks > 0)
-        {
-            let data = read_blocks(
-                &shared,
-                &mut report,
-                f.seg,
-                u.offset + u.header_blocks,
-                u.data_blocks,
-            );
+        for u in f.units.iter().filter(|u| !vouched(u) && u.data_blocks > 0) {
+            let first = u.offset + u.header_blocks;
+            let whole = read_blocks(&shared, &mut report, f.seg, first, u.data_blocks).ok();
             for i in 0..u.data_blocks as usize {
                 let r = &u.records[i];
                 if r.kind != kind::DATA {
                     continue;
                 }
-                let ok = data.as_ref().is_ok_and(|d| {
-                    lamina_format::crc32c(&d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]) == r.b
-                });
-                if !ok {
+                let block = match &whole {
+                    Some(d) => d[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE].to_vec(),
+                    // A read error is not a tear: never fall back to an older copy
+                    // because a device failed to answer. Retry the block, then refuse.
+                    None => {
+                        let at = first + i as u32;
+                        read_blocks(&shared, &mut report, f.seg, at, 1)
+                            .or_else(|_| read_blocks(&shared, &mut report, f.seg, at, 1))
+                            .map_err(|e| {
+                                EngineError::Io(format!(
+                                    "recovery cannot read segment {} block {at} to verify it: {e}",
+                                    f.seg
+                                ))
+                            })?
+                    }
+                };
+                if lamina_format::crc32c(&block) != r.b {
                     torn.insert((f.seg, u.offset, i));
                     report.torn_blocks_ignored += 1;
                 }
@@ -1018,7 +1038,7 @@ pub fn open(
     )?;
     for ((vs, rec), live) in volumes.into_iter().zip(live_per_volume) {
         let (u, g, m) = vol_media.get(&rec.id).copied().unwrap_or_default();
-        let vol = engine.attach_volume(vs, rec.created_version);
+        let vol = engine.attach_volume(vs, rec.created_version, true);
         vol.user_blocks = rec.user_blocks_written + u;
         vol.gc_blocks = rec.gc_blocks_relocated + g;
         vol.media_blocks = rec.media_blocks_written + m;
@@ -1030,24 +1050,40 @@ pub fn open(
         let devs = shared.devices.clone();
         engine.write_superblock_sync(&devs)?;
         // Record the recovered state so that later recoveries start from here.
-        let token = Token {
-            conn: u32::MAX,
-            handle: 0,
-        };
-        engine.submit(token, crate::engine::Request::Checkpoint);
-        run_inline(&mut engine);
-        let mut replies = Vec::new();
-        engine.drain_replies(&mut replies);
-        if let Some(r) = replies.into_iter().find(|r| r.token == token) {
-            r.result?;
-        } else {
-            return Err(EngineError::Io(
-                "post-recovery checkpoint did not complete".into(),
-            ));
-        }
+        engine.submit(RECOVERY_TOKEN, crate::engine::Request::Checkpoint);
     }
     for w in &report.warnings {
         tracing::warn!("{w}");
+    }
+    Ok((engine, report))
+}
+
+/// Token of the post-recovery checkpoint submitted by [`open_unfinished`].
+pub const RECOVERY_TOKEN: Token = Token {
+    conn: u32::MAX,
+    handle: 0,
+};
+
+/// Opens an array: reads superblocks, loads the checkpoint, replays what followed,
+/// and (read-write) writes the checkpoint of the recovered state before returning.
+pub fn open(
+    devices: Vec<Arc<dyn BlockDevice>>,
+    cfg: EngineConfig,
+    mode: OpenMode,
+) -> Result<(Engine, RecoveryReport), EngineError> {
+    let (mut engine, report) = open_unfinished(devices, cfg, mode)?;
+    if mode == OpenMode::ReadWrite {
+        run_inline(&mut engine);
+        let mut replies = Vec::new();
+        engine.drain_replies(&mut replies);
+        match replies.into_iter().find(|r| r.token == RECOVERY_TOKEN) {
+            Some(r) => r.result?,
+            None => {
+                return Err(EngineError::Io(
+                    "post-recovery checkpoint did not complete".into(),
+                ))
+            }
+        }
     }
     Ok((engine, report))
 }

@@ -62,7 +62,12 @@ impl Engine {
         let bs = BLOCK_SIZE_U64;
         let c = &self.counters;
         let mut volumes = Vec::new();
-        for v in self.volumes.iter().flatten() {
+        for v in self
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| v.deleting.is_none())
+        {
             let segments = self
                 .segs
                 .iter()

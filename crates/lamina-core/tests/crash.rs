@@ -129,7 +129,29 @@ impl Run {
             },
         );
         self.driver.queue.clear();
-        let dev = Arc::new(CrashDevice::from_image("crash0", image));
+        let mut dev = Arc::new(CrashDevice::from_image("crash0", image));
+        // Sometimes the power fails again while recovery writes the checkpoint of
+        // what it recovered: the next recovery must still find exactly the same.
+        if self.rng.gen_bool(0.3) {
+            let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
+            let (mut half, _) = lamina_core::open_unfinished(
+                devs,
+                small_config(),
+                lamina_core::OpenMode::ReadWrite,
+            )
+            .unwrap_or_else(|e| panic!("seed {} round {round}: recovery failed: {e}", self.seed));
+            let mut drv = Driver::new();
+            let n = self.rng.gen_range(0..40);
+            drv.step(&mut half, &mut self.rng, n);
+            let keep2 = [0.0, 0.5, 1.0][self.rng.gen_range(0..3)];
+            let image = dev.power_cut(
+                &mut self.rng,
+                PowerCut {
+                    keep_probability: keep2,
+                },
+            );
+            dev = Arc::new(CrashDevice::from_image("crash0", image));
+        }
         let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
         let (engine, _report) =
             lamina_core::open(devs, small_config(), lamina_core::OpenMode::ReadWrite)

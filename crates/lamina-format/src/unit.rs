@@ -46,7 +46,8 @@ const OFF_VOLUME: usize = 54;
 const OFF_NEXT_SEGMENT: usize = 56;
 const OFF_CRC: usize = 60;
 const OFF_DURABLE_VERSION: usize = 64;
-const OFF_RESERVED: usize = 72;
+const OFF_RUN_START: usize = 72;
+const OFF_RESERVED: usize = 80;
 
 /// Record kinds (the `kind` field of a [`RawRecord`]).
 pub mod kind {
@@ -217,10 +218,13 @@ pub struct UnitHeader {
     /// For metadata-stream units: the segment this stream continues in when the
     /// current one is full; [`NO_SEGMENT`] otherwise.
     pub next_segment: u32,
-    /// Every unit with a version at or below this was durable (a sync had completed)
-    /// when this unit was sealed. Recovery verifies the data checksums only of units
-    /// above the highest such mark it finds: only those can be torn.
+    /// Every unit of this run (versions `run_start ..= durable_version`) was durable
+    /// (a sync had completed) when this unit was sealed. Recovery verifies the data
+    /// checksums only of units above their run's highest mark: only those can be torn.
     pub durable_version: u64,
+    /// First version of the run (server start) that wrote this unit. A durability
+    /// mark says nothing about versions of earlier runs, which crashed.
+    pub run_start: u64,
 }
 
 impl UnitHeader {
@@ -251,6 +255,7 @@ impl UnitHeader {
         put_u16(b, OFF_VOLUME, self.volume);
         put_u32(b, OFF_NEXT_SEGMENT, self.next_segment);
         put_u64(b, OFF_DURABLE_VERSION, self.durable_version);
+        put_u64(b, OFF_RUN_START, self.run_start);
         b[OFF_RESERVED..UNIT_FIXED_SIZE].fill(0);
         // Unused record slots are zeroed so the checksum covers defined bytes.
         let used = UNIT_FIXED_SIZE + self.record_count as usize * RECORD_SIZE;
@@ -315,6 +320,7 @@ impl UnitHeader {
             volume: get_u16(b, OFF_VOLUME),
             next_segment: get_u32(b, OFF_NEXT_SEGMENT),
             durable_version: get_u64(b, OFF_DURABLE_VERSION),
+            run_start: get_u64(b, OFF_RUN_START),
         })
     }
 
@@ -390,6 +396,7 @@ mod tests {
             volume: 3,
             next_segment: NO_SEGMENT,
             durable_version: 70,
+            run_start: 60,
         }
     }
 
