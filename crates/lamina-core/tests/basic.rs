@@ -362,7 +362,13 @@ fn gc_read_errors_keep_the_only_copy() {
         "GC must have met unreadable blocks"
     );
     fault.heal();
-    let want = |lba: u64| if lba.is_multiple_of(2) { 1 } else { version - 1 };
+    let want = |lba: u64| {
+        if lba.is_multiple_of(2) {
+            1
+        } else {
+            version - 1
+        }
+    };
     for lba in 0..blocks {
         assert_eq!(
             decode_pattern(lba, &read_block(&e, vol, lba)).unwrap(),
