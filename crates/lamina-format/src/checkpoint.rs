@@ -12,8 +12,11 @@
 //! The superblock's [`crate::superblock::CheckpointRef`] names the first segment and
 //! the payload length; recovery follows the metadata stream's `next_segment` links.
 
-use crate::codec::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, Reader, Writer};
-use crate::{crc32c, crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION};
+use crate::codec::{get_u32, get_u64, put_u16, put_u32, put_u64, Reader, Writer};
+use crate::{
+    check_crc, check_magic_version, crc32c, crc32c_with_hole, FormatError, BLOCK_SIZE,
+    FORMAT_VERSION,
+};
 
 /// "LMNCKPT\0" as a little-endian u64.
 pub const CHECKPOINT_MAGIC: u64 = u64::from_le_bytes(*b"LMNCKPT\0");
@@ -70,32 +73,8 @@ impl CheckpointHeader {
 
     pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
         const WHAT: &str = "checkpoint header";
-        if b.len() < HEADER_SIZE {
-            return Err(FormatError::Truncated {
-                what: WHAT,
-                have: b.len(),
-                need: HEADER_SIZE,
-            });
-        }
-        if get_u64(b, OFF_MAGIC) != CHECKPOINT_MAGIC {
-            return Err(FormatError::BadMagic { what: WHAT });
-        }
-        let stored = get_u32(b, OFF_CRC);
-        let computed = crc32c_with_hole(&b[..HEADER_SIZE], OFF_CRC);
-        if stored != computed {
-            return Err(FormatError::Checksum {
-                what: WHAT,
-                stored,
-                computed,
-            });
-        }
-        let version = get_u16(b, OFF_VERSION);
-        if version != FORMAT_VERSION {
-            return Err(FormatError::UnsupportedVersion {
-                what: WHAT,
-                found: version,
-            });
-        }
+        check_magic_version(b, WHAT, CHECKPOINT_MAGIC, HEADER_SIZE)?;
+        check_crc(&b[..HEADER_SIZE], WHAT, OFF_CRC)?;
         let h = CheckpointHeader {
             array_id: get_u64(b, OFF_ARRAY_ID),
             generation: get_u64(b, OFF_GENERATION),

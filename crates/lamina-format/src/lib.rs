@@ -69,3 +69,42 @@ pub fn crc32c_with_hole(data: &[u8], hole: usize) -> u32 {
     let crc = crc32c::crc32c_append(crc, &[0u8; 4]);
     crc32c::crc32c_append(crc, &data[hole + 4..])
 }
+
+/// Checks what every structure starts with: at least `need` bytes, its magic at
+/// offset 0 and the format version at offset 8.
+pub(crate) fn check_magic_version(
+    b: &[u8],
+    what: &'static str,
+    magic: u64,
+    need: usize,
+) -> Result<(), FormatError> {
+    if b.len() < need.max(10) {
+        return Err(FormatError::Truncated {
+            what,
+            have: b.len(),
+            need: need.max(10),
+        });
+    }
+    if codec::get_u64(b, 0) != magic {
+        return Err(FormatError::BadMagic { what });
+    }
+    let found = codec::get_u16(b, 8);
+    if found != FORMAT_VERSION {
+        return Err(FormatError::UnsupportedVersion { what, found });
+    }
+    Ok(())
+}
+
+/// Checks the CRC-32C stored at `crc_off` over all of `b` (the field taken as zero).
+pub(crate) fn check_crc(b: &[u8], what: &'static str, crc_off: usize) -> Result<(), FormatError> {
+    let stored = codec::get_u32(b, crc_off);
+    let computed = crc32c_with_hole(b, crc_off);
+    if stored != computed {
+        return Err(FormatError::Checksum {
+            what,
+            stored,
+            computed,
+        });
+    }
+    Ok(())
+}

@@ -8,7 +8,9 @@
 
 use crate::codec::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64};
 use crate::unit::{RECORD_SIZE, UNIT_FIXED_SIZE};
-use crate::{crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION};
+use crate::{
+    check_crc, check_magic_version, crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION,
+};
 
 /// "LMNSUMM\0" as a little-endian u64.
 pub const SUMMARY_MAGIC: u64 = u64::from_le_bytes(*b"LMNSUMM\0");
@@ -70,23 +72,7 @@ impl SummaryHeader {
     /// Parses and verifies a summary read from the tail of a segment.
     pub fn decode(buf: &[u8]) -> Result<Self, FormatError> {
         const WHAT: &str = "segment summary";
-        if buf.len() < BLOCK_SIZE {
-            return Err(FormatError::Truncated {
-                what: WHAT,
-                have: buf.len(),
-                need: BLOCK_SIZE,
-            });
-        }
-        if get_u64(buf, OFF_MAGIC) != SUMMARY_MAGIC {
-            return Err(FormatError::BadMagic { what: WHAT });
-        }
-        let version = get_u16(buf, OFF_VERSION);
-        if version != FORMAT_VERSION {
-            return Err(FormatError::UnsupportedVersion {
-                what: WHAT,
-                found: version,
-            });
-        }
+        check_magic_version(buf, WHAT, SUMMARY_MAGIC, BLOCK_SIZE)?;
         let summary_blocks = get_u16(buf, OFF_SUMMARY_BLOCKS);
         let len = summary_blocks as usize * BLOCK_SIZE;
         if summary_blocks == 0 || buf.len() < len {
@@ -103,15 +89,7 @@ impl SummaryHeader {
                 detail: format!("{record_count} records in {summary_blocks} blocks"),
             });
         }
-        let stored = get_u32(buf, OFF_CRC);
-        let computed = crc32c_with_hole(&buf[..len], OFF_CRC);
-        if stored != computed {
-            return Err(FormatError::Checksum {
-                what: WHAT,
-                stored,
-                computed,
-            });
-        }
+        check_crc(&buf[..len], WHAT, OFF_CRC)?;
         Ok(SummaryHeader {
             summary_blocks,
             record_count,

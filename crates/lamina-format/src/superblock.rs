@@ -11,8 +11,10 @@
 //! UUID, size and place in the layout, so the devices can be moved to another machine
 //! and reassembled from the superblocks alone.
 
-use crate::codec::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64};
-use crate::{crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION};
+use crate::codec::{get_u32, get_u64, put_u16, put_u32, put_u64};
+use crate::{
+    check_crc, check_magic_version, crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION,
+};
 
 /// "LAMINASB" as a little-endian u64.
 pub const SUPERBLOCK_MAGIC: u64 = u64::from_le_bytes(*b"LAMINASB");
@@ -193,33 +195,9 @@ impl Superblock {
     /// Parses and verifies one superblock copy.
     pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
         const WHAT: &str = "superblock";
-        if b.len() < BLOCK_SIZE {
-            return Err(FormatError::Truncated {
-                what: WHAT,
-                have: b.len(),
-                need: BLOCK_SIZE,
-            });
-        }
+        check_magic_version(b, WHAT, SUPERBLOCK_MAGIC, BLOCK_SIZE)?;
         let b = &b[..BLOCK_SIZE];
-        if get_u64(b, OFF_MAGIC) != SUPERBLOCK_MAGIC {
-            return Err(FormatError::BadMagic { what: WHAT });
-        }
-        let stored = get_u32(b, OFF_CRC);
-        let computed = crc32c_with_hole(b, OFF_CRC);
-        if stored != computed {
-            return Err(FormatError::Checksum {
-                what: WHAT,
-                stored,
-                computed,
-            });
-        }
-        let version = get_u16(b, OFF_VERSION);
-        if version != FORMAT_VERSION {
-            return Err(FormatError::UnsupportedVersion {
-                what: WHAT,
-                found: version,
-            });
-        }
+        check_crc(b, WHAT, OFF_CRC)?;
         let invalid = |detail: String| FormatError::Invalid { what: WHAT, detail };
         let device_count = get_u32(b, OFF_DEVICE_COUNT) as usize;
         if device_count == 0 || device_count > MAX_DEVICES {

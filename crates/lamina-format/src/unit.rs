@@ -15,7 +15,9 @@
 //! and its version is above the previous unit's. The first mismatch ends the segment.
 
 use crate::codec::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64};
-use crate::{crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION};
+use crate::{
+    check_crc, check_magic_version, crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION,
+};
 
 /// "LMNUNIT\0" as a little-endian u64.
 pub const UNIT_MAGIC: u64 = u64::from_le_bytes(*b"LMNUNIT\0");
@@ -269,24 +271,8 @@ impl UnitHeader {
     /// an error only when the block is not a unit header at all.
     pub fn peek(first_block: &[u8]) -> Result<Self, FormatError> {
         const WHAT: &str = "unit header";
-        if first_block.len() < UNIT_FIXED_SIZE {
-            return Err(FormatError::Truncated {
-                what: WHAT,
-                have: first_block.len(),
-                need: UNIT_FIXED_SIZE,
-            });
-        }
+        check_magic_version(first_block, WHAT, UNIT_MAGIC, UNIT_FIXED_SIZE)?;
         let b = first_block;
-        if get_u64(b, OFF_MAGIC) != UNIT_MAGIC {
-            return Err(FormatError::BadMagic { what: WHAT });
-        }
-        let version = get_u16(b, OFF_VERSION);
-        if version != FORMAT_VERSION {
-            return Err(FormatError::UnsupportedVersion {
-                what: WHAT,
-                found: version,
-            });
-        }
         let invalid = |detail: String| FormatError::Invalid { what: WHAT, detail };
         let header_blocks = get_u16(b, OFF_HEADER_BLOCKS);
         if header_blocks == 0 || header_blocks > MAX_HEADER_BLOCKS {
@@ -335,15 +321,7 @@ impl UnitHeader {
                 need: len,
             });
         }
-        let stored = get_u32(buf, OFF_CRC);
-        let computed = crc32c_with_hole(&buf[..len], OFF_CRC);
-        if stored != computed {
-            return Err(FormatError::Checksum {
-                what: "unit header",
-                stored,
-                computed,
-            });
-        }
+        check_crc(&buf[..len], "unit header", OFF_CRC)?;
         // Data-bearing records must come first, exactly data_blocks of them.
         for i in 0..h.record_count as usize {
             let r = record_at(buf, i);

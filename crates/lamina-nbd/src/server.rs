@@ -92,35 +92,27 @@ pub trait Conn: Read + Write + Send + 'static {
     fn shutdown_conn(&self);
 }
 
-impl Conn for UnixStream {
-    fn raw_fd(&self) -> std::os::unix::io::RawFd {
-        std::os::unix::io::AsRawFd::as_raw_fd(self)
-    }
-    fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>> {
-        Ok(Box::new(self.try_clone()?))
-    }
-    fn set_read_timeout_conn(&self, d: Option<Duration>) -> io::Result<()> {
-        self.set_read_timeout(d)
-    }
-    fn shutdown_conn(&self) {
-        let _ = self.shutdown(std::net::Shutdown::Both);
-    }
+/// Both socket types implement [`Conn`] the same way.
+macro_rules! impl_conn {
+    ($t:ty) => {
+        impl Conn for $t {
+            fn raw_fd(&self) -> std::os::unix::io::RawFd {
+                std::os::unix::io::AsRawFd::as_raw_fd(self)
+            }
+            fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>> {
+                Ok(Box::new(self.try_clone()?))
+            }
+            fn set_read_timeout_conn(&self, d: Option<Duration>) -> io::Result<()> {
+                self.set_read_timeout(d)
+            }
+            fn shutdown_conn(&self) {
+                let _ = self.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    };
 }
-
-impl Conn for TcpStream {
-    fn raw_fd(&self) -> std::os::unix::io::RawFd {
-        std::os::unix::io::AsRawFd::as_raw_fd(self)
-    }
-    fn try_clone_conn(&self) -> io::Result<Box<dyn Conn>> {
-        Ok(Box::new(self.try_clone()?))
-    }
-    fn set_read_timeout_conn(&self, d: Option<Duration>) -> io::Result<()> {
-        self.set_read_timeout(d)
-    }
-    fn shutdown_conn(&self) {
-        let _ = self.shutdown(std::net::Shutdown::Both);
-    }
-}
+impl_conn!(UnixStream);
+impl_conn!(TcpStream);
 
 /// The sending half of a connection. Every reply is appended whole to `pending` and
 /// `pending` is written out before anything else, so replies written by different

@@ -515,43 +515,29 @@ fn device_errors_become_eio() {
     }
     let t = TempDir::new("eio");
     let mut guard = Guard::new();
-    let sock = t.join("kit.sock");
     let trigger = t.join("fail-now");
-    guard.children.push(
-        std::process::Command::new("nbdkit")
-            .args([
-                "--foreground",
-                "-U",
-                sock.to_str().unwrap(),
-                "--filter=error",
-                "memory",
-                "128M",
-                "error=EIO",
-                "error-rate=100%",
-            ])
-            .arg(format!("error-file={}", trigger.display()))
-            .spawn()
-            .unwrap(),
+    let error_file = format!("error-file={}", trigger.display());
+    let (kit, nbdfuse, dev) = nbdkit_as_file(
+        &t,
+        &[
+            "--filter=error",
+            "memory",
+            "128M",
+            "error=EIO",
+            "error-rate=100%",
+            &error_file,
+        ],
     );
-    wait_for(&sock);
-    let fuse = t.join("fuse");
-    std::fs::create_dir_all(&fuse).unwrap();
-    guard.children.push(
-        std::process::Command::new("nbdfuse")
-            .arg(fuse.join("dev"))
-            .args(["--unix", sock.to_str().unwrap()])
-            .spawn()
-            .unwrap(),
-    );
-    guard.mounts.push(fuse.clone());
-    wait_for(&fuse.join("dev"));
+    guard.children.push(kit);
+    guard.children.push(nbdfuse);
+    guard.mounts.push(t.join("fuse"));
     let dir = t.join("arr");
     lamina(&[
         "array",
         "create",
         dir.to_str().unwrap(),
         "--device",
-        fuse.join("dev").to_str().unwrap(),
+        dev.to_str().unwrap(),
         "--segment-size",
         "1M",
         "--write-unit",

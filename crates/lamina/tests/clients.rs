@@ -207,3 +207,69 @@ fn prometheus_metrics() {
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     assert!(child.wait().unwrap().success());
 }
+
+/// TCP: `--tcp HOST:PORT` serves the same exports; clients connect with nbd:// URIs.
+#[test]
+fn tcp_listener_serves_exports() {
+    if !need(
+        "clients::tcp_listener_serves_exports",
+        &["nbdinfo", "nbdcopy"],
+        false,
+    ) {
+        return;
+    }
+    let t = TempDir::new("tcp");
+    let dir = t.join("arr");
+    create_array(
+        &dir,
+        "64M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        "4M",
+    ]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = std::process::Command::new(lamina_bin())
+        .args([
+            "serve",
+            dir.to_str().unwrap(),
+            "--tcp",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let uri = format!("nbd://127.0.0.1:{port}/v");
+    let t0 = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t0.elapsed().as_secs() < 30, "TCP listener did not come up");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let info: serde_json::Value = serde_json::from_str(&run("nbdinfo", &["--json", &uri])).unwrap();
+    assert_eq!(info["exports"][0]["export-size"], 4 << 20);
+    let src = t.join("src.raw");
+    std::fs::write(
+        &src,
+        (0..4u32 << 20)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    run("nbdcopy", &[src.to_str().unwrap(), &uri]);
+    let back = t.join("back.raw");
+    run("nbdcopy", &[&uri, back.to_str().unwrap()]);
+    assert!(std::fs::read(&src).unwrap() == std::fs::read(&back).unwrap());
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert!(child.wait().unwrap().success());
+}

@@ -19,7 +19,7 @@ use lamina_testkit::{fill_pattern, FlushMark, Oracle, WriteMark, BS};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -233,38 +233,18 @@ impl Drop for Proc {
     }
 }
 
-/// nbdkit with a write-back cache over `backing`, exposed as `fuse_dir/dev`.
+/// nbdkit with a write-back cache over `backing`, exposed as `fuse/dev`.
 fn cached_device(t: &TempDir, backing: &Path) -> (Proc, Proc) {
-    let sock = t.join("kit.sock");
-    let _ = std::fs::remove_file(&sock);
-    let kit = Proc(
-        Command::new("nbdkit")
-            .args([
-                "--foreground",
-                "-U",
-                sock.to_str().unwrap(),
-                "--filter=cache",
-                "file",
-                backing.to_str().unwrap(),
-                "cache=writeback",
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("nbdkit"),
+    let (kit, fuse, _) = nbdkit_as_file(
+        t,
+        &[
+            "--filter=cache",
+            "file",
+            backing.to_str().unwrap(),
+            "cache=writeback",
+        ],
     );
-    wait_for(&sock);
-    let fuse_dir = t.join("fuse");
-    std::fs::create_dir_all(&fuse_dir).unwrap();
-    let fuse = Proc(
-        Command::new("nbdfuse")
-            .arg(fuse_dir.join("dev"))
-            .args(["--unix", sock.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("nbdfuse"),
-    );
-    wait_for(&fuse_dir.join("dev"));
-    (kit, fuse)
+    (Proc(kit), Proc(fuse))
 }
 
 fn unmount(t: &TempDir) {

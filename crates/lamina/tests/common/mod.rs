@@ -260,3 +260,29 @@ pub fn wait_for(p: &Path) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Starts nbdkit with `args` on a Unix socket in `t` and exposes its export as a
+/// regular file with nbdfuse. Returns (nbdkit, nbdfuse, the file). The mount point is
+/// `t.join("fuse")`; callers unmount it (see [`Guard`]).
+pub fn nbdkit_as_file(t: &TempDir, args: &[&str]) -> (Child, Child, PathBuf) {
+    let sock = t.join("kit.sock");
+    let _ = std::fs::remove_file(&sock);
+    let kit = Command::new("nbdkit")
+        .args(["--foreground", "-U", sock.to_str().unwrap()])
+        .args(args)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("nbdkit");
+    wait_for(&sock);
+    let fuse_dir = t.join("fuse");
+    std::fs::create_dir_all(&fuse_dir).unwrap();
+    let file = fuse_dir.join("dev");
+    let fuse = Command::new("nbdfuse")
+        .arg(&file)
+        .args(["--unix", sock.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("nbdfuse");
+    wait_for(&file);
+    (kit, fuse, file)
+}
