@@ -55,6 +55,25 @@ pub struct EngineConfig {
     pub idle_seal_ms: u64,
     /// Run a background flush at least this often when there are unsynced writes.
     pub auto_sync_ms: u64,
+    /// Heat classifier of volumes without an override (see
+    /// [`crate::placement::CLASSIFIER_NAMES`]).
+    pub classifier: String,
+    /// Per-volume overrides: (volume name, classifier, victim policy).
+    pub volume_overrides: Vec<(String, Option<String>, Option<String>)>,
+    /// Wear-aware tie-breaking: among victims scoring within this fraction of the
+    /// best, take the least erased (0 disables).
+    pub wear_window: f64,
+    /// Simulation: no data bytes are kept (writes carry only their LBAs), GC moves
+    /// records without reading data, and emptied segments are reused without the
+    /// durability protocol (nothing is durable in a simulation).
+    pub metadata_only: bool,
+    /// Refuse writes beyond the usable capacity (ENOSPC). Off in simulations, which
+    /// size the array themselves.
+    pub enforce_capacity: bool,
+    /// Free segments below which GC starts (default: 4 + 2% of segments); GC stops
+    /// one step above; user writes stop at `user_floor_segments`.
+    pub gc_start_segments: Option<usize>,
+    pub user_floor_segments: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +85,13 @@ impl Default for EngineConfig {
             checkpoint_interval_blocks: (1 << 30) / BLOCK_SIZE_U64,
             idle_seal_ms: 200,
             auto_sync_ms: 5000,
+            classifier: "none".into(),
+            volume_overrides: Vec::new(),
+            wear_window: 0.10,
+            metadata_only: false,
+            enforce_capacity: true,
+            gc_start_segments: None,
+            user_floor_segments: None,
         }
     }
 }
@@ -97,6 +123,13 @@ pub enum Request {
     },
     /// Make every write acknowledged so far durable.
     Flush,
+    /// Simulation ([`EngineConfig::metadata_only`]): `count` blocks written at `lba`,
+    /// without data.
+    WriteBlocks {
+        volume: VolumeId,
+        lba: u64,
+        count: u32,
+    },
     /// Create a volume (replies once a checkpoint records it).
     CreateVolume { name: String, size_bytes: u64 },
     /// Delete a volume and release its space.
@@ -155,6 +188,12 @@ pub(crate) struct Seg {
     /// GC found a block here it could not read or verify: the segment keeps it (reads
     /// of it return an error) and is not collected again until it is reused.
     pub gc_exclude: bool,
+    /// Volume time (user blocks written to its volume) when the segment was opened.
+    pub born: u64,
+    /// Volume time when a block of it last went dead.
+    pub last_invalidated: u64,
+    /// Volume time when it was closed.
+    pub closed: u64,
 }
 
 impl Seg {
@@ -174,6 +213,9 @@ impl Seg {
             writes_inflight: 0,
             gen: 0,
             gc_exclude: false,
+            born: 0,
+            last_invalidated: 0,
+            closed: 0,
         }
     }
 }
@@ -233,10 +275,26 @@ pub(crate) enum BufState {
     Done,
 }
 
+/// What one heat class of a volume has written.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClassCounters {
+    /// Blocks placed in this class (user writes for user classes, relocations for GC
+    /// classes).
+    pub blocks: u64,
+    /// Blocks relocated out of this class's segments by GC.
+    pub relocated_out: u64,
+    /// Segments of this class chosen as GC victims.
+    pub victims: u64,
+}
+
 pub(crate) struct Vol {
     pub shared: Arc<VolumeShared>,
-    pub user_stream: usize,
-    pub gc_stream: usize,
+    /// Stream of each user class, then of each GC class (indexed by class).
+    pub streams: Vec<usize>,
+    pub user_classes: u8,
+    pub classifier: Box<dyn crate::placement::Classifier>,
+    pub policy: Box<dyn VictimPolicy>,
+    pub classes: Vec<ClassCounters>,
     pub created_version: u64,
     pub user_blocks: u64,
     pub gc_blocks: u64,
@@ -351,6 +409,8 @@ enum Pending {
         done: u64,
         fua: bool,
         checked_space: bool,
+        /// Class chosen for the block at `done`, kept while it waits for room.
+        class: Option<u8>,
     },
     Zero {
         token: Token,
@@ -360,6 +420,15 @@ enum Pending {
         fua: bool,
         /// 0: edges not yet zeroed; 1: head done; 2: tail done.
         stage: u8,
+    },
+    /// A metadata-only write (simulation).
+    Blocks {
+        token: Token,
+        volume: u16,
+        lba: u64,
+        count: u64,
+        done: u64,
+        class: Option<u8>,
     },
 }
 
@@ -385,7 +454,6 @@ pub struct Engine {
     pub(crate) shared: Arc<Shared>,
     pub(crate) geo: Geometry,
     pub(crate) cfg: EngineConfig,
-    pub(crate) policy: Box<dyn VictimPolicy>,
     pub(crate) sb: Superblock,
     pub(crate) segs: Vec<Seg>,
     pub(crate) free: VecDeque<u32>,
@@ -425,7 +493,13 @@ pub struct Engine {
     pub(crate) shutting_down: bool,
     pub(crate) sb_busy: bool,
     sb_seq: SbSeq,
+    classifier_factory: Option<ClassifierFactory>,
 }
+
+/// Builds a classifier by name for a volume of the given block count.
+/// Builds a classifier from (classifier name, volume name, volume blocks).
+pub type ClassifierFactory =
+    Box<dyn Fn(&str, &str, u64) -> Option<Box<dyn crate::placement::Classifier>> + Send>;
 
 /// Free segments below which user streams may not open a new segment; the rest is
 /// kept for garbage collection and the metadata stream so they can always progress.
@@ -445,7 +519,7 @@ impl Engine {
         last_ckpt_gen: u64,
     ) -> Result<Self, EngineError> {
         let geo = shared.geo.clone();
-        let policy = policy_by_name(&cfg.gc_policy).ok_or_else(|| {
+        policy_by_name(&cfg.gc_policy).ok_or_else(|| {
             EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy))
         })?;
         let nbufs = shared.buffers.count();
@@ -453,7 +527,6 @@ impl Engine {
         let mut e = Engine {
             shared,
             cfg,
-            policy,
             sb,
             segs,
             free,
@@ -494,6 +567,7 @@ impl Engine {
             shutting_down: false,
             sb_busy: false,
             sb_seq: SbSeq::default(),
+            classifier_factory: None,
             geo,
         };
         e.tickets.issue();
@@ -642,6 +716,7 @@ impl Engine {
                         done: 0,
                         fua,
                         checked_space: false,
+                        class: None,
                     });
                 }
             }
@@ -677,6 +752,30 @@ impl Engine {
                         gen,
                         token,
                         buf: None,
+                    });
+                }
+            }
+            Request::WriteBlocks { volume, lba, count } => {
+                if !self.cfg.metadata_only {
+                    self.reply(
+                        token,
+                        Err(EngineError::Invalid(
+                            "WriteBlocks needs a metadata-only engine".into(),
+                        )),
+                        None,
+                    );
+                } else if let Err(e) =
+                    self.check_io(volume, lba * BLOCK_SIZE_U64, count as u64 * BLOCK_SIZE_U64)
+                {
+                    self.reply(token, Err(e), None);
+                } else {
+                    self.pending.push_back(Pending::Blocks {
+                        token,
+                        volume: volume.0,
+                        lba,
+                        count: count as u64,
+                        done: 0,
+                        class: None,
                     });
                 }
             }
@@ -809,7 +908,7 @@ impl Engine {
         while let Some(p) = self.pending.pop_front() {
             let (token, buf) = match p {
                 Pending::Write { token, data, .. } => (token, Some(data)),
-                Pending::Zero { token, .. } => (token, None),
+                Pending::Zero { token, .. } | Pending::Blocks { token, .. } => (token, None),
             };
             self.reply(token, Err(EngineError::Failed(msg.clone())), buf);
         }
@@ -845,6 +944,7 @@ impl Engine {
             let r = match &mut p {
                 Pending::Write { .. } => self.apply_write(&mut p),
                 Pending::Zero { .. } => self.apply_zero(&mut p),
+                Pending::Blocks { .. } => self.apply_blocks(&mut p),
             };
             match r {
                 Ok(true) => self.finish_pending(p, Ok(())),
@@ -873,6 +973,7 @@ impl Engine {
                 token, data, fua, ..
             } => (token, Some(data), fua),
             Pending::Zero { token, fua, .. } => (token, None, fua),
+            Pending::Blocks { token, .. } => (token, None, false),
         };
         if result.is_ok() && fua {
             let gen = self.start_flush();
@@ -883,8 +984,8 @@ impl Engine {
     }
 
     /// True when user writes wait for a segment that nothing can free.
-    fn stuck_without_space(&self) -> bool {
-        self.free.len() <= USER_FLOOR_SEGMENTS
+    fn stuck_without_space(&mut self) -> bool {
+        self.free.len() <= self.user_floor()
             && self.gc.is_idle()
             && self.draining.is_empty()
             && self.release_ready.is_empty()
@@ -903,7 +1004,6 @@ impl Engine {
             volume,
             offset,
             data,
-            done,
             checked_space,
             ..
         } = p
@@ -922,7 +1022,7 @@ impl Engine {
             let new_blocks = (first_lba..=last_lba)
                 .filter(|&l| vol_shared.map.load(l) == UNMAPPED)
                 .count() as u64;
-            if self.live_blocks + new_blocks > self.usable_blocks {
+            if self.cfg.enforce_capacity && self.live_blocks + new_blocks > self.usable_blocks {
                 return Err(EngineError::NoSpace(format!(
                     "{} of {} usable blocks are in use",
                     self.live_blocks, self.usable_blocks
@@ -930,11 +1030,28 @@ impl Engine {
             }
             *checked_space = true;
         }
-        let stream = self.volumes[*volume as usize].as_ref().unwrap().user_stream;
         let mut block = [0u8; BLOCK_SIZE];
+        let Pending::Write { class, .. } = p else {
+            unreachable!()
+        };
+        let mut class_slot = *class;
+        let Pending::Write {
+            volume,
+            offset,
+            data,
+            done,
+            ..
+        } = p
+        else {
+            unreachable!()
+        };
         while first_lba + *done <= last_lba {
             let lba = first_lba + *done;
+            let stream = self.user_stream_for(*volume, lba, &mut class_slot);
             if self.ensure_unit(stream, 1, 0).is_err() {
+                if let Pending::Write { class, .. } = p {
+                    *class = class_slot;
+                }
                 return Ok(false);
             }
             let block_start = lba * bs;
@@ -956,13 +1073,59 @@ impl Engine {
                 block[a..b].copy_from_slice(&data[so..so + (b - a)]);
                 &block
             };
-            self.append_data(stream, *volume, lba, data_slice, None);
+            self.append_user(stream, *volume, lba, Some(data_slice), &mut class_slot);
             *done += 1;
         }
-        let vol = self.volumes[*volume as usize].as_mut().unwrap();
-        vol.user_blocks += (last_lba - first_lba) + 1;
-        self.counters.user_blocks += (last_lba - first_lba) + 1;
         Ok(true)
+    }
+
+    /// Applies a metadata-only write (simulation).
+    fn apply_blocks(&mut self, p: &mut Pending) -> Result<bool, EngineError> {
+        let Pending::Blocks {
+            volume,
+            lba,
+            count,
+            done,
+            class,
+            ..
+        } = p
+        else {
+            unreachable!()
+        };
+        while *done < *count {
+            let b = *lba + *done;
+            let stream = self.user_stream_for(*volume, b, class);
+            if self.ensure_unit(stream, 1, 0).is_err() {
+                return Ok(false);
+            }
+            self.append_user(stream, *volume, b, None, class);
+            *done += 1;
+        }
+        Ok(true)
+    }
+
+    /// The user stream block `lba` goes to: the class cached in `class` (a block
+    /// waiting for room keeps its class), else what the volume's classifier says.
+    fn user_stream_for(&mut self, volume: u16, lba: u64, class: &mut Option<u8>) -> usize {
+        let vol = self.volumes[volume as usize].as_mut().unwrap();
+        let c = *class.get_or_insert_with(|| vol.classifier.classify_user(lba, vol.user_blocks));
+        vol.streams[c as usize]
+    }
+
+    /// Appends a user block and accounts for it (time, counters, class).
+    fn append_user(
+        &mut self,
+        stream: usize,
+        volume: u16,
+        lba: u64,
+        data: Option<&[u8]>,
+        class: &mut Option<u8>,
+    ) {
+        self.append_data(stream, volume, lba, data, None);
+        let vol = self.volumes[volume as usize].as_mut().unwrap();
+        vol.user_blocks += 1;
+        vol.classes[class.take().unwrap_or(0) as usize].blocks += 1;
+        self.counters.user_blocks += 1;
     }
 
     /// Applies a zero / trim request: unmaps whole blocks, zeroes partial edges.
@@ -986,7 +1149,6 @@ impl Engine {
             .unwrap()
             .shared
             .clone();
-        let stream = self.volumes[*volume as usize].as_ref().unwrap().user_stream;
         // Partial edges first (they are writes of zeros merged into the old block).
         let edges: [(u64, u64); 2] = if full_first > full_end {
             // The whole range lies inside one block.
@@ -1002,6 +1164,8 @@ impl Engine {
             if lo < hi {
                 let lba = lo / bs;
                 if vol_shared.map.load(lba) != UNMAPPED {
+                    let mut class = None;
+                    let stream = self.user_stream_for(*volume, lba, &mut class);
                     if self.ensure_unit(stream, 1, 0).is_err() {
                         return Ok(false);
                     }
@@ -1010,7 +1174,7 @@ impl Engine {
                         .read_blocks(&vol_shared, lba, &mut block)
                         .map_err(|e| EngineError::Io(format!("zeroing block {lba}: {e}")))?;
                     block[(lo - lba * bs) as usize..(hi - lba * bs) as usize].fill(0);
-                    self.append_data(stream, *volume, lba, &block, None);
+                    self.append_user(stream, *volume, lba, Some(&block), &mut class);
                 }
             }
             *stage += 1;
@@ -1059,6 +1223,9 @@ impl Engine {
         };
         let s = &mut self.segs[seg as usize];
         s.valid -= 1;
+        if let Some(v) = self.volumes.get(s.volume as usize).and_then(|v| v.as_ref()) {
+            s.last_invalidated = v.user_blocks;
+        }
         if s.valid == 0 && s.state == SegState::Closed {
             self.segment_emptied(seg);
         }
@@ -1095,16 +1262,22 @@ impl Engine {
         s: usize,
         volume: u16,
         lba: u64,
-        data: &[u8],
+        data: Option<&[u8]>,
         crc: Option<u32>,
     ) {
         let h = self.geo.header_blocks as u32;
         let st = &mut self.streams[s];
         let u = st.unit.as_mut().expect("append without an open unit");
         let block = h + u.data;
-        // SAFETY: the slot is beyond every published slot of this buffer.
-        unsafe { self.shared.buffers.blocks_mut(u.buf, block, 1) }.copy_from_slice(data);
-        let crc = crc.unwrap_or_else(|| lamina_format::crc32c(data));
+        let crc = match data {
+            Some(data) => {
+                // SAFETY: the slot is beyond every published slot of this buffer.
+                unsafe { self.shared.buffers.blocks_mut(u.buf, block, 1) }.copy_from_slice(data);
+                crc.unwrap_or_else(|| lamina_format::crc32c(data))
+            }
+            // Metadata-only (simulation): the record is all there is.
+            None => crc.unwrap_or(0),
+        };
         // SAFETY: header blocks are never read by clients.
         let hdr = unsafe { self.shared.buffers.blocks_mut(u.buf, 0, h) };
         put_record(hdr, u.data as usize, &RawRecord::data(volume, lba, crc));
@@ -1216,7 +1389,7 @@ impl Engine {
             seg
         } else {
             let floor = match kind {
-                StreamKind::User => USER_FLOOR_SEGMENTS,
+                StreamKind::User => self.user_floor(),
                 _ => 1,
             };
             if self.free.len() <= floor {
@@ -1225,9 +1398,16 @@ impl Engine {
             self.pop_free().unwrap()
         };
         let incarnation = self.take_version();
+        let born = self
+            .volumes
+            .get(self.streams[s].volume as usize)
+            .and_then(|v| v.as_ref())
+            .map_or(0, |v| v.user_blocks);
         let st = &mut self.streams[s];
         let erase_count = self.segs[seg as usize].erase_count + 1;
         self.segs[seg as usize] = Seg {
+            born,
+            last_invalidated: born,
             state: if kind == StreamKind::Meta {
                 SegState::Meta
             } else {
@@ -1394,6 +1574,11 @@ impl Engine {
         sg.state = SegState::Closing;
         sg.has_summary = true;
         sg.close_version = close_version;
+        sg.closed = self
+            .volumes
+            .get(sg.volume as usize)
+            .and_then(|v| v.as_ref())
+            .map_or(0, |v| v.user_blocks);
         sg.writes_inflight += 1;
         let volume = sg.volume;
         self.counters.media_blocks += sb_blocks as u64;
@@ -1466,6 +1651,13 @@ impl Engine {
 
     /// A closed segment has no live block left: start releasing it.
     pub(crate) fn segment_emptied(&mut self, seg: u32) {
+        if self.cfg.metadata_only {
+            // Nothing is durable in a simulation: reuse at once.
+            let erase_count = self.segs[seg as usize].erase_count;
+            self.segs[seg as usize] = Seg::free(erase_count);
+            self.free.push_back(seg);
+            return;
+        }
         let sg = &mut self.segs[seg as usize];
         debug_assert_eq!(sg.state, SegState::Closed);
         sg.state = SegState::Draining;
@@ -1732,17 +1924,30 @@ impl Engine {
             self.shared.set_volume(shared.clone());
         }
         self.counters.next_volume_id = self.counters.next_volume_id.max(id.0 as u64 + 1);
-        self.streams.push(Stream::new(StreamKind::User, 0, id.0));
-        self.streams.push(Stream::new(StreamKind::Gc, 0, id.0));
-        let n = self.streams.len();
+        let (classifier, policy) = self.placement_for(&shared.name, shared.blocks());
+        let user_classes = classifier.user_classes();
+        let total = user_classes + classifier.gc_classes();
+        let mut streams = Vec::with_capacity(total as usize);
+        for c in 0..total {
+            let kind = if c < user_classes {
+                StreamKind::User
+            } else {
+                StreamKind::Gc
+            };
+            self.streams.push(Stream::new(kind, c, id.0));
+            streams.push(self.streams.len() - 1);
+        }
         let i = id.0 as usize;
         if self.volumes.len() <= i {
             self.volumes.resize_with(i + 1, || None);
         }
         self.volumes[i] = Some(Vol {
             shared,
-            user_stream: n - 2,
-            gc_stream: n - 1,
+            streams,
+            user_classes,
+            classifier,
+            policy,
+            classes: vec![ClassCounters::default(); total as usize],
             created_version,
             user_blocks: 0,
             gc_blocks: 0,
@@ -1753,6 +1958,36 @@ impl Engine {
             deleting: None,
         });
         self.volumes[i].as_mut().unwrap()
+    }
+
+    /// The classifier and victim policy a volume uses: its override, else the
+    /// engine's defaults. Unknown names were rejected when the configuration was read.
+    fn placement_for(
+        &self,
+        name: &str,
+        blocks: u64,
+    ) -> (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>) {
+        let o = self.cfg.volume_overrides.iter().find(|o| o.0 == name);
+        let cname = o
+            .and_then(|o| o.1.clone())
+            .unwrap_or_else(|| self.cfg.classifier.clone());
+        let pname = o
+            .and_then(|o| o.2.clone())
+            .unwrap_or_else(|| self.cfg.gc_policy.clone());
+        let classifier = self
+            .classifier_factory
+            .as_ref()
+            .and_then(|f| f(&cname, name, blocks))
+            .or_else(|| crate::placement::classifier_by_name(&cname, blocks))
+            .unwrap_or_else(|| Box::new(crate::placement::NoClassifier));
+        let policy = policy_by_name(&pname).unwrap_or_else(|| Box::new(crate::gc::Greedy));
+        (classifier, policy)
+    }
+
+    /// Lets the simulator supply classifiers the engine cannot build by name (the
+    /// oracle needs the whole workload in advance).
+    pub fn set_classifier_factory(&mut self, f: ClassifierFactory) {
+        self.classifier_factory = Some(f);
     }
 
     /// Writes the superblock to every device directly (both copies, synced), outside
@@ -1786,7 +2021,9 @@ impl Engine {
             .map(|v| v.shared.id)
             .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
         if self.pending.iter().any(|p| match p {
-            Pending::Write { volume, .. } | Pending::Zero { volume, .. } => *volume == id.0,
+            Pending::Write { volume, .. }
+            | Pending::Zero { volume, .. }
+            | Pending::Blocks { volume, .. } => *volume == id.0,
         }) {
             return Err(EngineError::Invalid(format!(
                 "volume {name:?} has requests in progress"
@@ -1811,8 +2048,8 @@ impl Engine {
                 self.shared.set_volume(v.shared.clone());
             }
             if v.deleting.is_some_and(|d| d <= gen) {
-                let (us, gs, map) = (v.user_stream, v.gc_stream, v.shared.clone());
-                for s in [us, gs] {
+                let (streams, map) = (v.streams.clone(), v.shared.clone());
+                for s in streams {
                     self.close_segment(s);
                 }
                 for lba in 0..map.blocks() {
@@ -1828,13 +2065,25 @@ impl Engine {
         }
     }
 
-    /// Blocks the engine will reserve for GC before letting users write.
-    pub(crate) fn gc_start_segments(&self) -> usize {
-        USER_FLOOR_SEGMENTS + 2.max(self.geo.segment_count as usize / 50)
+    /// Free segments user streams leave to GC and the metadata stream.
+    pub(crate) fn user_floor(&self) -> usize {
+        self.cfg.user_floor_segments.unwrap_or(USER_FLOOR_SEGMENTS)
     }
 
+    /// Free segments below which GC runs.
+    pub(crate) fn gc_start_segments(&self) -> usize {
+        self.cfg
+            .gc_start_segments
+            .unwrap_or(USER_FLOOR_SEGMENTS + 2.max(self.geo.segment_count as usize / 50))
+    }
+
+    /// Free segments at which GC stops (hysteresis: one step above the start, or
+    /// exactly one more when the start was configured).
     pub(crate) fn gc_stop_segments(&self) -> usize {
-        self.gc_start_segments() + 1.max(self.geo.segment_count as usize / 100)
+        match self.cfg.gc_start_segments {
+            Some(start) => start + 1,
+            None => self.gc_start_segments() + 1.max(self.geo.segment_count as usize / 100),
+        }
     }
 }
 

@@ -12,7 +12,7 @@
 //! floor and the start watermark they run alongside GC.
 
 use crate::engine::{Engine, Purpose, SegState};
-use crate::gc::{select, Candidate};
+use crate::gc::Candidate;
 use crate::io::{IoCompletion, IoKind};
 use crate::map::encode_device;
 use crate::types::{Pba, SegmentId, BLOCK_SIZE};
@@ -29,6 +29,7 @@ pub(crate) struct GcState {
     active: bool,
     pub victims: u64,
     spare: Vec<Vec<u8>>,
+    cands: Vec<Candidate>,
 }
 
 #[derive(Default)]
@@ -69,24 +70,51 @@ impl GcState {
 }
 
 impl Engine {
-    /// The best victim by the configured policy, if any segment has space to reclaim.
-    pub(crate) fn pick_victim(&self) -> Option<u32> {
-        let now = self.next_version;
-        let candidates = self
-            .segs
-            .iter()
-            .enumerate()
-            .filter(|&(_i, s)| {
-                s.state == SegState::Closed && s.kind != StreamKind::Meta && s.valid < s.data_blocks
-            })
-            .map(|(i, s)| Candidate {
-                segment: i as u32,
-                valid: s.valid,
-                capacity: s.data_blocks,
-                age: now.saturating_sub(s.close_version),
-                erase_count: s.erase_count,
-            });
-        select(self.policy.as_ref(), candidates).map(|c| c.segment)
+    /// The next victim: among volumes, the one with the most garbage in collectable
+    /// segments; within it, the segment its victim policy chooses.
+    pub(crate) fn pick_victim(&mut self) -> Option<u32> {
+        let collectable = |s: &crate::engine::Seg| {
+            s.state == SegState::Closed
+                && s.kind != StreamKind::Meta
+                && !s.gc_exclude
+                && s.valid < s.data_blocks
+        };
+        let mut garbage: Vec<u64> = vec![0; self.volumes.len()];
+        for s in self.segs.iter().filter(|s| collectable(s)) {
+            if let Some(g) = garbage.get_mut(s.volume as usize) {
+                *g += (s.data_blocks - s.valid) as u64;
+            }
+        }
+        let (vol, g) = garbage.iter().enumerate().max_by_key(|(_, g)| **g)?;
+        if *g == 0 {
+            return None;
+        }
+        let now = self.volumes[vol].as_ref()?.user_blocks;
+        let mut cands = std::mem::take(&mut self.gc.cands);
+        cands.clear();
+        for (i, s) in self.segs.iter().enumerate() {
+            if collectable(s) && s.volume as usize == vol {
+                cands.push(Candidate {
+                    segment: i as u32,
+                    valid: s.valid,
+                    capacity: s.data_blocks,
+                    age: now.saturating_sub(s.closed),
+                    idle: now.saturating_sub(s.last_invalidated),
+                    erase_count: s.erase_count,
+                    class: s.class,
+                    user: s.kind == StreamKind::User,
+                });
+            }
+        }
+        let window = self.cfg.wear_window;
+        let pick = self.volumes[vol]
+            .as_mut()
+            .unwrap()
+            .policy
+            .select(&cands, window)
+            .map(|i| cands[i].segment);
+        self.gc.cands = cands;
+        pick
     }
 
     fn is_live(&self, pba: Pba, r: &RawRecord) -> bool {
@@ -124,6 +152,21 @@ impl Engine {
                     return;
                 };
                 self.gc.victims += 1;
+                let (class, born, volume) = {
+                    let s = &self.segs[seg as usize];
+                    (s.class, s.born, s.volume)
+                };
+                if let Some(v) = self
+                    .volumes
+                    .get_mut(volume as usize)
+                    .and_then(|v| v.as_mut())
+                {
+                    let now = v.user_blocks;
+                    v.classifier.segment_collected(class, born, now);
+                    if let Some(c) = v.classes.get_mut(class as usize) {
+                        c.victims += 1;
+                    }
+                }
                 let has_summary = self.segs[seg as usize].has_summary;
                 self.gc.phase = Phase::Owners {
                     seg,
@@ -366,6 +409,10 @@ impl Engine {
                     i += n;
                 }
                 *next = end;
+                if self.cfg.metadata_only {
+                    // Simulation: there are no data bytes to read.
+                    continue;
+                }
                 let seg = *seg;
                 let runs: Vec<(usize, Pba, usize)> = batch
                     .iter()
@@ -419,27 +466,36 @@ impl Engine {
                 let (pba, r) = live_local[run.first + bp];
                 if self.is_live(pba, &r) {
                     let volume = r.volume();
-                    let data_ok = !run.failed && run.data.is_some();
+                    let metadata_only = self.cfg.metadata_only;
+                    let data_ok = metadata_only || (!run.failed && run.data.is_some());
                     let block = run
                         .data
                         .as_deref()
                         .map(|d| &d[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE]);
-                    let crc_ok = data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b);
+                    let crc_ok = metadata_only
+                        || (data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b));
                     if crc_ok {
-                        let gc_stream = self.volumes[volume as usize].as_ref().unwrap().gc_stream;
+                        let from = self.segs[seg as usize].class;
+                        let v = self.volumes[volume as usize].as_mut().unwrap();
+                        let class = v.classifier.classify_gc(r.lba(), v.user_blocks, from);
+                        let gc_stream = v.streams[class as usize];
                         if self.ensure_unit(gc_stream, 1, 0).is_err() {
                             blocked = true;
                             break 'runs;
                         }
                         let run = &batch_local[rp];
-                        let block =
-                            &run.data.as_deref().unwrap()[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE];
+                        let block = run
+                            .data
+                            .as_deref()
+                            .map(|d| &d[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE]);
                         self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
                         self.counters.gc_blocks += 1;
                         self.blocks_since_checkpoint =
                             self.blocks_since_checkpoint.saturating_sub(1);
                         if let Some(v) = self.volumes[volume as usize].as_mut() {
                             v.gc_blocks += 1;
+                            v.classes[class as usize].blocks += 1;
+                            v.classes[from as usize].relocated_out += 1;
                         }
                     } else {
                         // The only copy is unreadable or damaged. It stays mapped where it

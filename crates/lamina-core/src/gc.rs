@@ -1,8 +1,11 @@
 //! Victim selection for garbage collection.
 //!
-//! A policy scores each closed segment that has something to reclaim; the engine
-//! relocates the live blocks of the best-scoring one. Policies see only what the
-//! engine tracks per segment (valid blocks, capacity, age, wear) so they are cheap.
+//! A policy chooses, among a volume's closed segments that have something to reclaim,
+//! the one whose live blocks GC relocates next. Policies see only what the engine
+//! tracks per segment (live blocks, capacity, ages, class, wear), so they are cheap.
+//! Ages are in the volume's time: user blocks written to it.
+
+use rand::{Rng, SeedableRng};
 
 /// What a policy knows about a candidate segment.
 #[derive(Clone, Copy, Debug)]
@@ -10,11 +13,18 @@ pub struct Candidate {
     pub segment: u32,
     /// Live blocks in it.
     pub valid: u32,
-    /// Data blocks it holds when full.
+    /// Data blocks it holds.
     pub capacity: u32,
-    /// Versions since it was closed: its age, in the engine's logical time.
+    /// Time since it was closed: the age of its youngest data.
     pub age: u64,
+    /// Time since one of its blocks last died: small while it is still being
+    /// invalidated.
+    pub idle: u64,
     pub erase_count: u32,
+    /// Heat class of the stream that wrote it.
+    pub class: u8,
+    /// Written by users (true) or by GC relocations (false).
+    pub user: bool,
 }
 
 impl Candidate {
@@ -22,16 +32,60 @@ impl Candidate {
     pub fn utilisation(&self) -> f64 {
         self.valid as f64 / self.capacity.max(1) as f64
     }
+    /// Blocks GC gains by collecting it.
+    pub fn garbage(&self) -> u32 {
+        self.capacity.saturating_sub(self.valid)
+    }
 }
 
-/// A victim selection policy. Higher scores are better victims.
+/// A victim selection policy.
 pub trait VictimPolicy: Send {
     fn name(&self) -> &'static str;
+    /// Score of a candidate; higher is a better victim. Policies that choose in
+    /// another way (sampling) override [`VictimPolicy::select`] instead.
     fn score(&self, c: &Candidate) -> f64;
+    /// Index of the chosen candidate. `wear_window`: among candidates scoring within
+    /// this fraction of the best, the least erased one wins (SPDK's FTL does this
+    /// within 10 points of invalidity).
+    fn select(&mut self, cands: &[Candidate], wear_window: f64) -> Option<usize> {
+        select_by_score(cands, |c| self.score(c), wear_window)
+    }
 }
 
-/// Greedy: the segment with the fewest live blocks (the most to reclaim per block
-/// moved). Optimal for uniform random overwrites.
+/// Best scoring candidate, with wear-aware tie-breaking.
+pub fn select_by_score(
+    cands: &[Candidate],
+    score: impl Fn(&Candidate) -> f64,
+    wear_window: f64,
+) -> Option<usize> {
+    let mut best: Option<(f64, usize)> = None;
+    for (i, c) in cands.iter().enumerate() {
+        if c.garbage() == 0 {
+            continue;
+        }
+        let s = score(c);
+        if best.is_none_or(|(bs, _)| s > bs) {
+            best = Some((s, i));
+        }
+    }
+    let (bs, bi) = best?;
+    if wear_window <= 0.0 {
+        return Some(bi);
+    }
+    // Scores are made comparable as a fraction of the best one; greedy's score is
+    // the garbage, so this is "within 10% of the most garbage" there.
+    let floor = bs - bs.abs() * wear_window;
+    let mut pick = bi;
+    for (i, c) in cands.iter().enumerate() {
+        if c.garbage() > 0 && score(c) >= floor && c.erase_count < cands[pick].erase_count {
+            pick = i;
+        }
+    }
+    Some(pick)
+}
+
+/// Greedy: the segment with the most garbage (fewest live blocks). Optimal for
+/// uniform random overwrites; no policy can beat it there.
 pub struct Greedy;
 
 impl VictimPolicy for Greedy {
@@ -39,7 +93,7 @@ impl VictimPolicy for Greedy {
         "greedy"
     }
     fn score(&self, c: &Candidate) -> f64 {
-        (c.capacity.saturating_sub(c.valid)) as f64
+        c.garbage() as f64
     }
 }
 
@@ -57,34 +111,103 @@ impl VictimPolicy for CostBenefit {
     }
 }
 
-/// Builds a policy by name.
-pub fn policy_by_name(name: &str) -> Option<Box<dyn VictimPolicy>> {
-    match name {
-        "greedy" => Some(Box::new(Greedy)),
-        "cost-benefit" => Some(Box::new(CostBenefit)),
-        _ => None,
+/// Cost-benefit as SepBIT's simulator scores it: GP / (1 - GP) x sqrt(age), with GP
+/// the garbage proportion.
+pub struct CostBenefitSqrt;
+
+impl VictimPolicy for CostBenefitSqrt {
+    fn name(&self) -> &'static str {
+        "cost-benefit-sqrt"
+    }
+    fn score(&self, c: &Candidate) -> f64 {
+        let gp = 1.0 - c.utilisation();
+        let denom = (1.0 - gp).max(1e-9);
+        gp / denom * (c.age as f64 + 1.0).sqrt()
+    }
+}
+
+/// d-choices: greedy among `d` candidates drawn at random (cheap on huge arrays;
+/// close to greedy for large d).
+pub struct DChoices {
+    d: usize,
+    rng: rand::rngs::SmallRng,
+}
+
+impl DChoices {
+    pub fn new(d: usize, seed: u64) -> Self {
+        DChoices {
+            d: d.max(1),
+            rng: rand::rngs::SmallRng::seed_from_u64(seed),
+        }
+    }
+}
+
+impl VictimPolicy for DChoices {
+    fn name(&self) -> &'static str {
+        "d-choices"
+    }
+    fn score(&self, c: &Candidate) -> f64 {
+        c.garbage() as f64
+    }
+    fn select(&mut self, cands: &[Candidate], _wear_window: f64) -> Option<usize> {
+        let with_garbage = cands.iter().filter(|c| c.garbage() > 0).count();
+        if with_garbage == 0 {
+            return None;
+        }
+        let mut best: Option<usize> = None;
+        for _ in 0..self.d {
+            let i = self.rng.gen_range(0..cands.len());
+            if cands[i].garbage() == 0 {
+                continue;
+            }
+            if best.is_none_or(|b| cands[i].garbage() > cands[b].garbage()) {
+                best = Some(i);
+            }
+        }
+        best.or_else(|| cands.iter().position(|c| c.garbage() > 0))
+    }
+}
+
+/// SALSA's ideas (2.4): take the logical origin, the age and the update pattern of
+/// the data into account, and do not break up data that tends to be overwritten
+/// together. A segment whose blocks are still dying (recently invalidated) is left
+/// alone: the pattern that is emptying it will likely finish the job for free. The
+/// benefit is cost-benefit's (1 - u) / (1 + u), weighted by how long the segment
+/// has been quiet (its "idle" time) rather than by its age, and segments written by
+/// GC (origin: old, cold data) must be quiet longer to be worth moving again.
+pub struct Salsa;
+
+impl VictimPolicy for Salsa {
+    fn name(&self) -> &'static str {
+        "salsa"
+    }
+    fn score(&self, c: &Candidate) -> f64 {
+        let u = c.utilisation();
+        let quiet = c.idle.min(c.age) as f64 + 1.0;
+        let origin = if c.user { 1.0 } else { 0.5 };
+        origin * quiet * (1.0 - u) / (1.0 + u)
     }
 }
 
 /// Names accepted by [`policy_by_name`].
-pub const POLICY_NAMES: &[&str] = &["greedy", "cost-benefit"];
+pub const POLICY_NAMES: &[&str] = &[
+    "greedy",
+    "cost-benefit",
+    "cost-benefit-sqrt",
+    "d-choices",
+    "salsa",
+];
 
-/// Picks the best-scoring candidate.
-pub fn select(
-    policy: &dyn VictimPolicy,
-    candidates: impl Iterator<Item = Candidate>,
-) -> Option<Candidate> {
-    let mut best: Option<(f64, Candidate)> = None;
-    for c in candidates {
-        if c.valid >= c.capacity {
-            continue;
-        }
-        let s = policy.score(&c);
-        if best.as_ref().is_none_or(|(bs, _)| s > *bs) {
-            best = Some((s, c));
-        }
-    }
-    best.map(|(_, c)| c)
+/// Builds a policy by name.
+pub fn policy_by_name(name: &str) -> Option<Box<dyn VictimPolicy>> {
+    Some(match name {
+        "greedy" => Box::new(Greedy),
+        "cost-benefit" => Box::new(CostBenefit),
+        "cost-benefit-sqrt" => Box::new(CostBenefitSqrt),
+        "d-choices" => Box::new(DChoices::new(10, 0x5eed)),
+        "salsa" => Box::new(Salsa),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -97,29 +220,97 @@ mod tests {
             valid,
             capacity: 100,
             age,
+            idle: age,
             erase_count: 0,
+            class: 0,
+            user: true,
         }
+    }
+
+    fn pick(p: &mut dyn VictimPolicy, cs: &[Candidate]) -> u32 {
+        cs[p.select(cs, 0.0).unwrap()].segment
     }
 
     #[test]
     fn greedy_takes_emptiest() {
         let cs = [cand(1, 90, 1000), cand(2, 10, 1), cand(3, 50, 50)];
-        assert_eq!(select(&Greedy, cs.into_iter()).unwrap().segment, 2);
+        assert_eq!(pick(&mut Greedy, &cs), 2);
     }
 
     #[test]
     fn cost_benefit_prefers_old_cold_segments() {
         // 60% live but very old beats 40% live and young.
         let cs = [cand(1, 60, 100_000), cand(2, 40, 10)];
-        assert_eq!(select(&CostBenefit, cs.into_iter()).unwrap().segment, 1);
+        assert_eq!(pick(&mut CostBenefit, &cs), 1);
         // At equal age it degenerates to greedy.
         let cs = [cand(1, 60, 100), cand(2, 40, 100)];
-        assert_eq!(select(&CostBenefit, cs.into_iter()).unwrap().segment, 2);
+        assert_eq!(pick(&mut CostBenefit, &cs), 2);
+        assert_eq!(pick(&mut CostBenefitSqrt, &cs), 2);
+        // sqrt(age) weighs age less than age does.
+        let cs = [cand(1, 60, 1000), cand(2, 30, 100)];
+        assert_eq!(pick(&mut CostBenefit, &cs), 1);
+        assert_eq!(pick(&mut CostBenefitSqrt, &cs), 2);
     }
 
     #[test]
     fn full_segments_are_never_victims() {
         let cs = [cand(1, 100, 5)];
-        assert!(select(&Greedy, cs.into_iter()).is_none());
+        assert!(Greedy.select(&cs, 0.1).is_none());
+        assert!(DChoices::new(4, 1).select(&cs, 0.0).is_none());
+    }
+
+    #[test]
+    fn d_choices_samples_and_prefers_garbage() {
+        let mut cs: Vec<_> = (0..100).map(|i| cand(i, 90, 0)).collect();
+        cs[42].valid = 0;
+        let mut d = DChoices::new(1000, 7);
+        assert_eq!(
+            pick(&mut d, &cs),
+            42,
+            "with d much larger than n it is greedy"
+        );
+        let mut d1 = DChoices::new(1, 7);
+        let picks: std::collections::HashSet<u32> = (0..50).map(|_| pick(&mut d1, &cs)).collect();
+        assert!(picks.len() > 5, "with d = 1 it samples");
+    }
+
+    #[test]
+    fn salsa_leaves_dying_segments_alone() {
+        // Same utilisation; one was invalidated a moment ago, the other long ago.
+        let mut dying = cand(1, 50, 1000);
+        dying.idle = 1;
+        let quiet = cand(2, 50, 1000);
+        assert_eq!(pick(&mut Salsa, &[dying, quiet]), 2);
+        // Relocated (GC-origin) data must be quieter to be worth moving again.
+        let mut gc_seg = cand(3, 50, 1000);
+        gc_seg.user = false;
+        assert_eq!(pick(&mut Salsa, &[gc_seg, cand(4, 50, 1000)]), 4);
+    }
+
+    #[test]
+    fn wear_aware_tie_breaking() {
+        let mut a = cand(1, 10, 5);
+        a.erase_count = 50;
+        let mut b = cand(2, 14, 5);
+        b.erase_count = 3;
+        let c = cand(3, 40, 5);
+        // Garbage 90 vs 86: within 10% of the best, the less erased wins.
+        assert_eq!(
+            Greedy
+                .select(&[a, b, c], 0.10)
+                .map(|i| [a, b, c][i].segment),
+            Some(2)
+        );
+        assert_eq!(
+            Greedy.select(&[a, b, c], 0.0).map(|i| [a, b, c][i].segment),
+            Some(1)
+        );
+        // Outside the window the better score still wins.
+        let mut far = cand(4, 60, 5);
+        far.erase_count = 0;
+        assert_eq!(
+            Greedy.select(&[a, far], 0.10).map(|i| [a, far][i].segment),
+            Some(1)
+        );
     }
 }

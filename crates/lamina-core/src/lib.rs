@@ -15,6 +15,7 @@ pub mod gc;
 pub mod geometry;
 pub mod io;
 pub mod map;
+pub mod placement;
 pub mod recovery;
 pub mod shared;
 pub mod status;
@@ -27,5 +28,5 @@ pub use recovery::{
     RECOVERY_TOKEN,
 };
 pub use shared::{Shared, VolumeShared};
-pub use status::{StatusReport, VolumeStatus};
+pub use status::{ClassStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

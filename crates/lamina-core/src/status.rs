@@ -3,6 +3,26 @@
 use crate::engine::{Engine, SegState};
 use crate::types::BLOCK_SIZE_U64;
 
+/// One heat class of a volume.
+#[derive(Clone, Debug, Default)]
+pub struct ClassStatus {
+    pub class: u8,
+    /// "user" (fresh writes) or "gc" (relocated blocks).
+    pub kind: String,
+    pub segments: u64,
+    pub live_bytes: u64,
+    /// Bytes placed in this class: user writes or GC relocations.
+    pub bytes_written: u64,
+    /// Bytes GC moved out of this class's segments.
+    pub bytes_relocated_out: u64,
+    /// Segments of this class collected by GC.
+    pub victims: u64,
+    /// For user classes: (bytes written here + bytes GC moved out of here and
+    /// everything that followed) / bytes written here is not separable per class, so
+    /// this is relocated-out / written: the GC cost this class caused per byte.
+    pub gc_cost: Option<f64>,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct VolumeStatus {
     pub id: u16,
@@ -15,6 +35,9 @@ pub struct VolumeStatus {
     pub gc_bytes_relocated: u64,
     /// media / user; `None` before the first write.
     pub write_amplification: Option<f64>,
+    pub classifier: String,
+    pub gc_policy: String,
+    pub classes: Vec<ClassStatus>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -68,15 +91,35 @@ impl Engine {
             .flatten()
             .filter(|v| v.deleting.is_none())
         {
-            let segments = self
-                .segs
+            let mut classes: Vec<ClassStatus> = v
+                .classes
                 .iter()
-                .filter(|s| {
-                    s.state != SegState::Free
-                        && s.state != SegState::Meta
-                        && s.volume == v.shared.id.0
+                .enumerate()
+                .map(|(c, k)| ClassStatus {
+                    class: c as u8,
+                    kind: if (c as u8) < v.user_classes {
+                        "user"
+                    } else {
+                        "gc"
+                    }
+                    .into(),
+                    bytes_written: k.blocks * bs,
+                    bytes_relocated_out: k.relocated_out * bs,
+                    victims: k.victims,
+                    gc_cost: (k.blocks > 0).then(|| k.relocated_out as f64 / k.blocks as f64),
+                    ..Default::default()
                 })
-                .count() as u64;
+                .collect();
+            let mut segments = 0u64;
+            for s in self.segs.iter().filter(|s| {
+                s.state != SegState::Free && s.state != SegState::Meta && s.volume == v.shared.id.0
+            }) {
+                segments += 1;
+                if let Some(c) = classes.get_mut(s.class as usize) {
+                    c.segments += 1;
+                    c.live_bytes += s.valid as u64 * bs;
+                }
+            }
             volumes.push(VolumeStatus {
                 id: v.shared.id.0,
                 name: v.shared.name.clone(),
@@ -87,6 +130,9 @@ impl Engine {
                 media_bytes_written: v.media_blocks * bs,
                 gc_bytes_relocated: v.gc_blocks * bs,
                 write_amplification: ratio(v.media_blocks, v.user_blocks),
+                classifier: v.classifier.name().into(),
+                gc_policy: v.policy.name().into(),
+                classes,
             });
         }
         let rs = &self.shared.read_stats;
@@ -115,7 +161,7 @@ impl Engine {
             gc_bytes_relocated: c.gc_blocks * bs,
             metadata_bytes_written: c.meta_blocks * bs,
             write_amplification: ratio(c.media_blocks, c.user_blocks),
-            gc_policy: self.policy.name().into(),
+            gc_policy: self.cfg.gc_policy.clone(),
             gc_victims: self.gc.victims,
             flushes: c.flushes,
             syncs: c.syncs,

@@ -19,6 +19,7 @@ pub mod crash;
 pub mod fault;
 pub mod file;
 pub mod mem;
+pub mod sparse;
 
 use std::io;
 

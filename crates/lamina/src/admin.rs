@@ -172,6 +172,25 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                 media_bytes_written: v["media_bytes_written"].as_u64().unwrap_or(0),
                 gc_bytes_relocated: v["gc_bytes_relocated"].as_u64().unwrap_or(0),
                 write_amplification: v["write_amplification"].as_f64(),
+                classifier: v["classifier"].as_str().unwrap_or("").into(),
+                gc_policy: v["gc_policy"].as_str().unwrap_or("").into(),
+                classes: v["classes"]
+                    .as_array()
+                    .map(|cs| {
+                        cs.iter()
+                            .map(|c| lamina_core::ClassStatus {
+                                class: c["class"].as_u64().unwrap_or(0) as u8,
+                                kind: c["kind"].as_str().unwrap_or("").into(),
+                                segments: c["segments"].as_u64().unwrap_or(0),
+                                live_bytes: c["live_bytes"].as_u64().unwrap_or(0),
+                                bytes_written: c["bytes_written"].as_u64().unwrap_or(0),
+                                bytes_relocated_out: c["bytes_relocated_out"].as_u64().unwrap_or(0),
+                                victims: c["victims"].as_u64().unwrap_or(0),
+                                gc_cost: c["gc_cost"].as_f64(),
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             });
         }
     }

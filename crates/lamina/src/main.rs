@@ -1,10 +1,14 @@
 //! `lamina`: create log-structured arrays, carve volumes, serve them over NBD.
 
+// serde_json's json! macro nests deeply for the status document.
+#![recursion_limit = "256"]
+
 mod admin;
 mod config;
 mod output;
 mod runtime;
 mod serve;
+mod sim;
 mod size;
 
 use anyhow::{bail, Context, Result};
@@ -59,6 +63,9 @@ enum Cmd {
     /// Show capacity, space use and write amplification.
     #[command(long_about = STATUS_ABOUT)]
     Status(StatusArgs),
+    /// Replay a workload or block trace through the engine, without data.
+    #[command(long_about = sim::SIM_ABOUT)]
+    Sim(sim::SimArgs),
 }
 
 const SERVE_ABOUT: &str = "\
@@ -174,6 +181,7 @@ fn main() {
         Cmd::Volume(v) => volume(v),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Status(a) => status(a),
+        Cmd::Sim(a) => sim::run(a),
     };
     if let Err(e) = result {
         eprintln!("lamina: error: {e:#}");

@@ -47,6 +47,18 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
             "media_bytes_written": v.media_bytes_written,
             "gc_bytes_relocated": v.gc_bytes_relocated,
             "write_amplification": v.write_amplification,
+            "classifier": v.classifier,
+            "gc_policy": v.gc_policy,
+            "classes": v.classes.iter().map(|c| json!({
+                "class": c.class,
+                "kind": c.kind,
+                "segments": c.segments,
+                "live_bytes": c.live_bytes,
+                "bytes_written": c.bytes_written,
+                "bytes_relocated_out": c.bytes_relocated_out,
+                "victims": c.victims,
+                "gc_cost": c.gc_cost,
+            })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     })
 }
@@ -117,6 +129,25 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             human(v.gc_bytes_relocated),
             wa(v.write_amplification)
         );
+    }
+    for v in &s.volumes {
+        o += &format!(
+            "\n{}: classifier {}, gc policy {}\n  {:<6} {:<5} {:>9} {:>10} {:>12} {:>14} {:>8} {:>8}\n",
+            v.name, v.classifier, v.gc_policy, "CLASS", "KIND", "SEGMENTS", "LIVE", "WRITTEN", "MOVED OUT", "VICTIMS", "GC COST"
+        );
+        for c in &v.classes {
+            o += &format!(
+                "  {:<6} {:<5} {:>9} {:>10} {:>12} {:>14} {:>8} {:>8}\n",
+                c.class,
+                c.kind,
+                c.segments,
+                human(c.live_bytes),
+                human(c.bytes_written),
+                human(c.bytes_relocated_out),
+                c.victims,
+                wa(c.gc_cost)
+            );
+        }
     }
     o
 }

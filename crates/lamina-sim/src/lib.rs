@@ -1,0 +1,536 @@
+//! `lamina sim`: replays a workload through the real engine, without data.
+//!
+//! The engine runs in metadata-only mode (`EngineConfig::metadata_only`): writes carry
+//! LBAs but no bytes, GC moves records instead of blocks, and segments emptied by GC
+//! are reused at once (nothing needs to be durable in a simulation). Everything that
+//! decides write amplification is the code `lamina serve` runs: the write path, the
+//! classifier and its streams, segment filling, unit and summary writing, victim
+//! selection and relocation. The device is a sparse RAM device that keeps only what
+//! the engine reads back (superblocks and segment summaries); unit writes are
+//! acknowledged without storing anything.
+//!
+//! Sizing: each volume gets its working set (distinct blocks the workload writes)
+//! times (1 + over-provisioning) of data space, plus the segments the engine keeps
+//! out of circulation (the metadata stream's two, and GC's free reserve), so that
+//! over-provisioning means what the models mean by it. The partly filled open
+//! segment of each stream is not compensated: more heat classes hold more of them,
+//! a real cost of the placement that small arrays feel.
+
+pub mod plot;
+pub mod trace;
+pub mod workload;
+
+use lamina_core::engine::{Engine, EngineConfig, Request, Token};
+use lamina_core::io::{IoCompletion, IoKind, IoOp};
+use lamina_core::{FormatParams, OpenMode, VolumeId};
+use lamina_device::sparse::SparseDevice;
+use lamina_device::BlockDevice;
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::Instant;
+use workload::{Op, Workload};
+
+/// Simulation parameters.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub segment_blocks: u32,
+    pub write_unit_blocks: u32,
+    /// Spare space as a fraction of the working set (0.28 = 28%).
+    pub overprovision: f64,
+    pub classifier: String,
+    pub policy: String,
+    /// User blocks written before the measured window starts (the fill and warm-up).
+    pub warmup_blocks: u64,
+    /// Points in the write-amplification time series.
+    pub series_points: u64,
+    pub wear_window: f64,
+    /// Free segments below which GC runs.
+    pub gc_start_segments: usize,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            segment_blocks: 2048,
+            write_unit_blocks: 128,
+            overprovision: 0.28,
+            classifier: "none".into(),
+            policy: "greedy".into(),
+            warmup_blocks: 0,
+            series_points: 100,
+            wear_window: 0.0,
+            gc_start_segments: 3,
+        }
+    }
+}
+
+/// A volume of the simulated array.
+#[derive(Clone, Debug)]
+pub struct VolumeSpec {
+    pub name: String,
+    /// Address space in blocks (highest block written + 1).
+    pub blocks: u64,
+    /// Distinct blocks the workload writes: the live data the array must hold.
+    pub working_set: u64,
+}
+
+/// Errors of a simulation.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("invalid simulation: {0}")]
+    Invalid(String),
+    #[error("engine: {0}")]
+    Engine(#[from] lamina_core::EngineError),
+    #[error(transparent)]
+    Trace(#[from] trace::TraceError),
+}
+
+/// Counters at one point of the run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sample {
+    pub user_blocks: u64,
+    pub gc_blocks: u64,
+    pub media_blocks: u64,
+}
+
+/// The result of a run.
+#[derive(Debug)]
+pub struct SimReport {
+    pub config: SimConfig,
+    pub segments: u32,
+    pub start: Sample,
+    pub warm: Sample,
+    pub end: Sample,
+    pub per_volume_warm: Vec<(u64, u64)>,
+    pub status: lamina_core::StatusReport,
+    pub series: Vec<Sample>,
+    pub elapsed_s: f64,
+    pub workload: String,
+}
+
+impl SimReport {
+    /// (user + relocated) / user blocks in the measured window: the write
+    /// amplification the analytic models and SepBIT's simulator report.
+    pub fn write_amplification(&self) -> f64 {
+        wa(self.warm, self.end)
+    }
+    /// Same over the whole run.
+    pub fn write_amplification_total(&self) -> f64 {
+        wa(self.start, self.end)
+    }
+    /// Everything written to media (data, unit headers, summaries, metadata) per
+    /// user block, over the whole run.
+    pub fn media_write_amplification(&self) -> f64 {
+        let u = self.end.user_blocks - self.start.user_blocks;
+        (self.end.media_blocks - self.start.media_blocks) as f64 / u.max(1) as f64
+    }
+    pub fn blocks_per_second(&self) -> f64 {
+        (self.end.user_blocks - self.start.user_blocks + self.end.gc_blocks - self.start.gc_blocks)
+            as f64
+            / self.elapsed_s.max(1e-9)
+    }
+
+    pub fn to_json(&self) -> Value {
+        let c = &self.config;
+        let volumes: Vec<Value> = self
+            .status
+            .volumes
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let (wu, wg) = self.per_volume_warm.get(i).copied().unwrap_or((0, 0));
+                let u = v.user_bytes_written / 4096 - wu;
+                let g = v.gc_bytes_relocated / 4096 - wg;
+                json!({
+                    "name": v.name,
+                    "blocks": v.size_bytes / 4096,
+                    "live_blocks": v.live_bytes / 4096,
+                    "user_blocks_written": v.user_bytes_written / 4096,
+                    "gc_blocks_written": v.gc_bytes_relocated / 4096,
+                    "media_blocks_written": v.media_bytes_written / 4096,
+                    "write_amplification": if u > 0 { Some((u + g) as f64 / u as f64) } else { None },
+                    "media_write_amplification": v.write_amplification,
+                    "classes": v.classes.iter().map(|k| json!({
+                        "class": k.class,
+                        "kind": k.kind,
+                        "segments": k.segments,
+                        "live_blocks": k.live_bytes / 4096,
+                        "blocks_written": k.bytes_written / 4096,
+                        "blocks_relocated_out": k.bytes_relocated_out / 4096,
+                        "victims": k.victims,
+                        "gc_cost": k.gc_cost,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        json!({
+            "workload": self.workload,
+            "config": {
+                "segment_blocks": c.segment_blocks,
+                "write_unit_blocks": c.write_unit_blocks,
+                "overprovision": c.overprovision,
+                "classifier": c.classifier,
+                "policy": c.policy,
+                "warmup_blocks": c.warmup_blocks,
+                "segments": self.segments,
+            },
+            "write_amplification": self.write_amplification(),
+            "write_amplification_total": self.write_amplification_total(),
+            "media_write_amplification": self.media_write_amplification(),
+            "user_blocks_written": self.end.user_blocks - self.start.user_blocks,
+            "gc_blocks_written": self.end.gc_blocks - self.start.gc_blocks,
+            "media_blocks_written": self.end.media_blocks - self.start.media_blocks,
+            "gc_victims": self.status.gc_victims,
+            "measured_user_blocks": self.end.user_blocks - self.warm.user_blocks,
+            "volumes": volumes,
+            "series": self.series.windows(2).map(|w| json!({
+                "user_blocks": w[1].user_blocks - self.start.user_blocks,
+                "write_amplification": wa(w[0], w[1]),
+                "cumulative_write_amplification": wa(self.start, w[1]),
+            })).collect::<Vec<_>>(),
+            "elapsed_s": self.elapsed_s,
+            "blocks_per_second": self.blocks_per_second(),
+        })
+    }
+}
+
+fn wa(a: Sample, b: Sample) -> f64 {
+    let u = b.user_blocks - a.user_blocks;
+    if u == 0 {
+        return 1.0;
+    }
+    (u + b.gc_blocks - a.gc_blocks) as f64 / u as f64
+}
+
+/// For each volume, `next[t]`: the time (in that volume's user blocks written) of
+/// the next write or trim of the block written at time `t`, `u64::MAX` if none.
+/// A pre-pass over the workload; what the oracle classifier needs.
+pub fn next_writes(ops: &mut dyn Workload, volumes: usize) -> Vec<Vec<u64>> {
+    // Forward pass: for each write, remember (volume, lba, time); then resolve
+    // backwards. To bound memory, we store per volume the LBA of each write.
+    let mut lbas: Vec<Vec<u64>> = vec![Vec::new(); volumes];
+    let mut trims: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); volumes]; // (time, lba, count)
+    while let Some(op) = ops.next_op() {
+        let v = op.volume as usize;
+        if v >= volumes {
+            continue;
+        }
+        if op.trim {
+            trims[v].push((lbas[v].len() as u64, op.lba, op.blocks as u64));
+        } else {
+            for b in 0..op.blocks as u64 {
+                lbas[v].push(op.lba + b);
+            }
+        }
+    }
+    lbas.into_iter()
+        .zip(trims)
+        .map(|(l, tr)| {
+            let mut next = vec![u64::MAX; l.len()];
+            let mut seen: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+            let mut tr = tr;
+            for t in (0..l.len()).rev() {
+                // Trims issued after write t (at or after time t+1) end lives too.
+                while let Some(&(tt, lba, count)) = tr.last() {
+                    if tt <= t as u64 {
+                        break;
+                    }
+                    for b in lba..lba + count {
+                        seen.insert(b, tt);
+                    }
+                    tr.pop();
+                }
+                if let Some(&n) = seen.get(&l[t]) {
+                    next[t] = n;
+                }
+                seen.insert(l[t], t as u64);
+            }
+            next
+        })
+        .collect()
+}
+
+/// Executes the engine's device operations against the metadata store.
+struct Driver {
+    dev: Arc<SparseDevice>,
+    ops: Vec<IoOp>,
+}
+
+impl Driver {
+    fn run(&mut self, e: &mut Engine) {
+        loop {
+            e.drain_io(&mut self.ops);
+            if self.ops.is_empty() {
+                return;
+            }
+            for op in self.ops.drain(..) {
+                let (result, buf) = match op.kind {
+                    // Data is not simulated; unit headers are not read back either
+                    // (GC reads summaries).
+                    IoKind::WriteUnit { .. } | IoKind::Sync => (Ok(()), None),
+                    IoKind::WriteOwned { data } => (self.dev.write_at(&data, op.offset), None),
+                    IoKind::Read { mut buf } => (self.dev.read_at(&mut buf, op.offset), Some(buf)),
+                };
+                e.io_completed(IoCompletion {
+                    tag: op.tag,
+                    result,
+                    buf,
+                });
+            }
+        }
+    }
+}
+
+fn counters(e: &Engine) -> Sample {
+    let c = e.counters();
+    Sample {
+        user_blocks: c.user_blocks,
+        gc_blocks: c.gc_blocks,
+        media_blocks: c.media_blocks,
+    }
+}
+
+/// Runs a workload on a fresh simulated array holding `volumes`.
+/// `oracle`: per volume, the next-write table from [`next_writes`] (needed only by
+/// the `oracle` classifier). `progress` is called with user blocks written so far.
+pub fn simulate(
+    workload: &mut dyn Workload,
+    volumes: &[VolumeSpec],
+    cfg: &SimConfig,
+    oracle: Option<Vec<Arc<Vec<u64>>>>,
+    label: &str,
+    progress: &mut dyn FnMut(u64),
+) -> Result<SimReport, SimError> {
+    if volumes.is_empty() {
+        return Err(SimError::Invalid("the workload writes nothing".into()));
+    }
+    if !(0.0..=10.0).contains(&cfg.overprovision) || cfg.overprovision.is_nan() {
+        return Err(SimError::Invalid(format!(
+            "over-provisioning {} must be between 0 and 10",
+            cfg.overprovision
+        )));
+    }
+    if lamina_core::gc::policy_by_name(&cfg.policy).is_none() {
+        return Err(SimError::Invalid(format!(
+            "unknown policy {:?} (known: {})",
+            cfg.policy,
+            lamina_core::gc::POLICY_NAMES.join(", ")
+        )));
+    }
+    let known = lamina_core::placement::CLASSIFIER_NAMES.contains(&cfg.classifier.as_str())
+        || (cfg.classifier == "oracle" && oracle.is_some());
+    if !known {
+        return Err(SimError::Invalid(format!(
+            "unknown classifier {:?} (known: {}, oracle)",
+            cfg.classifier,
+            lamina_core::placement::CLASSIFIER_NAMES.join(", ")
+        )));
+    }
+    // Size the array: the working sets with their spare space, plus what the engine
+    // keeps out of circulation.
+    let h = lamina_format::unit::header_blocks_for(cfg.write_unit_blocks as usize + 16) as u64;
+    let per_unit = cfg.write_unit_blocks as u64 - h;
+    let data_end = cfg.segment_blocks as u64
+        - lamina_format::summary::summary_blocks(cfg.segment_blocks) as u64;
+    let per_seg = (data_end / cfg.write_unit_blocks as u64) * per_unit
+        + (data_end % cfg.write_unit_blocks as u64).saturating_sub(h);
+    let classes_per_volume = match lamina_core::placement::classifier_by_name(&cfg.classifier, 1) {
+        Some(c) => (c.user_classes() + c.gc_classes()) as u64,
+        None => 32, // the oracle: up to 16 + 16
+    };
+    let data: u64 = volumes
+        .iter()
+        .map(|v| ((v.working_set.max(1) as f64) * (1.0 + cfg.overprovision)).ceil() as u64)
+        .sum();
+    // The metadata stream holds two segments and GC keeps about `gc_start` free; the
+    // open segments of the streams are part of the placement's own cost and are not
+    // compensated.
+    let _ = classes_per_volume;
+    let overhead = 2 + cfg.gc_start_segments as u64;
+    let segments = data.div_ceil(per_seg) + overhead;
+    let segments = segments.max(lamina_core::recovery::MIN_SEGMENTS as u64);
+    if segments * cfg.segment_blocks as u64 >= lamina_core::map::PBA_LIMIT as u64 {
+        return Err(SimError::Invalid(
+            "the simulated array would exceed 16 TiB".into(),
+        ));
+    }
+    let dev_bytes = 1024 * 1024 + segments * cfg.segment_blocks as u64 * 4096;
+    let dev = Arc::new(SparseDevice::new("sim", dev_bytes));
+    let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
+    let params = FormatParams {
+        name: "sim".into(),
+        segment_blocks: cfg.segment_blocks,
+        write_unit_blocks: cfg.write_unit_blocks,
+        overprovision: cfg.overprovision,
+        ..Default::default()
+    };
+    lamina_core::format(&devs, &params, [0x51; 16], &[[0x52; 16]], 0)?;
+    let ecfg = EngineConfig {
+        buffer_units: 16,
+        crc_cache_entries: 16,
+        gc_policy: cfg.policy.clone(),
+        classifier: cfg.classifier.clone(),
+        checkpoint_interval_blocks: u64::MAX / 4,
+        idle_seal_ms: u64::MAX,
+        auto_sync_ms: u64::MAX,
+        wear_window: cfg.wear_window,
+        metadata_only: true,
+        enforce_capacity: false,
+        gc_start_segments: Some(cfg.gc_start_segments),
+        user_floor_segments: Some(1),
+        ..Default::default()
+    };
+    let (mut engine, _) = lamina_core::open(devs, ecfg, OpenMode::ReadWrite)?;
+    if let Some(tables) = oracle {
+        let names: Vec<String> = volumes.iter().map(|v| v.name.clone()).collect();
+        engine.set_classifier_factory(Box::new(move |cname, vname, blocks| {
+            if cname != "oracle" {
+                return None;
+            }
+            let i = names.iter().position(|n| n == vname)?;
+            Some(Box::new(lamina_core::placement::Oracle::new(
+                tables[i].clone(),
+                16,
+                (blocks / 8).max(64),
+            ))
+                as Box<dyn lamina_core::placement::Classifier>)
+        }));
+    }
+    let mut driver = Driver {
+        dev,
+        ops: Vec::new(),
+    };
+    let mut replies = Vec::new();
+    let token = Token { conn: 0, handle: 0 };
+    let mut ids = Vec::new();
+    for v in volumes {
+        engine.submit(
+            token,
+            Request::CreateVolume {
+                name: v.name.clone(),
+                size_bytes: v.blocks.max(1) * 4096,
+            },
+        );
+        driver.run(&mut engine);
+        engine.drain_replies(&mut replies);
+        for r in replies.drain(..) {
+            r.result?;
+        }
+        ids.push(engine.shared().volume(&v.name).expect("volume created").id);
+    }
+    let start = counters(&engine);
+    let total_hint = volumes.iter().map(|v| v.working_set).sum::<u64>().max(1);
+    let series_step = (total_hint / cfg.series_points.max(1)).max(1);
+    let mut series = vec![start];
+    let mut warm = if cfg.warmup_blocks == 0 {
+        Some(start)
+    } else {
+        None
+    };
+    let mut per_volume_warm: Vec<(u64, u64)> = vec![(0, 0); volumes.len()];
+    let mut next_sample = start.user_blocks + series_step;
+    let mut next_progress = start.user_blocks + (1 << 20);
+    let t0 = Instant::now();
+    while let Some(op) = workload.next_op() {
+        let Some(&volume) = ids.get(op.volume as usize) else {
+            continue;
+        };
+        submit(&mut engine, volume, op);
+        driver.run(&mut engine);
+        engine.drain_replies(&mut replies);
+        for r in replies.drain(..) {
+            if let Err(e) = r.result {
+                return Err(SimError::Engine(e));
+            }
+        }
+        let now = engine.counters().user_blocks;
+        if warm.is_none() && now - start.user_blocks >= cfg.warmup_blocks {
+            warm = Some(counters(&engine));
+            let st = engine.status();
+            for (i, v) in st.volumes.iter().enumerate().take(per_volume_warm.len()) {
+                per_volume_warm[i] = (v.user_bytes_written / 4096, v.gc_bytes_relocated / 4096);
+            }
+        }
+        if now >= next_sample {
+            series.push(counters(&engine));
+            next_sample = now + series_step;
+        }
+        if now >= next_progress {
+            progress(now - start.user_blocks);
+            next_progress = now + (1 << 20);
+        }
+    }
+    let elapsed_s = t0.elapsed().as_secs_f64();
+    let end = counters(&engine);
+    series.push(end);
+    if engine.pending_requests() > 0 {
+        return Err(SimError::Invalid(
+            "writes were left waiting for space: the array is too small".into(),
+        ));
+    }
+    Ok(SimReport {
+        config: cfg.clone(),
+        segments: segments as u32,
+        start,
+        warm: warm.unwrap_or(end),
+        end,
+        per_volume_warm,
+        status: engine.status(),
+        series,
+        elapsed_s,
+        workload: label.to_string(),
+    })
+}
+
+fn submit(engine: &mut Engine, volume: VolumeId, op: Op) {
+    let token = Token { conn: 0, handle: 0 };
+    if op.trim {
+        engine.submit(
+            token,
+            Request::Zero {
+                volume,
+                offset: op.lba * 4096,
+                length: op.blocks as u64 * 4096,
+                fua: false,
+            },
+        );
+    } else {
+        engine.submit(
+            token,
+            Request::WriteBlocks {
+                volume,
+                lba: op.lba,
+                count: op.blocks,
+            },
+        );
+    }
+}
+
+/// Address space and working set of each volume of a workload (a pre-pass).
+pub fn measure(ops: &mut dyn Workload) -> Vec<(u64, u64)> {
+    let mut seen: Vec<Vec<u64>> = Vec::new(); // bitmaps
+    let mut max: Vec<u64> = Vec::new();
+    while let Some(op) = ops.next_op() {
+        let v = op.volume as usize;
+        if v >= seen.len() {
+            seen.resize(v + 1, Vec::new());
+            max.resize(v + 1, 0);
+        }
+        let end = op.lba + op.blocks as u64;
+        max[v] = max[v].max(end);
+        if op.trim {
+            continue;
+        }
+        let words = end.div_ceil(64) as usize;
+        if seen[v].len() < words {
+            seen[v].resize(words.next_power_of_two(), 0);
+        }
+        for b in op.lba..end {
+            seen[v][(b / 64) as usize] |= 1 << (b % 64);
+        }
+    }
+    seen.iter()
+        .zip(max)
+        .map(|(s, m)| (m, s.iter().map(|w| w.count_ones() as u64).sum()))
+        .collect()
+}
