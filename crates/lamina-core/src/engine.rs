@@ -74,6 +74,9 @@ pub struct EngineConfig {
     /// one step above; user writes stop at `user_floor_segments`.
     pub gc_start_segments: Option<usize>,
     pub user_floor_segments: Option<usize>,
+    /// SepBIT's trigger: GC also runs while garbage (dead blocks) exceeds this
+    /// fraction of the blocks stored in closed and open segments (SepBIT: 0.15).
+    pub gc_garbage_ratio: Option<f64>,
 }
 
 impl Default for EngineConfig {
@@ -92,6 +95,7 @@ impl Default for EngineConfig {
             enforce_capacity: true,
             gc_start_segments: None,
             user_floor_segments: None,
+            gc_garbage_ratio: None,
         }
     }
 }
@@ -2065,23 +2069,52 @@ impl Engine {
         }
     }
 
-    /// Free segments user streams leave to GC and the metadata stream.
+    /// Free segments user streams leave to GC and the metadata stream. GC may need a
+    /// fresh segment for each of its classes to finish one victim, so the floor grows
+    /// with the largest number of GC classes of any volume.
     pub(crate) fn user_floor(&self) -> usize {
-        self.cfg.user_floor_segments.unwrap_or(USER_FLOOR_SEGMENTS)
+        let gc_classes = self
+            .volumes
+            .iter()
+            .flatten()
+            .map(|v| v.streams.len() - v.user_classes as usize)
+            .max()
+            .unwrap_or(1);
+        self.cfg
+            .user_floor_segments
+            .unwrap_or(USER_FLOOR_SEGMENTS)
+            .max(gc_classes + 2)
     }
 
-    /// Free segments below which GC runs.
+    /// Free segments below which GC runs (always above the user floor).
     pub(crate) fn gc_start_segments(&self) -> usize {
+        let floor = self.user_floor();
         self.cfg
             .gc_start_segments
-            .unwrap_or(USER_FLOOR_SEGMENTS + 2.max(self.geo.segment_count as usize / 50))
+            .unwrap_or(floor + 2.max(self.geo.segment_count as usize / 50))
+            .max(floor + 1)
+    }
+
+    /// Dead blocks over stored blocks in the data segments (closed, and the sealed
+    /// units of open ones), the garbage proportion of SepBIT's trigger.
+    pub(crate) fn garbage_proportion(&self) -> f64 {
+        let stored: u64 = self
+            .segs
+            .iter()
+            .filter(|s| s.kind != StreamKind::Meta && s.state != SegState::Free)
+            .map(|s| s.data_blocks as u64)
+            .sum();
+        if stored == 0 {
+            return 0.0;
+        }
+        stored.saturating_sub(self.live_blocks) as f64 / stored as f64
     }
 
     /// Free segments at which GC stops (hysteresis: one step above the start, or
     /// exactly one more when the start was configured).
     pub(crate) fn gc_stop_segments(&self) -> usize {
         match self.cfg.gc_start_segments {
-            Some(start) => start + 1,
+            Some(_) => self.gc_start_segments() + 1,
             None => self.gc_start_segments() + 1.max(self.geo.segment_count as usize / 100),
         }
     }

@@ -106,12 +106,45 @@ impl Engine {
                 });
             }
         }
+        // What each class of the volume holds and has received.
+        let v = self.volumes[vol].as_ref().unwrap();
+        let mut classes = vec![crate::gc::ClassInfo::default(); v.classes.len()];
+        for (k, c) in v.classes.iter().enumerate() {
+            classes[k].written = c.blocks;
+        }
+        let mut capacity = 0u64;
+        for s in self
+            .segs
+            .iter()
+            .filter(|s| s.volume as usize == vol && s.kind != StreamKind::Meta)
+        {
+            if matches!(s.state, SegState::Free) {
+                continue;
+            }
+            if let Some(ci) = classes.get_mut(s.class as usize) {
+                ci.live += s.valid as u64;
+                // Open segments count for their full size: the class holds them.
+                ci.space += if s.state == SegState::Open {
+                    self.geo.data_blocks_per_segment()
+                } else {
+                    s.data_blocks as u64
+                };
+            }
+        }
+        // The space this volume may use: what it holds plus the free segments, or
+        // under a garbage-proportion trigger the space at which GC holds it.
+        capacity += classes.iter().map(|c| c.space).sum::<u64>()
+            + self.free.len() as u64 * self.geo.data_blocks_per_segment();
+        if let Some(ratio) = self.cfg.gc_garbage_ratio {
+            let live: u64 = classes.iter().map(|c| c.live).sum();
+            capacity = capacity.min((live as f64 / (1.0 - ratio)) as u64);
+        }
         let window = self.cfg.wear_window;
         let pick = self.volumes[vol]
             .as_mut()
             .unwrap()
             .policy
-            .select(&cands, window)
+            .select_classes(&cands, &classes, capacity, window)
             .map(|i| cands[i].segment);
         self.gc.cands = cands;
         pick
@@ -144,6 +177,11 @@ impl Engine {
                 }
                 if free >= self.gc_stop_segments() {
                     self.gc.active = false;
+                }
+                if let Some(ratio) = self.cfg.gc_garbage_ratio {
+                    if self.garbage_proportion() > ratio {
+                        self.gc.active = true;
+                    }
                 }
                 if !self.gc.active {
                     return;

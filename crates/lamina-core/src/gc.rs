@@ -38,12 +38,34 @@ impl Candidate {
     }
 }
 
+/// What a policy may know about each heat class of the volume (indexed by class).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClassInfo {
+    /// Live blocks in the class's segments.
+    pub live: u64,
+    /// Data blocks of the segments the class holds (closed and open).
+    pub space: u64,
+    /// Blocks written into the class so far (user writes or relocations).
+    pub written: u64,
+}
+
 /// A victim selection policy.
 pub trait VictimPolicy: Send {
     fn name(&self) -> &'static str;
     /// Score of a candidate; higher is a better victim. Policies that choose in
     /// another way (sampling) override [`VictimPolicy::select`] instead.
     fn score(&self, c: &Candidate) -> f64;
+    /// Chooses with knowledge of the volume's classes and the space available to it
+    /// (`capacity`, data blocks). By default ignores them.
+    fn select_classes(
+        &mut self,
+        cands: &[Candidate],
+        _classes: &[ClassInfo],
+        _capacity: u64,
+        wear_window: f64,
+    ) -> Option<usize> {
+        self.select(cands, wear_window)
+    }
     /// Index of the chosen candidate. `wear_window`: among candidates scoring within
     /// this fraction of the best, the least erased one wins (SPDK's FTL does this
     /// within 10 points of invalidity).
@@ -189,6 +211,95 @@ impl VictimPolicy for Salsa {
     }
 }
 
+/// Lamina's policy: every heat class gets the share of the spare space that
+/// minimises total cleaning work, and GC collects (greedily) in the class that holds
+/// the most space beyond its share.
+///
+/// Why: for greedy cleaning of a class with live data L and spare space S, the victims
+/// hold about 1 - 2S/L live data when S is small, so freeing a block costs about
+/// L / 2S relocations. A class written at rate w therefore costs w L / 2S; minimising
+/// the sum over classes with the total spare fixed gives S_i proportional to
+/// sqrt(w_i L_i) (the square-root rule). Hot classes (high w, small L) and cold ones
+/// (low w, large L) thus get the spare that makes their cleaning cheap overall,
+/// instead of one global greedy pool that cleans every class at the same victim
+/// utilisation. Write rates are measured as moving averages of what each class
+/// received since the previous choice. On uniform traffic every class has the same
+/// w per block, the shares are proportional to L, and it is greedy.
+#[derive(Default)]
+pub struct Lamina {
+    last_written: Vec<u64>,
+    rate: Vec<f64>,
+}
+
+impl Lamina {
+    /// Target space of each class for the current rates.
+    pub fn targets(&self, classes: &[ClassInfo], capacity: u64) -> Vec<f64> {
+        let live: u64 = classes.iter().map(|c| c.live).sum();
+        let spare = capacity.saturating_sub(live) as f64;
+        let weights: Vec<f64> = classes
+            .iter()
+            .zip(&self.rate)
+            .map(|(c, &w)| (w * c.live as f64).sqrt())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        classes
+            .iter()
+            .zip(&weights)
+            .map(|(c, &wt)| {
+                let share = if total > 0.0 {
+                    wt / total
+                } else {
+                    1.0 / classes.len() as f64
+                };
+                c.live as f64 + spare * share
+            })
+            .collect()
+    }
+}
+
+impl VictimPolicy for Lamina {
+    fn name(&self) -> &'static str {
+        "lamina"
+    }
+    fn score(&self, c: &Candidate) -> f64 {
+        c.garbage() as f64
+    }
+    fn select_classes(
+        &mut self,
+        cands: &[Candidate],
+        classes: &[ClassInfo],
+        capacity: u64,
+        wear_window: f64,
+    ) -> Option<usize> {
+        if self.rate.len() != classes.len() {
+            self.rate = vec![0.0; classes.len()];
+            self.last_written = classes.iter().map(|c| c.written).collect();
+        }
+        // Moving average of the blocks each class received since the last choice.
+        for (i, c) in classes.iter().enumerate() {
+            let delta = c.written.saturating_sub(self.last_written[i]) as f64;
+            self.last_written[i] = c.written;
+            self.rate[i] = 0.98 * self.rate[i] + 0.02 * delta;
+        }
+        let targets = self.targets(classes, capacity);
+        // The class furthest above its share, among those with something to collect.
+        let mut best: Option<(f64, u8)> = None;
+        for c in cands.iter().filter(|c| c.garbage() > 0) {
+            let k = c.class as usize;
+            let excess = classes
+                .get(k)
+                .map_or(0.0, |ci| ci.space as f64 - targets[k]);
+            if best.is_none_or(|(e, _)| excess > e) {
+                best = Some((excess, c.class));
+            }
+        }
+        let (_, class) = best?;
+        let in_class: Vec<Candidate> = cands.iter().copied().filter(|c| c.class == class).collect();
+        let i = select_by_score(&in_class, |c| c.garbage() as f64, wear_window)?;
+        cands.iter().position(|c| c.segment == in_class[i].segment)
+    }
+}
+
 /// Names accepted by [`policy_by_name`].
 pub const POLICY_NAMES: &[&str] = &[
     "greedy",
@@ -196,6 +307,7 @@ pub const POLICY_NAMES: &[&str] = &[
     "cost-benefit-sqrt",
     "d-choices",
     "salsa",
+    "lamina",
 ];
 
 /// Builds a policy by name.
@@ -206,6 +318,7 @@ pub fn policy_by_name(name: &str) -> Option<Box<dyn VictimPolicy>> {
         "cost-benefit-sqrt" => Box::new(CostBenefitSqrt),
         "d-choices" => Box::new(DChoices::new(10, 0x5eed)),
         "salsa" => Box::new(Salsa),
+        "lamina" => Box::new(Lamina::default()),
         _ => return None,
     })
 }

@@ -273,9 +273,94 @@ impl Classifier for Oracle {
     }
 }
 
+/// Lamina's classifier: each block's expected lifespan from a moving average of its
+/// past inter-write intervals.
+///
+/// SepBIT predicts a block's next lifespan from its last one alone; under memoryless
+/// (random) overwrites a single interval is exponentially distributed around the
+/// mean, so hot and cold blocks are often confused. Averaging the last few intervals
+/// (an exponentially weighted mean, weight 1/2 on the newest) separates them much
+/// better for the same memory order (a time stamp and an interval per block).
+/// Classes are octaves of the expected interval relative to the volume's size in
+/// blocks (the mean interval of uniform traffic): class 0 holds blocks rewritten
+/// within 1/32 of a volume's worth of writes, the last class the coldest and the
+/// never-rewritten. A block GC moves is placed by the larger of its expected
+/// interval and the time it has already survived: a block that outlived its
+/// estimate by far is colder than the estimate says.
+pub struct Lamina {
+    last: Stamps,
+    interval: Vec<f32>,
+    classes: u8,
+    /// Interval of class 0's upper bound.
+    base: f64,
+}
+
+impl Lamina {
+    /// `classes` octaves, the first ending at `blocks / divisor`.
+    pub fn new(blocks: u64, classes: u8, divisor: u64) -> Self {
+        Lamina {
+            last: Stamps::default(),
+            interval: Vec::new(),
+            classes: classes.clamp(2, 12),
+            base: (blocks.max(64) as f64) / divisor.max(1) as f64,
+        }
+    }
+    fn class_of(&self, interval: f64) -> u8 {
+        if !interval.is_finite() {
+            return self.classes - 1;
+        }
+        let octave = (interval / self.base).max(1e-9).log2().floor() + 1.0;
+        octave.clamp(0.0, self.classes as f64 - 1.0) as u8
+    }
+    fn expected(&self, lba: u64) -> f64 {
+        match self.interval.get(lba as usize) {
+            Some(&i) if i > 0.0 => i as f64,
+            _ => f64::INFINITY,
+        }
+    }
+}
+
+impl Classifier for Lamina {
+    fn name(&self) -> &'static str {
+        "lamina"
+    }
+    fn user_classes(&self) -> u8 {
+        self.classes
+    }
+    fn gc_classes(&self) -> u8 {
+        self.classes
+    }
+    fn classify_user(&mut self, lba: u64, now: u64) -> u8 {
+        let prev = self.last.get(lba);
+        self.last.set(lba, now + 1);
+        let i = lba as usize;
+        if prev != 0 {
+            let gap = (now + 1 - prev) as f32;
+            if i >= self.interval.len() {
+                self.interval.resize((i + 1).next_power_of_two(), 0.0);
+            }
+            let old = self.interval[i];
+            self.interval[i] = if old > 0.0 {
+                (1.0 - 0.25) * old + 0.25 * gap
+            } else {
+                gap
+            };
+        }
+        self.class_of(self.expected(lba))
+    }
+    fn classify_gc(&mut self, lba: u64, now: u64, _from: u8) -> u8 {
+        let age = (now + 1).saturating_sub(self.last.get(lba)) as f64;
+        let e = self.expected(lba);
+        self.classes + self.class_of(if e.is_finite() { e.max(age) } else { e })
+    }
+    fn bytes_per_block(&self) -> usize {
+        12
+    }
+}
+
 /// Names accepted by [`classifier_by_name`] (the oracle needs a workload pre-pass
 /// and is built by the simulator).
-pub const CLASSIFIER_NAMES: &[&str] = &["none", "frequency", "sepbit"];
+pub const CLASSIFIER_NAMES: &[&str] = &["none", "frequency", "sepbit", "lamina"];
 
 /// Builds a classifier by name for a volume of `blocks` blocks.
 pub fn classifier_by_name(name: &str, blocks: u64) -> Option<Box<dyn Classifier>> {
@@ -283,6 +368,14 @@ pub fn classifier_by_name(name: &str, blocks: u64) -> Option<Box<dyn Classifier>
         "none" => Box::new(NoClassifier),
         "frequency" => Box::new(Frequency::new((blocks / 4).max(1024), 6)),
         "sepbit" => Box::new(SepBit::default()),
+        "lamina" => Box::new(Lamina::new(blocks, 8, 16)),
+        n if n.starts_with("lamina:") => {
+            // lamina:CLASSES:DIVISOR, for experiments.
+            let mut it = n[7..].split(':');
+            let classes = it.next()?.parse().ok()?;
+            let divisor = it.next().unwrap_or("16").parse().ok()?;
+            Box::new(Lamina::new(blocks, classes, divisor))
+        }
         _ => return None,
     })
 }

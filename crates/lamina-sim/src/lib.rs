@@ -28,7 +28,7 @@ use lamina_device::BlockDevice;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
-use workload::{Op, Workload};
+use workload::{Op, Pattern, Synthetic, Workload};
 
 /// Simulation parameters.
 #[derive(Clone, Debug)]
@@ -46,6 +46,9 @@ pub struct SimConfig {
     pub wear_window: f64,
     /// Free segments below which GC runs.
     pub gc_start_segments: usize,
+    /// SepBIT's trigger: GC also runs while dead blocks exceed this fraction of the
+    /// stored ones.
+    pub gc_garbage_ratio: Option<f64>,
 }
 
 impl Default for SimConfig {
@@ -60,6 +63,7 @@ impl Default for SimConfig {
             series_points: 100,
             wear_window: 0.0,
             gc_start_segments: 3,
+            gc_garbage_ratio: None,
         }
     }
 }
@@ -250,6 +254,51 @@ pub fn next_writes(ops: &mut dyn Workload, volumes: usize) -> Vec<Vec<u64>> {
         .collect()
 }
 
+/// Write amplification of greedy cleaning under uniform random overwrites with
+/// large segments (Desnoyers; Stoica and Ailamaki): 1 / (1 - u) where the victims'
+/// utilisation u solves u = exp(-alpha (1 - u)), alpha = physical / logical
+/// = 1 + over-provisioning.
+pub fn model_wa(overprovision: f64) -> f64 {
+    let alpha = 1.0 + overprovision;
+    let mut u = 0.5;
+    for _ in 0..200 {
+        u = (-alpha * (1.0 - u)).exp();
+    }
+    1.0 / (1.0 - u)
+}
+
+/// Runs a synthetic workload on one volume of `blocks` blocks: a sequential fill,
+/// then `writes` single-block writes of `pattern`; measured from the middle of the
+/// writes unless `cfg.warmup_blocks` says otherwise. Builds the oracle's table when
+/// `cfg.classifier` is `oracle`.
+pub fn run_synthetic(
+    label: &str,
+    pattern: &Pattern,
+    blocks: u64,
+    writes: u64,
+    seed: u64,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64),
+) -> Result<SimReport, SimError> {
+    let make = || Synthetic::new(pattern.clone(), blocks, writes, seed, true);
+    let oracle = (cfg.classifier == "oracle").then(|| {
+        next_writes(&mut make(), 1)
+            .into_iter()
+            .map(Arc::new)
+            .collect()
+    });
+    let mut cfg = cfg.clone();
+    if cfg.warmup_blocks == 0 {
+        cfg.warmup_blocks = blocks + writes / 2;
+    }
+    let volumes = [VolumeSpec {
+        name: "v0".into(),
+        blocks,
+        working_set: blocks,
+    }];
+    simulate(&mut make(), &volumes, &cfg, oracle, label, progress)
+}
+
 /// Executes the engine's device operations against the metadata store.
 struct Driver {
     dev: Arc<SparseDevice>,
@@ -317,7 +366,7 @@ pub fn simulate(
             lamina_core::gc::POLICY_NAMES.join(", ")
         )));
     }
-    let known = lamina_core::placement::CLASSIFIER_NAMES.contains(&cfg.classifier.as_str())
+    let known = lamina_core::placement::classifier_by_name(&cfg.classifier, 1).is_some()
         || (cfg.classifier == "oracle" && oracle.is_some());
     if !known {
         return Err(SimError::Invalid(format!(
@@ -334,10 +383,14 @@ pub fn simulate(
         - lamina_format::summary::summary_blocks(cfg.segment_blocks) as u64;
     let per_seg = (data_end / cfg.write_unit_blocks as u64) * per_unit
         + (data_end % cfg.write_unit_blocks as u64).saturating_sub(h);
-    let classes_per_volume = match lamina_core::placement::classifier_by_name(&cfg.classifier, 1) {
-        Some(c) => (c.user_classes() + c.gc_classes()) as u64,
-        None => 32, // the oracle: up to 16 + 16
+    let gc_classes = match lamina_core::placement::classifier_by_name(&cfg.classifier, 1) {
+        Some(c) => c.gc_classes() as usize,
+        None => 16, // the oracle
     };
+    // GC may need a fresh segment per GC class to finish a victim: user writes stop
+    // while fewer than that remain, and GC starts a little above.
+    let user_floor = gc_classes + 2;
+    let gc_start = cfg.gc_start_segments.max(user_floor + 1);
     let data: u64 = volumes
         .iter()
         .map(|v| ((v.working_set.max(1) as f64) * (1.0 + cfg.overprovision)).ceil() as u64)
@@ -345,8 +398,7 @@ pub fn simulate(
     // The metadata stream holds two segments and GC keeps about `gc_start` free; the
     // open segments of the streams are part of the placement's own cost and are not
     // compensated.
-    let _ = classes_per_volume;
-    let overhead = 2 + cfg.gc_start_segments as u64;
+    let overhead = 2 + gc_start as u64;
     let segments = data.div_ceil(per_seg) + overhead;
     let segments = segments.max(lamina_core::recovery::MIN_SEGMENTS as u64);
     if segments * cfg.segment_blocks as u64 >= lamina_core::map::PBA_LIMIT as u64 {
@@ -376,8 +428,9 @@ pub fn simulate(
         wear_window: cfg.wear_window,
         metadata_only: true,
         enforce_capacity: false,
-        gc_start_segments: Some(cfg.gc_start_segments),
-        user_floor_segments: Some(1),
+        gc_start_segments: Some(gc_start),
+        user_floor_segments: Some(user_floor),
+        gc_garbage_ratio: cfg.gc_garbage_ratio,
         ..Default::default()
     };
     let (mut engine, _) = lamina_core::open(devs, ecfg, OpenMode::ReadWrite)?;

@@ -69,7 +69,10 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, lines: &[Line]) -> 
     if x1 - x0 < 1e-12 {
         x1 = x0 + 1.0;
     }
-    y0 = y0.min(1.0).max(0.0).min(y0);
+    // The y axis starts at 1 (no amplification) or lower.
+    if y0 >= 0.0 {
+        y0 = y0.min(1.0);
+    }
     if y1 - y0 < 1e-12 {
         y1 = y0 + 1.0;
     }

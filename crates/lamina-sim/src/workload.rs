@@ -228,7 +228,7 @@ impl Workload for Synthetic {
             Pattern::Zipf(_) => self.zipf_block(),
             Pattern::ZipfShifting { period, .. } => {
                 let period = if period == 0 { self.blocks } else { period };
-                if self.written % period == 0 {
+                if self.written.is_multiple_of(period) {
                     self.perm = Permutation::new(self.blocks, &mut self.rng);
                 }
                 self.zipf_block()

@@ -60,14 +60,31 @@ impl Default for ServeConfig {
 #[derive(Clone, Debug, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct EngineSection {
-    /// Victim policy: greedy | cost-benefit.
+    /// Victim policy: greedy, cost-benefit, cost-benefit-sqrt, d-choices, salsa,
+    /// lamina.
     pub gc_policy: Option<String>,
+    /// Heat classifier: none, frequency, sepbit, lamina (see docs/design.md for
+    /// what each costs in memory per block).
+    pub classifier: Option<String>,
+    /// Wear-aware tie-breaking window for victims (0 disables; default 0.1).
+    pub wear_window: Option<f64>,
+    /// Per-volume choices, e.g. `[engine.volumes.db] classifier = "sepbit"`.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub volumes: std::collections::BTreeMap<String, VolumeEngine>,
     /// Write-unit buffers (the DRAM write buffer).
     pub buffer_units: Option<u32>,
     /// Data written between checkpoints, e.g. "1G".
     pub checkpoint_interval: Option<String>,
     /// Background flush interval in milliseconds.
     pub auto_sync_ms: Option<u64>,
+}
+
+/// Placement choices of one volume (override the `[engine]` ones).
+#[derive(Clone, Debug, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeEngine {
+    pub classifier: Option<String>,
+    pub gc_policy: Option<String>,
 }
 
 fn default_admin() -> PathBuf {
@@ -119,12 +136,39 @@ impl Config {
         if cfg.devices.is_empty() {
             bail!("{}: `devices` lists no device", p.display());
         }
-        if let Some(p) = &cfg.engine.gc_policy {
-            if lamina_core::gc::policy_by_name(p).is_none() {
+        let path = Self::path(dir);
+        let e = &cfg.engine;
+        let policies = std::iter::once(("[engine]", &e.gc_policy))
+            .chain(e.volumes.iter().map(|(n, v)| (n.as_str(), &v.gc_policy)));
+        for (whose, p) in policies {
+            if let Some(p) = p.as_deref() {
+                if lamina_core::gc::policy_by_name(p).is_none() {
+                    bail!(
+                        "{}: {whose}: unknown gc_policy {p:?} (known: {})",
+                        path.display(),
+                        lamina_core::gc::POLICY_NAMES.join(", ")
+                    );
+                }
+            }
+        }
+        let classifiers = std::iter::once(("[engine]", &e.classifier))
+            .chain(e.volumes.iter().map(|(n, v)| (n.as_str(), &v.classifier)));
+        for (whose, c) in classifiers {
+            if let Some(c) = c.as_deref() {
+                if lamina_core::placement::classifier_by_name(c, 1).is_none() {
+                    bail!(
+                        "{}: {whose}: unknown classifier {c:?} (known: {})",
+                        path.display(),
+                        lamina_core::placement::CLASSIFIER_NAMES.join(", ")
+                    );
+                }
+            }
+        }
+        if let Some(w) = e.wear_window {
+            if !(0.0..=1.0).contains(&w) {
                 bail!(
-                    "{}: unknown gc_policy {p:?} (known: {})",
-                    Self::path(dir).display(),
-                    lamina_core::gc::POLICY_NAMES.join(", ")
+                    "{}: wear_window {w} must be between 0 and 1",
+                    path.display()
                 );
             }
         }
@@ -169,6 +213,18 @@ impl Config {
         if let Some(p) = &self.engine.gc_policy {
             c.gc_policy = p.clone();
         }
+        if let Some(k) = &self.engine.classifier {
+            c.classifier = k.clone();
+        }
+        if let Some(w) = self.engine.wear_window {
+            c.wear_window = w;
+        }
+        c.volume_overrides = self
+            .engine
+            .volumes
+            .iter()
+            .map(|(name, v)| (name.clone(), v.classifier.clone(), v.gc_policy.clone()))
+            .collect();
         if let Some(b) = self.engine.buffer_units {
             c.buffer_units = b;
         }

@@ -5,7 +5,7 @@ use crate::size::parse_size;
 use anyhow::{bail, Context, Result};
 use lamina_sim::plot::{line_chart, Line};
 use lamina_sim::trace::{Format, TraceReader};
-use lamina_sim::workload::{Pattern, Synthetic, Workload};
+use lamina_sim::workload::Pattern;
 use lamina_sim::{SimConfig, SimReport, VolumeSpec};
 use serde_json::json;
 use std::path::PathBuf;
@@ -63,15 +63,20 @@ pub struct SimArgs {
     /// User blocks written before measuring.
     #[arg(long, value_name = "N")]
     warmup: Option<u64>,
-    /// Victim policy: greedy, cost-benefit, cost-benefit-sqrt, d-choices, salsa.
+    /// Victim policy: greedy, cost-benefit, cost-benefit-sqrt, d-choices, salsa, lamina.
     #[arg(long, default_value = "greedy")]
     policy: String,
-    /// Heat classifier: none, frequency, sepbit, oracle.
+    /// Heat classifier: none, frequency, sepbit, lamina, oracle.
     #[arg(long, default_value = "none")]
     classifier: String,
     /// Free segments below which GC runs.
     #[arg(long, default_value_t = 3, value_name = "SEGMENTS")]
     gc_start: usize,
+    /// Also run GC while dead blocks exceed this fraction of the stored ones
+    /// (SepBIT's trigger, which it runs at 0.15); give the array room with a larger
+    /// --overprovision so that this, not free space, decides.
+    #[arg(long, value_name = "FRACTION")]
+    gc_garbage: Option<f64>,
     /// Wear-aware tie-breaking window (0 off, 0.1 = within 10% of the best).
     #[arg(long, default_value_t = 0.0)]
     wear_window: f64,
@@ -95,22 +100,10 @@ pub struct SimArgs {
     quiet: bool,
 }
 
-/// The analytic write amplification of greedy GC under uniform random writes with
-/// large segments: WA = 1 / (1 - u) with u = exp(-alpha (1 - u)), alpha = 1 + OP.
-pub fn model_wa(op: f64) -> f64 {
-    let alpha = 1.0 + op;
-    let mut u = 0.5;
-    for _ in 0..200 {
-        u = (-alpha * (1.0 - u)).exp();
-    }
-    1.0 / (1.0 - u)
-}
-
 struct Prepared {
     volumes: Vec<VolumeSpec>,
     label: String,
     oracle: Option<Vec<Arc<Vec<u64>>>>,
-    warmup: u64,
 }
 
 fn blocks_of(what: &str, s: &str) -> Result<u64> {
@@ -122,15 +115,6 @@ fn blocks_of(what: &str, s: &str) -> Result<u64> {
 }
 
 impl SimArgs {
-    fn synthetic(&self, seed: u64) -> Result<Box<dyn Workload>> {
-        let pattern = Pattern::parse(&self.workload).map_err(anyhow::Error::msg)?;
-        let blocks = blocks_of("capacity", &self.capacity)?;
-        let writes = self.writes.unwrap_or(4 * blocks);
-        Ok(Box::new(Synthetic::new(
-            pattern, blocks, writes, seed, true,
-        )))
-    }
-
     fn open_trace(&self) -> Result<TraceReader> {
         let path = self.trace.as_ref().unwrap();
         let format = Format::parse(self.trace_format.as_deref().unwrap_or(""))
@@ -138,60 +122,35 @@ impl SimArgs {
         Ok(TraceReader::open(path, format)?)
     }
 
-    /// Volumes, oracle tables and the default warm-up, from a pre-pass.
-    fn prepare(&self, classifier: &str) -> Result<Prepared> {
-        let need_oracle = classifier == "oracle";
-        if self.trace.is_some() {
-            let mut r = self.open_trace()?;
-            let sizes = lamina_sim::measure(&mut r);
-            if let Some(e) = r.error.take() {
-                return Err(e.into());
-            }
-            let names = r.volume_names().to_vec();
-            let volumes: Vec<VolumeSpec> = sizes
-                .iter()
-                .zip(&names)
-                .map(|(&(blocks, ws), name)| VolumeSpec {
-                    name: sanitize(name),
-                    blocks,
-                    working_set: ws,
-                })
-                .collect();
-            let oracle = need_oracle.then(|| -> Result<_> {
-                let mut r = self.open_trace()?;
-                Ok(lamina_sim::next_writes(&mut r, volumes.len())
-                    .into_iter()
-                    .map(Arc::new)
-                    .collect())
-            });
-            let label = self.trace.as_ref().unwrap().display().to_string();
-            Ok(Prepared {
-                volumes,
-                label,
-                oracle: oracle.transpose()?,
-                warmup: self.warmup.unwrap_or(0),
-            })
-        } else {
-            let blocks = blocks_of("capacity", &self.capacity)?;
-            let writes = self.writes.unwrap_or(4 * blocks);
-            let oracle = need_oracle.then(|| {
-                let mut w = self.synthetic(self.seed).unwrap();
-                lamina_sim::next_writes(w.as_mut(), 1)
-                    .into_iter()
-                    .map(Arc::new)
-                    .collect()
-            });
-            Ok(Prepared {
-                volumes: vec![VolumeSpec {
-                    name: "v0".into(),
-                    blocks,
-                    working_set: blocks,
-                }],
-                label: self.workload.clone(),
-                oracle,
-                warmup: self.warmup.unwrap_or(blocks + writes / 2),
-            })
+    /// A trace's volumes and, for the oracle, its next-write tables (pre-passes).
+    fn prepare_trace(&self, classifier: &str) -> Result<Prepared> {
+        let mut r = self.open_trace()?;
+        let sizes = lamina_sim::measure(&mut r);
+        if let Some(e) = r.error.take() {
+            return Err(e.into());
         }
+        let names = r.volume_names().to_vec();
+        let volumes: Vec<VolumeSpec> = sizes
+            .iter()
+            .zip(&names)
+            .map(|(&(blocks, ws), name)| VolumeSpec {
+                name: sanitize(name),
+                blocks,
+                working_set: ws,
+            })
+            .collect();
+        let oracle = (classifier == "oracle").then(|| -> Result<_> {
+            let mut r = self.open_trace()?;
+            Ok(lamina_sim::next_writes(&mut r, volumes.len())
+                .into_iter()
+                .map(Arc::new)
+                .collect())
+        });
+        Ok(Prepared {
+            volumes,
+            label: self.trace.as_ref().unwrap().display().to_string(),
+            oracle: oracle.transpose()?,
+        })
     }
 
     fn config(&self, op: f64, policy: &str, classifier: &str, warmup: u64) -> Result<SimConfig> {
@@ -199,6 +158,11 @@ impl SimArgs {
         let write_unit_blocks = blocks_of("write unit", &self.write_unit)?;
         if segment_blocks > u32::MAX as u64 || write_unit_blocks > 4096 {
             bail!("segment or write unit too large");
+        }
+        if let Some(g) = self.gc_garbage {
+            if !(g > 0.0 && g < 1.0) {
+                bail!("--gc-garbage {g} must be a fraction between 0 and 1 (SepBIT uses 0.15)");
+            }
         }
         Ok(SimConfig {
             segment_blocks: segment_blocks as u32,
@@ -209,13 +173,13 @@ impl SimArgs {
             warmup_blocks: warmup,
             wear_window: self.wear_window,
             gc_start_segments: self.gc_start,
+            gc_garbage_ratio: self.gc_garbage,
             ..Default::default()
         })
     }
 
     fn run_one(&self, op: f64, policy: &str, classifier: &str) -> Result<SimReport> {
-        let p = self.prepare(classifier)?;
-        let cfg = self.config(op, policy, classifier, p.warmup)?;
+        let cfg = self.config(op, policy, classifier, self.warmup.unwrap_or(0))?;
         let bar = (!self.quiet && !self.json).then(|| {
             let total: u64 = if self.trace.is_none() {
                 let blocks = blocks_of("capacity", &self.capacity).unwrap_or(0);
@@ -242,19 +206,30 @@ impl SimArgs {
                 b.set_position(n);
             }
         };
-        let mut workload: Box<dyn Workload> = if self.trace.is_some() {
-            Box::new(self.open_trace()?)
+        let r = if self.trace.is_some() {
+            let p = self.prepare_trace(classifier)?;
+            lamina_sim::simulate(
+                &mut self.open_trace()?,
+                &p.volumes,
+                &cfg,
+                p.oracle,
+                &p.label,
+                &mut progress,
+            )
         } else {
-            self.synthetic(self.seed)?
-        };
-        let r = lamina_sim::simulate(
-            workload.as_mut(),
-            &p.volumes,
-            &cfg,
-            p.oracle,
-            &p.label,
-            &mut progress,
-        )
+            let pattern = Pattern::parse(&self.workload).map_err(anyhow::Error::msg)?;
+            let blocks = blocks_of("capacity", &self.capacity)?;
+            let writes = self.writes.unwrap_or(4 * blocks);
+            lamina_sim::run_synthetic(
+                &self.workload,
+                &pattern,
+                blocks,
+                writes,
+                self.seed,
+                &cfg,
+                &mut progress,
+            )
+        }
         .context("simulation failed")?;
         if let Some(b) = bar {
             b.finish_and_clear();
@@ -304,7 +279,7 @@ fn print_report(r: &SimReport) {
     if r.config.policy == "greedy" && r.config.classifier == "none" && r.workload == "uniform" {
         println!(
             "  model (uniform, greedy, large segments): {:.3}",
-            model_wa(r.config.overprovision)
+            lamina_sim::model_wa(r.config.overprovision)
         );
     }
     let j = r.to_json();
@@ -387,7 +362,7 @@ pub fn run(a: SimArgs) -> Result<()> {
                 "policy": policy, "classifier": classifier, "overprovision": op,
                 "write_amplification": r.write_amplification(),
                 "media_write_amplification": r.media_write_amplification(),
-                "model": model_wa(op),
+                "model": lamina_sim::model_wa(op),
                 "blocks_per_second": r.blocks_per_second(),
             }));
             if !a.json {
@@ -395,7 +370,7 @@ pub fn run(a: SimArgs) -> Result<()> {
                     "{policy:<18} {classifier:<10} op {:>5.2}  WA {:.3}  (model, uniform greedy: {:.3})  {:.2} M blocks/s",
                     op,
                     r.write_amplification(),
-                    model_wa(op),
+                    lamina_sim::model_wa(op),
                     r.blocks_per_second() / 1e6
                 );
             }
@@ -412,7 +387,7 @@ pub fn run(a: SimArgs) -> Result<()> {
             points: a
                 .sweep_overprovision
                 .iter()
-                .map(|&op| (op, model_wa(op)))
+                .map(|&op| (op, lamina_sim::model_wa(op)))
                 .collect(),
             dashed: true,
         });

@@ -18,14 +18,7 @@ fn small_array(t: &TempDir, vol: &str) -> std::path::PathBuf {
         "128M",
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        vol,
-    ]);
+    create_volume(&dir, "v", vol);
     dir
 }
 
@@ -264,14 +257,7 @@ fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
     // Thin provisioning: the volume is four times larger than the array.
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        &(4 * usable / (1 << 20) * (1 << 20)).to_string(),
-    ]);
+    create_volume(&dir, "v", &(4 * usable / (1 << 20) * (1 << 20)).to_string());
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     let chunk = 256u64;
@@ -543,14 +529,7 @@ fn device_errors_become_eio() {
         "--write-unit",
         "128K",
     ]);
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "16M",
-    ]);
+    create_volume(&dir, "v", "16M");
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     c.write(0, &pattern(0, 1), false).unwrap();

@@ -20,22 +20,8 @@ fn nbdinfo_reports_what_lamina_advertises() {
         "128M",
         &["--segment-size", "1M", "--write-unit", "256K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "alpha",
-        "--size",
-        "16M",
-    ]);
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "beta",
-        "--size",
-        "8M",
-    ]);
+    create_volume(&dir, "alpha", "16M");
+    create_volume(&dir, "beta", "8M");
     let s = Server::start(&dir);
     let info: serde_json::Value =
         serde_json::from_str(&run("nbdinfo", &["--json", &s.uri("beta")])).unwrap();
@@ -72,14 +58,7 @@ fn nbdcopy_in_and_out_and_qemu_img_compare() {
         "256M",
         &["--segment-size", "1M", "--write-unit", "256K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "64M",
-    ]);
+    create_volume(&dir, "v", "64M");
     let s = Server::start(&dir);
     // Random data with holes: zero runs exercise NBD_CMD_WRITE_ZEROES / TRIM.
     let src = t.join("src.raw");
@@ -148,14 +127,7 @@ fn prometheus_metrics() {
         "64M",
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "8M",
-    ]);
+    create_volume(&dir, "v", "8M");
     // Find a free port, then hand it to the server.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -225,14 +197,7 @@ fn tcp_listener_serves_exports() {
         "64M",
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "4M",
-    ]);
+    create_volume(&dir, "v", "4M");
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -190,14 +190,7 @@ fn kill_9_at_random_moments() {
         "128M",
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "48M",
-    ]);
+    create_volume(&dir, "v", "48M");
     let mut oracle = Oracle::new((48 << 20) / BS as u64);
     let mut version = 0u64;
     let mut server = Server::start(&dir);
@@ -292,14 +285,7 @@ fn power_cut_through_nbdkit_writeback_cache() {
         "--write-unit",
         "128K",
     ]);
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "24M",
-    ]);
+    create_volume(&dir, "v", "24M");
     let mut oracle = Oracle::new((24 << 20) / BS as u64);
     let mut version = 0u64;
     let mut stack = Some((kit, fuse));
@@ -347,14 +333,7 @@ fn flush_on_one_connection_covers_writes_of_others() {
         "128M",
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "16M",
-    ]);
+    create_volume(&dir, "v", "16M");
     for round in 0..5u64 {
         let server = Server::start(&dir);
         let mut a = Client::connect_unix(&server.sock, "v").unwrap();

@@ -26,14 +26,7 @@ fn devices_can_move_and_be_listed_in_any_order() {
         "--write-unit",
         "128K",
     ]);
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "64M",
-    ]);
+    create_volume(&dir, "v", "64M");
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     for lba in (0..16384u64).step_by(7) {
@@ -114,14 +107,7 @@ fn block_device_member() {
         "--write-unit",
         "128K",
     ]);
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "v",
-        "--size",
-        "32M",
-    ]);
+    create_volume(&dir, "v", "32M");
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     for lba in 0..512u64 {

@@ -124,14 +124,7 @@ fn ext4_survives_restart_with_identical_files() {
         "1G",
         &["--segment-size", "2M", "--write-unit", "256K"],
     );
-    lamina(&[
-        "volume",
-        "create",
-        dir.to_str().unwrap(),
-        "fs",
-        "--size",
-        "512M",
-    ]);
+    create_volume(&dir, "fs", "512M");
     let s = Server::start(&dir);
     let mut stack = Stack::attach(&s.uri("fs"), &t.join("fuse"));
     run("mkfs.ext4", &["-q", "-F", "-E", "nodiscard", stack.dev()]);

@@ -116,6 +116,18 @@ pub fn create_array(dir: &Path, device_size: &str, extra: &[&str]) -> u64 {
     status_json(dir)["usable_bytes"].as_u64().unwrap()
 }
 
+/// `lamina volume create DIR NAME --size SIZE`.
+pub fn create_volume(dir: &Path, name: &str, size: &str) {
+    lamina(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        name,
+        "--size",
+        size,
+    ]);
+}
+
 pub fn status_json(dir: &Path) -> serde_json::Value {
     let out = lamina(&["status", dir.to_str().unwrap(), "--json"]);
     serde_json::from_str(&out).expect("status --json is JSON")

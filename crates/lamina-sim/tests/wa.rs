@@ -1,0 +1,119 @@
+//! Write amplification of the real engine (through `lamina_sim`) against the
+//! analytic model and the skew targets, at sizes that run in seconds: a 2 GiB
+//! volume, 2 MiB segments, 128 KiB write units (1000 segments, where the model's
+//! "large segments" assumption still holds to well under 1%). docs/benchmarks.md has
+//! the full-size runs and the commands.
+
+use lamina_sim::workload::Pattern;
+use lamina_sim::{model_wa, run_synthetic, SimConfig, SimReport};
+
+const BLOCKS: u64 = 2 << 30 >> 12;
+
+fn run(pattern: &str, op: f64, classifier: &str, policy: &str) -> SimReport {
+    let cfg = SimConfig {
+        segment_blocks: 512,
+        write_unit_blocks: 32,
+        overprovision: op,
+        classifier: classifier.into(),
+        policy: policy.into(),
+        ..Default::default()
+    };
+    let p = Pattern::parse(pattern).unwrap();
+    run_synthetic(pattern, &p, BLOCKS, 4 * BLOCKS, 1, &cfg, &mut |_| {}).unwrap()
+}
+
+/// Greedy under uniform random overwrites lands within 2% of the model at every
+/// over-provisioning of the table (7.82, 5.68, 3.19, 2.48, 1.72).
+#[test]
+fn uniform_greedy_matches_the_model() {
+    let table = [
+        (0.07, 7.82),
+        (0.10, 5.68),
+        (0.20, 3.19),
+        (0.28, 2.48),
+        (0.50, 1.72),
+    ];
+    for (op, published) in table {
+        let model = model_wa(op);
+        assert!((model - published).abs() < 0.01, "model {model} at {op}");
+        let wa = run("uniform", op, "none", "greedy").write_amplification();
+        let err = wa / model - 1.0;
+        println!(
+            "op {op}: WA {wa:.3}, model {model:.3} ({:+.2}%)",
+            err * 100.0
+        );
+        assert!(err.abs() < 0.02, "op {op}: WA {wa:.3} vs model {model:.3}");
+    }
+}
+
+/// On uniform traffic nothing beats greedy (the model is a lower bound for online
+/// policies there): a policy or classifier that does is counting wrong.
+#[test]
+fn no_policy_beats_greedy_on_uniform() {
+    let greedy = run("uniform", 0.28, "none", "greedy").write_amplification();
+    for policy in lamina_core::gc::POLICY_NAMES {
+        for classifier in ["none", "lamina"] {
+            let wa = run("uniform", 0.28, classifier, policy).write_amplification();
+            println!("{policy}/{classifier}: {wa:.3} (greedy {greedy:.3})");
+            // Noise of one seed is about 0.2%.
+            assert!(
+                wa >= greedy * 0.995,
+                "{policy}/{classifier} {wa:.3} beats greedy {greedy:.3} on uniform"
+            );
+        }
+    }
+}
+
+/// Skew at 28% over-provisioning: Lamina's classifier and policy reach the issue's
+/// targets (within 10% of the optimal-split bounds 1.87 and 1.41), and beat the
+/// single-stream greedy baseline by far.
+#[test]
+fn skewed_workloads_meet_the_targets() {
+    for (pattern, target) in [("hotcold:80/20", 2.06), ("hotcold:90/10", 1.55)] {
+        let ours = run(pattern, 0.28, "lamina", "lamina").write_amplification();
+        let base = run(pattern, 0.28, "none", "greedy").write_amplification();
+        println!("{pattern}: lamina {ours:.3}, greedy without classes {base:.3}");
+        assert!(
+            ours <= target,
+            "{pattern}: WA {ours:.3} above the target {target}"
+        );
+        assert!(
+            ours < base * 0.9,
+            "{pattern}: {ours:.3} vs baseline {base:.3}"
+        );
+    }
+}
+
+/// The simulator is fast: at least a million block writes per second (the issue's
+/// bar on one core). Loose in debug builds, where it means little.
+#[test]
+fn simulates_a_million_blocks_per_second() {
+    let r = run("uniform", 0.28, "lamina", "lamina");
+    let rate = r.blocks_per_second();
+    println!("{:.2} M blocks/s", rate / 1e6);
+    if cfg!(debug_assertions) {
+        return;
+    }
+    assert!(rate > 1e6, "{rate:.0} blocks/s");
+}
+
+/// The JSON report carries the stable keys.
+#[test]
+fn json_report_has_the_stable_keys() {
+    let j = run("hotcold:90/10", 0.28, "sepbit", "cost-benefit").to_json();
+    for key in [
+        "write_amplification",
+        "user_blocks_written",
+        "media_blocks_written",
+    ] {
+        assert!(
+            j[key].as_f64().is_some() || j[key].as_u64().is_some(),
+            "{key} in {j}"
+        );
+    }
+    let v = &j["volumes"][0];
+    assert!(v["write_amplification"].as_f64().unwrap() > 1.0, "{v}");
+    let classes = v["classes"].as_array().expect("classes");
+    assert_eq!(classes.len(), 6, "SepBIT has 6 classes: {j}");
+    assert!(j["series"].as_array().unwrap().len() > 10);
+}
