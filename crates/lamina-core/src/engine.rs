@@ -245,6 +245,9 @@ pub(crate) struct Stream {
     pub extras: Vec<RawRecord>,
     /// Records of the sealed units of the open segment, for its summary.
     pub summary: Vec<RawRecord>,
+    /// Blocks appended so far, and the count at the last idle sweep.
+    pub appended: u64,
+    pub appended_at_sweep: u64,
 }
 
 impl Stream {
@@ -258,6 +261,8 @@ impl Stream {
             write_ptr: 0,
             unit: None,
             extras: Vec::new(),
+            appended: 0,
+            appended_at_sweep: 0,
             summary: Vec::new(),
         }
     }
@@ -480,6 +485,12 @@ pub struct Engine {
     pub(crate) draining: Vec<u32>,
     pub(crate) release_ready: Vec<u32>,
     pub(crate) releasing: Vec<u32>,
+    /// Open data segments that hold half a segment of dead blocks: closed at the
+    /// next progress so that GC can reclaim them (a class that receives little
+    /// would otherwise keep its garbage out of reach for ever).
+    stale_open: Vec<u32>,
+    /// User blocks written at the last sweep for idle open segments.
+    last_idle_sweep: u64,
     pub(crate) gc: crate::engine_gc::GcState,
     pub(crate) ckpt: crate::engine_ckpt::CkptState,
     io_out: Vec<IoOp>,
@@ -554,6 +565,8 @@ impl Engine {
             draining: Vec::new(),
             release_ready: Vec::new(),
             releasing: Vec::new(),
+            stale_open: Vec::new(),
+            last_idle_sweep: 0,
             gc: Default::default(),
             ckpt: crate::engine_ckpt::CkptState::new(last_ckpt_gen),
             io_out: Vec::new(),
@@ -926,6 +939,7 @@ impl Engine {
         for _ in 0..4 {
             let before = (self.pending.len(), self.io_out.len(), self.free.len());
             self.progress_pending();
+            self.close_stale_segments();
             self.progress_gc();
             self.progress_checkpoint();
             self.progress_releases();
@@ -1225,6 +1239,7 @@ impl Engine {
             Entry::Buffer(slot) => self.slot_segment(slot),
             Entry::Unmapped | Entry::Bad => return,
         };
+        let half = self.geo.data_blocks_per_segment() / 2;
         let s = &mut self.segs[seg as usize];
         s.valid -= 1;
         if let Some(v) = self.volumes.get(s.volume as usize).and_then(|v| v.as_ref()) {
@@ -1232,6 +1247,11 @@ impl Engine {
         }
         if s.valid == 0 && s.state == SegState::Closed {
             self.segment_emptied(seg);
+        } else if s.state == SegState::Open
+            && s.data_blocks.saturating_sub(s.valid) as u64 >= half.max(1)
+            && self.stale_open.last() != Some(&seg)
+        {
+            self.stale_open.push(seg);
         }
     }
 
@@ -1288,6 +1308,7 @@ impl Engine {
         let slot = self.shared.buffers.slot(u.buf, block);
         u.data += 1;
         let seg = st.seg.unwrap() as usize;
+        st.appended += 1;
         let vol = self.volumes[volume as usize].as_mut().unwrap();
         let old = vol.shared.map.load(lba);
         vol.shared.map.store(lba, encode_buffer(slot));
@@ -1542,6 +1563,38 @@ impl Engine {
         // Close the segment if another unit would not fit.
         if self.streams[s].write_ptr + h as u32 + 1 > self.geo.data_end {
             self.close_segment(s);
+        }
+    }
+
+    /// Closes the open segments [`Engine::unref`] found half dead, and (once per
+    /// 1/64 of the usable space written) those of streams that received nothing
+    /// since the previous sweep and whose written part is mostly dead: a class that
+    /// stopped receiving writes would otherwise hold its garbage out of GC's reach.
+    fn close_stale_segments(&mut self) {
+        let period = (self.usable_blocks / 64).max(1024);
+        if self.counters.user_blocks >= self.last_idle_sweep + period {
+            self.last_idle_sweep = self.counters.user_blocks;
+            for s in 0..self.streams.len() {
+                let st = &mut self.streams[s];
+                let idle = st.appended == st.appended_at_sweep;
+                st.appended_at_sweep = st.appended;
+                if st.kind == StreamKind::Meta || !idle {
+                    continue;
+                }
+                if let Some(seg) = st.seg {
+                    let sg = &self.segs[seg as usize];
+                    if sg.data_blocks > 0 && sg.valid * 2 <= sg.data_blocks {
+                        self.stale_open.push(seg);
+                    }
+                }
+            }
+        }
+        while let Some(seg) = self.stale_open.pop() {
+            if let Some(s) = self.streams.iter().position(|st| st.seg == Some(seg)) {
+                if self.streams[s].kind != StreamKind::Meta && self.failed.is_none() {
+                    self.close_segment(s);
+                }
+            }
         }
     }
 

@@ -73,16 +73,19 @@ impl Engine {
     /// The next victim: among volumes, the one with the most garbage in collectable
     /// segments; within it, the segment its victim policy chooses.
     pub(crate) fn pick_victim(&mut self) -> Option<u32> {
+        // A segment closed early (half dead while open, or at shutdown) frees its
+        // unwritten tail too: its capacity is the full segment.
+        let full = self.geo.data_blocks_per_segment() as u32;
         let collectable = |s: &crate::engine::Seg| {
             s.state == SegState::Closed
                 && s.kind != StreamKind::Meta
                 && !s.gc_exclude
-                && s.valid < s.data_blocks
+                && s.valid < full
         };
         let mut garbage: Vec<u64> = vec![0; self.volumes.len()];
         for s in self.segs.iter().filter(|s| collectable(s)) {
             if let Some(g) = garbage.get_mut(s.volume as usize) {
-                *g += (s.data_blocks - s.valid) as u64;
+                *g += (full - s.valid) as u64;
             }
         }
         let (vol, g) = garbage.iter().enumerate().max_by_key(|(_, g)| **g)?;
@@ -97,7 +100,7 @@ impl Engine {
                 cands.push(Candidate {
                     segment: i as u32,
                     valid: s.valid,
-                    capacity: s.data_blocks,
+                    capacity: full,
                     age: now.saturating_sub(s.closed),
                     idle: now.saturating_sub(s.last_invalidated),
                     erase_count: s.erase_count,
@@ -123,12 +126,8 @@ impl Engine {
             }
             if let Some(ci) = classes.get_mut(s.class as usize) {
                 ci.live += s.valid as u64;
-                // Open segments count for their full size: the class holds them.
-                ci.space += if s.state == SegState::Open {
-                    self.geo.data_blocks_per_segment()
-                } else {
-                    s.data_blocks as u64
-                };
+                // Every segment counts for its full size: the class holds it.
+                ci.space += full as u64;
             }
         }
         // The space this volume may use: what it holds plus the free segments, or

@@ -344,6 +344,39 @@ mod tests {
         cs[p.select(cs, 0.0).unwrap()].segment
     }
 
+    /// The square-root rule: spare space in proportion to sqrt(rate x live).
+    #[test]
+    fn lamina_splits_spare_by_the_square_root_rule() {
+        let mut p = Lamina::default();
+        let info = |live, space, written| ClassInfo {
+            live,
+            space,
+            written,
+        };
+        // Class 0 receives 4 times class 1's writes; equal live data.
+        let mut classes = [info(1000, 1200, 0), info(1000, 1200, 0)];
+        let mut cs = [cand(1, 50, 10), cand(2, 60, 10)];
+        cs[1].class = 1;
+        for round in 1..=400u64 {
+            classes[0].written = 400 * round;
+            classes[1].written = 100 * round;
+            p.select_classes(&cs, &classes, 3000, 0.0);
+        }
+        let t = p.targets(&classes, 3000);
+        let (s0, s1) = (t[0] - 1000.0, t[1] - 1000.0);
+        assert!((s0 / s1 - 2.0).abs() < 0.05, "spares {s0} {s1}: want 2:1");
+        assert!((s0 + s1 - 1000.0).abs() < 1e-6);
+        // Targets are about 1667 (class 0) and 1333 (class 1): GC collects in the
+        // class holding the most beyond its target.
+        classes[1].space = 1500;
+        let i = p.select_classes(&cs, &classes, 3000, 0.0).unwrap();
+        assert_eq!(cs[i].segment, 2, "collect in the class above its share");
+        classes[1].space = 1200;
+        classes[0].space = 1900;
+        let i = p.select_classes(&cs, &classes, 3000, 0.0).unwrap();
+        assert_eq!(cs[i].segment, 1);
+    }
+
     #[test]
     fn greedy_takes_emptiest() {
         let cs = [cand(1, 90, 1000), cand(2, 10, 1), cand(3, 50, 50)];
