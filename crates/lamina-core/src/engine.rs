@@ -142,6 +142,28 @@ pub enum Request {
     Checkpoint,
     /// Report counters.
     Status,
+    /// Take a member of a striped array out of service (replies once the
+    /// superblocks of the others record it).
+    FailMember { index: usize },
+    /// Put `device` in the slot of failed member `index` and start its rebuild
+    /// (replies once the superblocks record it).
+    ReplaceMember {
+        index: usize,
+        device: NewDevice,
+        uuid: [u8; 16],
+    },
+    /// Record the rebuild of member `index`: stripes below `cursor` are done
+    /// (`None`: all; the member is active again). Replies once durable.
+    RebuildProgress { index: usize, cursor: Option<u64> },
+}
+
+/// A device handed to the engine (for [`Request::ReplaceMember`]).
+pub struct NewDevice(pub Arc<dyn lamina_device::BlockDevice>);
+
+impl std::fmt::Debug for NewDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0.describe())
+    }
 }
 
 /// What comes back for a request.
@@ -334,6 +356,10 @@ pub struct Counters {
     /// Id the next volume gets. Ids are never reused, so no record of a deleted
     /// volume can ever be replayed into a new one.
     pub next_volume_id: u64,
+    /// Dead zero blocks written to pad units to whole stripe rows.
+    pub pad_blocks: u64,
+    /// Blocks written to each member device (as of the checkpoint, for wear).
+    pub member_blocks: Vec<u64>,
 }
 
 impl Counters {
@@ -348,7 +374,12 @@ impl Counters {
             self.checkpoints,
             self.corrupt_blocks,
             self.next_volume_id,
+            self.pad_blocks,
         ]
+        .into_iter()
+        .chain(std::iter::once(self.member_blocks.len() as u64))
+        .chain(self.member_blocks.iter().copied())
+        .collect()
     }
     pub(crate) fn from_slice(v: &[u64]) -> Self {
         let g = |i: usize| v.get(i).copied().unwrap_or(0);
@@ -362,6 +393,8 @@ impl Counters {
             checkpoints: g(6),
             corrupt_blocks: g(7),
             next_volume_id: g(8),
+            pad_blocks: g(9),
+            member_blocks: (0..g(10).min(1024) as usize).map(|i| g(11 + i)).collect(),
         }
     }
 }
@@ -374,8 +407,8 @@ pub(crate) enum Purpose {
     Sync,
     GcRead { batch_index: u32 },
     GcMeta,
-    SuperblockWrite { ticket: u64 },
-    SuperblockSync,
+    SuperblockWrite { ticket: u64, device: usize },
+    SuperblockSync { device: usize },
 }
 
 /// Monotonic tickets for writes, so a sync can wait for "every write issued so far".
@@ -464,6 +497,24 @@ pub struct Engine {
     pub(crate) geo: Geometry,
     pub(crate) cfg: EngineConfig,
     pub(crate) sb: Superblock,
+    /// CRC-32C of a zero block (the pad blocks of striped layouts).
+    zero_block_crc: u32,
+    /// The striped device's failure count last copied into `sb`, the count the
+    /// superblock write under way carries, and the count known durable.
+    failures_recorded: u64,
+    sb_failures_epoch: u64,
+    failures_durable: u64,
+    /// Blocks written to each member (JBOD; striped members count their own).
+    pub(crate) device_blocks: Vec<u64>,
+    /// Requests waiting for a superblock generation to be durable.
+    sb_waiters: Vec<(Token, u64)>,
+    /// The superblock changed and must be written.
+    sb_dirty: bool,
+    /// Generation of the newest durable superblock, and of the one being written.
+    sb_durable_gen: u64,
+    sb_writing_gen: u64,
+    /// A completed sync whose flushes wait until a member failure is recorded.
+    deferred_sync: Option<SyncTarget>,
     pub(crate) segs: Vec<Seg>,
     pub(crate) free: VecDeque<u32>,
     pub(crate) volumes: Vec<Option<Vol>>,
@@ -534,6 +585,14 @@ impl Engine {
         last_ckpt_gen: u64,
     ) -> Result<Self, EngineError> {
         let geo = shared.geo.clone();
+        if let Some(st) = &shared.striped {
+            for (i, &b) in counters.member_blocks.iter().enumerate().take(geo.members) {
+                st.set_bytes_written(i, b * BLOCK_SIZE_U64);
+            }
+        }
+        for &s in &free {
+            shared.set_segment_free(s, true);
+        }
         policy_by_name(&cfg.gc_policy).ok_or_else(|| {
             EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy))
         })?;
@@ -543,6 +602,16 @@ impl Engine {
             shared,
             cfg,
             sb,
+            zero_block_crc: lamina_format::crc32c(&[0u8; BLOCK_SIZE]),
+            failures_recorded: 0,
+            sb_failures_epoch: 0,
+            failures_durable: 0,
+            deferred_sync: None,
+            device_blocks: counters.member_blocks.clone(),
+            sb_waiters: Vec::new(),
+            sb_dirty: false,
+            sb_durable_gen: 0,
+            sb_writing_gen: 0,
             segs,
             free,
             volumes: Vec::new(),
@@ -807,6 +876,62 @@ impl Engine {
                 Err(e) => self.reply(token, Err(e), None),
             },
             Request::Checkpoint => self.start_checkpoint(Some(token)),
+            Request::FailMember { index } => match self.shared.striped.clone() {
+                None => self.reply(
+                    token,
+                    Err(EngineError::Invalid(
+                        "a JBOD array has no redundancy: no member can be failed".into(),
+                    )),
+                    None,
+                ),
+                Some(_) if index >= self.geo.members => self.reply(
+                    token,
+                    Err(EngineError::Invalid(format!(
+                        "no member {index}: the array has members 0 to {}",
+                        self.geo.members - 1
+                    ))),
+                    None,
+                ),
+                Some(st) if !st.is_failed(index) && st.redundancy_left() <= 0 => self.reply(
+                    token,
+                    Err(EngineError::Invalid(format!(
+                        "failing member {index} would leave data unrecoverable ({} members failed, the layout tolerates {})",
+                        st.failed_count(),
+                        self.geo.parity
+                    ))),
+                    None,
+                ),
+                Some(st) => {
+                    st.fail_member(index);
+                    self.await_superblock(token);
+                }
+            },
+            Request::ReplaceMember {
+                index,
+                device,
+                uuid,
+            } => {
+                let r = self.replace_member(index, device.0, uuid);
+                match r {
+                    Ok(()) => self.await_superblock(token),
+                    Err(e) => self.reply(token, Err(e), None),
+                }
+            }
+            Request::RebuildProgress { index, cursor } => {
+                if let (Some(st), Some(e)) = (self.shared.striped.clone(), self.sb.devices.get_mut(index)) {
+                    if e.state == crate::recovery::MEMBER_REBUILDING && !st.is_failed(index) {
+                        match cursor {
+                            Some(c) => e.rebuild_cursor = c as u32,
+                            None => {
+                                e.state = 0;
+                                e.rebuild_cursor = 0;
+                            }
+                        }
+                    }
+                    st.set_rebuild_cursor(index, cursor);
+                }
+                self.await_superblock(token);
+            }
             Request::Status => {
                 let status = self.status();
                 self.replies.push(Reply {
@@ -874,16 +999,16 @@ impl Engine {
             }
             Purpose::GcRead { batch_index } => self.gc_read_done(batch_index, c),
             Purpose::GcMeta => self.gc_meta_done(c),
-            Purpose::SuperblockWrite { ticket } => {
+            Purpose::SuperblockWrite { ticket, device } => {
                 self.tickets.complete(ticket);
                 if let Err(e) = c.result {
-                    self.fail(format!("superblock write failed: {e}"));
+                    self.sb_member_error(device, "superblock write", e);
                 }
                 self.sb_step_done();
             }
-            Purpose::SuperblockSync => {
+            Purpose::SuperblockSync { device } => {
                 if let Err(e) = c.result {
-                    self.fail(format!("superblock sync failed: {e}"));
+                    self.sb_member_error(device, "superblock sync", e);
                 }
                 self.sb_step_done();
             }
@@ -944,6 +1069,7 @@ impl Engine {
             self.progress_checkpoint();
             self.progress_releases();
             self.progress_sync();
+            self.progress_member_failures();
             self.recycle_buffers();
             if (self.pending.len(), self.io_out.len(), self.free.len()) == before {
                 break;
@@ -1335,7 +1461,9 @@ impl Engine {
         let records = self.geo.unit_records as usize;
         if let Some(u) = &self.streams[s].unit {
             let used = u.data as usize + self.streams[s].extras.len();
-            if u.data + data <= u.max_data && used + data as usize + extras <= records {
+            // Room is kept for the dead blocks that pad a unit to whole rows.
+            let pad = self.geo.row_blocks as usize - 1;
+            if u.data + data <= u.max_data && used + data as usize + extras + pad <= records {
                 return Ok(());
             }
             self.seal_unit(s);
@@ -1343,7 +1471,7 @@ impl Engine {
         let h = self.geo.header_blocks as u32;
         // The segment must hold a header and at least one data block (or just a
         // header for a records-only unit).
-        let need = h + data.max(1);
+        let need = self.geo.round_to_row(h + data.max(1));
         let full = {
             let st = &self.streams[s];
             st.seg.is_none() || st.write_ptr + need > self.geo.data_end
@@ -1455,7 +1583,20 @@ impl Engine {
 
     /// Takes the next segment of the free queue, waiting out any last readers.
     fn pop_free(&mut self) -> Option<u32> {
-        let seg = self.free.pop_front()?;
+        let seg =
+            if self.geo.layout == lamina_format::superblock::Layout::Jbod && self.geo.members > 1 {
+                // Wear levelling across JBOD members: among the next free segments,
+                // take one on the member with the least written per byte of capacity.
+                let i = (0..self.free.len().min(32)).min_by(|&a, &b| {
+                    let wa = self.member_wear(self.geo.locate(SegmentId(self.free[a]), 0).0);
+                    let wb = self.member_wear(self.geo.locate(SegmentId(self.free[b]), 0).0);
+                    wa.total_cmp(&wb)
+                })?;
+                self.free.remove(i)?
+            } else {
+                self.free.pop_front()?
+            };
+        self.shared.set_segment_free(seg, false);
         while self.shared.segment_pinned(SegmentId(seg)) {
             std::thread::yield_now();
         }
@@ -1464,7 +1605,7 @@ impl Engine {
 
     /// Seals stream `s`'s open unit and queues its write.
     pub(crate) fn seal_unit(&mut self, s: usize) {
-        let Some(u) = self.streams[s].unit.take() else {
+        let Some(mut u) = self.streams[s].unit.take() else {
             return;
         };
         let h = self.geo.header_blocks;
@@ -1494,6 +1635,21 @@ impl Engine {
                     put_record(hdr, i, &r);
                 }
             }
+        }
+        // Striped layouts: pad the unit to whole rows with dead zero blocks, so that
+        // the row's parity is computed from this write alone (no read-modify-write).
+        let end = h as u32 + u.data;
+        let pad = self.geo.round_to_row(end) - end;
+        if pad > 0 {
+            // SAFETY: slots beyond the unit's data, owned by the engine.
+            unsafe { self.shared.buffers.blocks_mut(u.buf, end, pad) }.fill(0);
+            let mut r = RawRecord::data(0, 0, self.zero_block_crc);
+            r.kind = kind::DEAD;
+            for i in 0..pad {
+                put_record(hdr, (u.data + i) as usize, &r);
+            }
+            u.data += pad;
+            self.counters.pad_blocks += pad as u64;
         }
         let st = &mut self.streams[s];
         for (k, r) in st.extras.iter().enumerate() {
@@ -1551,6 +1707,7 @@ impl Engine {
         }
         let ticket = self.issue_ticket();
         let (dev, off) = self.geo.locate(SegmentId(seg), u.offset);
+        self.count_device_blocks(dev, blocks);
         self.submit_io(
             Purpose::UnitWrite { buf: u.buf, ticket },
             dev,
@@ -1561,7 +1718,7 @@ impl Engine {
             },
         );
         // Close the segment if another unit would not fit.
-        if self.streams[s].write_ptr + h as u32 + 1 > self.geo.data_end {
+        if self.streams[s].write_ptr + self.geo.round_to_row(h as u32 + 1) > self.geo.data_end {
             self.close_segment(s);
         }
     }
@@ -1644,6 +1801,7 @@ impl Engine {
         }
         let ticket = self.issue_ticket();
         let (dev, off) = self.geo.locate(SegmentId(seg), self.geo.data_end);
+        self.count_device_blocks(dev, sb_blocks);
         self.submit_io(
             Purpose::SummaryWrite { seg, ticket },
             dev,
@@ -1713,6 +1871,7 @@ impl Engine {
             let erase_count = self.segs[seg as usize].erase_count;
             self.segs[seg as usize] = Seg::free(erase_count);
             self.free.push_back(seg);
+            self.shared.set_segment_free(seg, true);
             return;
         }
         let sg = &mut self.segs[seg as usize];
@@ -1780,10 +1939,10 @@ impl Engine {
             return;
         }
         self.sync_wanted = None;
-        let n = self.shared.devices.len();
-        self.sync_inflight = Some((t, n));
+        let data = self.geo.data_devices();
+        self.sync_inflight = Some((t, data.len()));
         self.counters.syncs += 1;
-        for d in 0..n {
+        for d in data {
             self.submit_io(Purpose::Sync, d, 0, IoKind::Sync);
         }
     }
@@ -1800,6 +1959,96 @@ impl Engine {
         if self.failed.is_some() {
             return;
         }
+        // Writes that left out a failed member are acknowledged only once the
+        // superblocks say it failed: otherwise a restart could trust its stale data.
+        if let Some(st) = &self.shared.striped {
+            if st.failure_epoch() != self.failures_durable {
+                self.deferred_sync = Some(t);
+                return;
+            }
+        }
+        self.finish_sync(t);
+    }
+
+    /// Records member failures in the superblock, and releases the flushes that
+    /// waited for that.
+    fn progress_member_failures(&mut self) {
+        if let Some(st) = self.shared.striped.clone() {
+            let epoch = st.failure_epoch();
+            if epoch != self.failures_recorded && !self.sb_busy && self.failed.is_none() {
+                self.start_superblock_write();
+            }
+            if epoch == self.failures_durable {
+                if let Some(t) = self.deferred_sync.take() {
+                    self.finish_sync(t);
+                }
+            }
+        }
+        if self.sb_dirty && !self.sb_busy && self.failed.is_none() {
+            self.start_superblock_write();
+        }
+        if self.failed.is_some() {
+            let why = self.failed.clone().unwrap_or_default();
+            for (t, _) in std::mem::take(&mut self.sb_waiters) {
+                self.reply(t, Err(EngineError::Failed(why.clone())), None);
+            }
+        }
+        let durable = self.sb_durable_gen;
+        let mut i = 0;
+        while i < self.sb_waiters.len() {
+            if self.sb_waiters[i].1 <= durable {
+                let (t, _) = self.sb_waiters.swap_remove(i);
+                self.reply(t, Ok(()), None);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Replies to `token` once a superblock written after this call is durable.
+    fn await_superblock(&mut self, token: Token) {
+        self.sb_dirty = true;
+        self.sb_waiters.push((token, self.sb.generation + 1));
+    }
+
+    fn replace_member(
+        &mut self,
+        index: usize,
+        device: Arc<dyn lamina_device::BlockDevice>,
+        uuid: [u8; 16],
+    ) -> Result<(), EngineError> {
+        let Some(st) = self.shared.striped.clone() else {
+            return Err(EngineError::Invalid(
+                "only striped arrays (said0/5/6) replace members".into(),
+            ));
+        };
+        if index >= self.geo.members {
+            return Err(EngineError::Invalid(format!(
+                "no member {index}: the array has members 0 to {}",
+                self.geo.members - 1
+            )));
+        }
+        if !st.is_failed(index) {
+            return Err(EngineError::Invalid(format!(
+                "member {index} has not failed; fail it first (lamina array fail --device {index})"
+            )));
+        }
+        if self.geo.parity == 0 {
+            return Err(EngineError::Invalid(
+                "said0 has no parity to rebuild a member from".into(),
+            ));
+        }
+        st.replace(index, device.clone(), 0)
+            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+        let e = &mut self.sb.devices[index];
+        e.uuid = uuid;
+        e.size_bytes = device.size_bytes();
+        e.state = crate::recovery::MEMBER_REBUILDING;
+        e.rebuild_cursor = 0;
+        Ok(())
+    }
+
+    fn finish_sync(&mut self, t: SyncTarget) {
         self.durable_version = self.durable_version.max(t.version);
         self.synced_gen = self.synced_gen.max(t.gen);
         let synced = self.synced_gen;
@@ -1842,6 +2091,7 @@ impl Engine {
             let erase_count = self.segs[s as usize].erase_count;
             self.segs[s as usize] = Seg::free(erase_count);
             self.free.push_back(s);
+            self.shared.set_segment_free(s, true);
         }
         // When free segments run low, run a flush to move the protocol forward.
         let low = self.free.len() < self.gc_start_segments();
@@ -1865,15 +2115,77 @@ impl Engine {
     pub(crate) fn start_superblock_write(&mut self) {
         assert!(!self.sb_busy);
         self.sb_busy = true;
+        self.record_member_failures();
+        self.sb_failures_epoch = self.failures_recorded;
+        self.sb_dirty = false;
         self.sb.generation += 1;
+        self.sb_writing_gen = self.sb.generation;
         self.sb_seq.copy = 0;
         self.sb_write_copy();
     }
 
+    /// Blocks written to JBOD member `dev` per block of its capacity.
+    fn member_wear(&self, dev: usize) -> f64 {
+        let written = self.device_blocks.get(dev).copied().unwrap_or(0) as f64;
+        written / (self.geo.devices[dev].segment_count.max(1) as f64)
+    }
+
+    fn count_device_blocks(&mut self, dev: usize, blocks: u32) {
+        if dev >= self.device_blocks.len() {
+            self.device_blocks.resize(dev + 1, 0);
+        }
+        self.device_blocks[dev] += blocks as u64;
+    }
+
+    /// Members the superblock goes to: all but the failed ones.
+    fn sb_members(&self) -> Vec<usize> {
+        (0..self.geo.members)
+            .filter(|&d| {
+                !self
+                    .shared
+                    .striped
+                    .as_ref()
+                    .is_some_and(|st| st.is_failed(d))
+            })
+            .collect()
+    }
+
+    /// Copies the striped device's failed members into the superblock's member
+    /// table; true if that changed it.
+    pub(crate) fn record_member_failures(&mut self) -> bool {
+        let Some(st) = self.shared.striped.clone() else {
+            return false;
+        };
+        self.failures_recorded = st.failure_epoch();
+        let mut changed = false;
+        for (i, e) in self.sb.devices.iter_mut().enumerate() {
+            if st.is_failed(i) && e.state != crate::recovery::MEMBER_FAILED {
+                e.state = crate::recovery::MEMBER_FAILED;
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// A superblock write or sync to member `d` failed: striped layouts go on
+    /// without the member while redundancy remains.
+    fn sb_member_error(&mut self, d: usize, what: &str, e: lamina_device::DeviceError) {
+        match &self.shared.striped {
+            Some(st) => {
+                st.fail_member(d);
+                tracing::error!("{what} failed: {e}; member {d} is now failed");
+                if st.redundancy_left() < 0 {
+                    self.fail(format!("{what} failed: {e}; too many members failed"));
+                }
+            }
+            None => self.fail(format!("{what} failed: {e}")),
+        }
+    }
+
     fn sb_write_copy(&mut self) {
-        let n = self.shared.devices.len();
-        self.sb_seq.remaining = n;
-        for d in 0..n {
+        let members = self.sb_members();
+        self.sb_seq.remaining = members.len();
+        for d in members {
             let mut sb = self.sb.clone();
             sb.device_index = d as u32;
             let data = sb.encode().to_vec();
@@ -1881,7 +2193,7 @@ impl Engine {
             self.counters.meta_blocks += 1;
             self.counters.media_blocks += 1;
             self.submit_io(
-                Purpose::SuperblockWrite { ticket },
+                Purpose::SuperblockWrite { ticket, device: d },
                 d,
                 SUPERBLOCK_OFFSETS[self.sb_seq.copy],
                 IoKind::WriteOwned { data },
@@ -1901,14 +2213,16 @@ impl Engine {
                 self.sb_write_copy();
             } else {
                 self.sb_busy = false;
+                self.failures_durable = self.sb_failures_epoch;
+                self.sb_durable_gen = self.sb_writing_gen;
                 self.sb_done();
             }
         } else {
             self.sb_seq.syncing = true;
-            let n = self.shared.devices.len();
-            self.sb_seq.remaining = n;
-            for d in 0..n {
-                self.submit_io(Purpose::SuperblockSync, d, 0, IoKind::Sync);
+            let members = self.sb_members();
+            self.sb_seq.remaining = members.len();
+            for d in members {
+                self.submit_io(Purpose::SuperblockSync { device: d }, d, 0, IoKind::Sync);
             }
         }
     }
@@ -2049,21 +2363,21 @@ impl Engine {
 
     /// Writes the superblock to every device directly (both copies, synced), outside
     /// the engine's I/O queue. Only used before the engine starts serving.
-    pub(crate) fn write_superblock_sync(
-        &mut self,
-        devices: &[Arc<dyn lamina_device::BlockDevice>],
-    ) -> Result<(), EngineError> {
+    pub(crate) fn write_superblock_sync(&mut self) -> Result<(), EngineError> {
+        self.record_member_failures();
         self.sb.generation += 1;
+        let members = self.sb_members();
+        let devices = self.shared.devices.clone();
         for off in SUPERBLOCK_OFFSETS {
-            for (i, d) in devices.iter().enumerate() {
+            for &i in &members {
                 let mut sb = self.sb.clone();
                 sb.device_index = i as u32;
-                d.write_at(&sb.encode()[..], off)?;
+                devices[i].write_at(&sb.encode()[..], off)?;
                 self.counters.meta_blocks += 1;
                 self.counters.media_blocks += 1;
             }
-            for d in devices {
-                d.sync()?;
+            for &i in &members {
+                devices[i].sync()?;
             }
         }
         Ok(())

@@ -199,6 +199,14 @@ impl Engine {
                 next_segment: s.next_seg.unwrap_or(NO_SEGMENT),
             })
             .collect();
+        self.counters.member_blocks = match &self.shared.striped {
+            Some(st) => st
+                .member_states()
+                .iter()
+                .map(|m| m.bytes_written / 4096)
+                .collect(),
+            None => self.device_blocks.clone(),
+        };
         let meta = CheckpointMeta {
             volumes,
             segments,

@@ -30,6 +30,10 @@ pub(crate) struct GcState {
     pub victims: u64,
     spare: Vec<Vec<u8>>,
     cands: Vec<Candidate>,
+    /// Segments with a read error on a member, to move elsewhere.
+    repair: Vec<u32>,
+    /// Segments moved because of a read error.
+    pub repaired: u64,
 }
 
 #[derive(Default)]
@@ -72,6 +76,35 @@ impl GcState {
 impl Engine {
     /// The next victim: among volumes, the one with the most garbage in collectable
     /// segments; within it, the segment its victim policy chooses.
+    /// A segment where a member failed a read: its blocks were served from parity;
+    /// GC moves them to healthy space so nothing depends on the bad spot again.
+    fn repair_victim(&mut self) -> Option<u32> {
+        if let Some(st) = &self.shared.striped {
+            for s in st.take_repairs() {
+                if !self.gc.repair.contains(&(s as u32)) {
+                    self.gc.repair.push(s as u32);
+                }
+            }
+        }
+        // Free ones need nothing; open ones are closed so that they can be moved.
+        self.gc
+            .repair
+            .retain(|&s| self.segs[s as usize].state != SegState::Free);
+        for k in 0..self.gc.repair.len() {
+            let seg = self.gc.repair[k];
+            if let Some(s) = self.streams.iter().position(|st| st.seg == Some(seg)) {
+                if self.streams[s].kind != StreamKind::Meta {
+                    self.close_segment(s);
+                }
+            }
+        }
+        let i = self.gc.repair.iter().position(|&s| {
+            let sg = &self.segs[s as usize];
+            sg.state == SegState::Closed && sg.kind != StreamKind::Meta && !sg.gc_exclude
+        })?;
+        Some(self.gc.repair.swap_remove(i))
+    }
+
     pub(crate) fn pick_victim(&mut self) -> Option<u32> {
         // A segment closed early (half dead while open, or at shutdown) frees its
         // unwritten tail too: its capacity is the full segment.
@@ -182,11 +215,20 @@ impl Engine {
                         self.gc.active = true;
                     }
                 }
-                if !self.gc.active {
-                    return;
-                }
-                let Some(seg) = self.pick_victim() else {
-                    return;
+                let seg = match self.repair_victim() {
+                    Some(seg) => {
+                        self.gc.repaired += 1;
+                        seg
+                    }
+                    None => {
+                        if !self.gc.active {
+                            return;
+                        }
+                        let Some(seg) = self.pick_victim() else {
+                            return;
+                        };
+                        seg
+                    }
                 };
                 self.gc.victims += 1;
                 let (class, born, volume) = {

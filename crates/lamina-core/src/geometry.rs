@@ -4,6 +4,12 @@
 //! block 0 up to `data_end`; the last `summary_blocks` blocks hold the summary. This
 //! module is the only place that turns (segment, block) into (device, byte offset).
 //! JBOD places each segment whole on one device, devices concatenated in table order.
+//! Striped layouts (SAID0/5/6) see one virtual device, the [`Striped`] device placed
+//! after the members, whose segments are stripes of `k` data chunks (one per member);
+//! units and summaries then cover whole rows of `k` blocks so that parity is written
+//! with the data and never by read-modify-write.
+//!
+//! [`Striped`]: lamina_device::striped::Striped
 
 use crate::types::{Pba, SegmentId, BLOCK_SIZE_U64};
 use lamina_format::summary::summary_blocks;
@@ -38,21 +44,58 @@ pub struct Geometry {
     pub segment_count: u32,
     pub data_offset: u64,
     pub devices: Vec<DeviceSpan>,
+    /// Units and summaries start and end on multiples of this many blocks (the data
+    /// members of a stripe row; 1 for JBOD).
+    pub row_blocks: u32,
+    /// Physical members of the array (superblocks go to each).
+    pub members: usize,
+    /// Parity members per stripe (0 for JBOD and SAID0).
+    pub parity: usize,
+}
+
+/// Parity members a layout keeps per stripe.
+pub fn layout_parity(layout: Layout) -> usize {
+    match layout {
+        Layout::Jbod | Layout::Said0 => 0,
+        Layout::Said5 => 1,
+        Layout::Said6 => 2,
+    }
 }
 
 impl Geometry {
     pub fn from_superblock(sb: &Superblock) -> Self {
         let w = sb.write_unit_blocks;
         let header_blocks = header_blocks_for(w as usize + UNIT_EXTRA_RECORDS);
-        let summary = summary_blocks(sb.segment_blocks);
-        let devices: Vec<DeviceSpan> = sb
-            .devices
-            .iter()
-            .map(|d| DeviceSpan {
-                first_segment: d.first_segment,
-                segment_count: d.segment_count,
-            })
-            .collect();
+        let members = sb.devices.len();
+        let parity = layout_parity(sb.layout);
+        let row_blocks = if sb.layout == Layout::Jbod {
+            1
+        } else {
+            (members - parity) as u32
+        };
+        let summary = summary_blocks(sb.segment_blocks).next_multiple_of(row_blocks);
+        let devices: Vec<DeviceSpan> = if sb.layout == Layout::Jbod {
+            sb.devices
+                .iter()
+                .map(|d| DeviceSpan {
+                    first_segment: d.first_segment,
+                    segment_count: d.segment_count,
+                })
+                .collect()
+        } else {
+            // Every member holds one chunk of every stripe: the stripes are the
+            // segments of one virtual device.
+            let stripes = sb
+                .devices
+                .iter()
+                .map(|d| d.segment_count)
+                .min()
+                .unwrap_or(0);
+            vec![DeviceSpan {
+                first_segment: 0,
+                segment_count: stripes,
+            }]
+        };
         Geometry {
             array_id: sb.array_id(),
             layout: sb.layout,
@@ -66,6 +109,9 @@ impl Geometry {
             segment_count: devices.iter().map(|d| d.segment_count).sum(),
             data_offset: sb.data_offset,
             devices,
+            row_blocks,
+            members,
+            parity,
         }
     }
 
@@ -87,6 +133,10 @@ impl Geometry {
     /// Device index and byte offset of block `offset` of `segment`.
     #[inline]
     pub fn locate(&self, segment: SegmentId, offset: u32) -> (usize, u64) {
+        if self.layout != Layout::Jbod {
+            let block = segment.0 as u64 * self.segment_blocks as u64 + offset as u64;
+            return (self.members, self.data_offset + block * BLOCK_SIZE_U64);
+        }
         let dev = self
             .devices
             .iter()
@@ -106,6 +156,21 @@ impl Geometry {
         let rest = self.data_end % self.write_unit_blocks;
         let rest_data = rest.saturating_sub(self.header_blocks as u32);
         full_units as u64 * self.unit_data_max as u64 + rest_data as u64
+    }
+
+    /// `blocks` rounded up to whole rows.
+    #[inline]
+    pub fn round_to_row(&self, blocks: u32) -> u32 {
+        blocks.next_multiple_of(self.row_blocks)
+    }
+
+    /// Indices in `Shared::devices` that hold segments (and need syncs for data).
+    pub fn data_devices(&self) -> std::ops::Range<usize> {
+        if self.layout == Layout::Jbod {
+            0..self.members
+        } else {
+            self.members..self.members + 1
+        }
     }
 
     /// Segments one device of `size_bytes` bytes holds.

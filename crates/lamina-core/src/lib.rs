@@ -16,17 +16,18 @@ pub mod geometry;
 pub mod io;
 pub mod map;
 pub mod placement;
+pub mod rebuild;
 pub mod recovery;
 pub mod shared;
 pub mod status;
 pub mod types;
 
-pub use engine::{Engine, EngineConfig, Reply, Request, Token};
+pub use engine::{Engine, EngineConfig, NewDevice, Reply, Request, Token};
 pub use error::EngineError;
 pub use recovery::{
     format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,
     RECOVERY_TOKEN,
 };
 pub use shared::{Shared, VolumeShared};
-pub use status::{ClassStatus, StatusReport, VolumeStatus};
+pub use status::{ClassStatus, MemberStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

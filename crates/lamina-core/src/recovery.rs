@@ -121,12 +121,33 @@ pub fn format(
     if devices.len() > MAX_DEVICES {
         return invalid(format!("an array holds at most {MAX_DEVICES} devices"));
     }
-    if params.layout != Layout::Jbod {
+    let parity = crate::geometry::layout_parity(params.layout);
+    let min_devices = match params.layout {
+        Layout::Jbod | Layout::Said0 => 1,
+        Layout::Said5 => 3,
+        Layout::Said6 => 4,
+    };
+    if devices.len() < min_devices {
         return invalid(format!(
-            "layout {} is not available yet (only jbod)",
-            params.layout.name()
+            "layout {} needs at least {min_devices} devices, {} given",
+            params.layout.name(),
+            devices.len()
         ));
     }
+    // Striped layouts: the segment size given is each member's chunk; a segment
+    // (stripe) holds k chunks of data, and write units are whole rows of k blocks.
+    let striped = params.layout != Layout::Jbod;
+    let k = (devices.len() - parity) as u32;
+    let chunk_blocks = params.segment_blocks;
+    let mut params = params.clone();
+    if striped {
+        params.segment_blocks = chunk_blocks
+            .checked_mul(k)
+            .filter(|&b| b <= 1 << 24)
+            .ok_or_else(|| EngineError::Invalid("stripe too large (at most 64 GiB)".into()))?;
+        params.write_unit_blocks = (params.write_unit_blocks / k * k).max(2 * k);
+    }
+    let params = &params;
     if params.name.is_empty() || params.name.len() > MAX_NAME_LEN {
         return invalid(format!("array name must be 1 to {MAX_NAME_LEN} bytes"));
     }
@@ -169,27 +190,42 @@ pub fn format(
     }
     let mut entries = Vec::new();
     let mut first = 0u32;
+    // Striped: every member holds one chunk of each stripe, so the smallest member
+    // decides how many stripes there are.
+    let stripes = devices
+        .iter()
+        .map(|d| Geometry::segments_on_device(d.size_bytes(), DEFAULT_DATA_OFFSET, chunk_blocks))
+        .min()
+        .unwrap_or(0);
     for (i, d) in devices.iter().enumerate() {
         let size = d.size_bytes();
-        let segs = Geometry::segments_on_device(size, DEFAULT_DATA_OFFSET, params.segment_blocks);
+        let segs = if striped {
+            stripes
+        } else {
+            Geometry::segments_on_device(size, DEFAULT_DATA_OFFSET, params.segment_blocks)
+        };
         if segs == 0 {
             return invalid(format!(
                 "device {} ({} bytes) is too small for one segment of {} bytes",
                 d.describe(),
                 size,
-                params.segment_blocks as u64 * BLOCK_SIZE_U64
+                chunk_blocks as u64 * BLOCK_SIZE_U64
             ));
         }
         entries.push(DeviceEntry {
             uuid: device_uuids[i],
             size_bytes: size,
             segment_count: segs,
-            first_segment: first,
+            first_segment: if striped { 0 } else { first },
             state: 0,
+            rebuild_cursor: 0,
         });
         first = first
             .checked_add(segs)
             .ok_or_else(|| EngineError::Invalid("array too large".into()))?;
+    }
+    if striped {
+        first = stripes;
     }
     if first < MIN_SEGMENTS {
         return invalid(format!(
@@ -236,6 +272,8 @@ pub fn read_superblocks(
     warnings: &mut Vec<String>,
 ) -> Result<(Superblock, Vec<Arc<dyn BlockDevice>>), EngineError> {
     let mut per_device = Vec::new();
+    let mut unreadable: Vec<(Arc<dyn BlockDevice>, String)> = Vec::new();
+    let mut readable = Vec::new();
     for d in &devices {
         let mut best: Option<Superblock> = None;
         let mut errors = Vec::new();
@@ -264,15 +302,19 @@ pub fn read_superblocks(
                     ));
                 }
                 per_device.push(sb);
+                readable.push(d.clone());
             }
-            None => {
-                return Err(EngineError::Format(format!(
-                    "{}: no valid Lamina superblock ({})",
-                    d.describe(),
-                    errors.join("; ")
-                )))
-            }
+            None => unreadable.push((d.clone(), errors.join("; "))),
         }
+    }
+    let no_superblock = |(d, e): &(Arc<dyn BlockDevice>, String)| {
+        EngineError::Format(format!(
+            "{}: no valid Lamina superblock ({e})",
+            d.describe()
+        ))
+    };
+    if per_device.is_empty() {
+        return Err(no_superblock(&unreadable[0]));
     }
     let newest = per_device
         .iter()
@@ -280,7 +322,32 @@ pub fn read_superblocks(
         .unwrap()
         .clone();
     let mut ordered: Vec<Option<Arc<dyn BlockDevice>>> = vec![None; newest.devices.len()];
-    for (d, sb) in devices.iter().zip(&per_device) {
+    // A striped array with parity may run without some members: a member whose
+    // superblock cannot be read is treated as missing (its slot gets an absent
+    // device) as long as the layout tolerates it.
+    let tolerated = crate::geometry::layout_parity(newest.layout);
+    if unreadable.len() > tolerated {
+        if tolerated == 0 {
+            return Err(no_superblock(&unreadable[0]));
+        }
+        let names: Vec<String> = unreadable
+            .iter()
+            .map(|(d, e)| format!("{} ({e})", d.describe()))
+            .collect();
+        return Err(EngineError::Invalid(format!(
+            "{} members have no readable superblock and layout {} tolerates {tolerated}: {}",
+            unreadable.len(),
+            newest.layout.name(),
+            names.join("; ")
+        )));
+    }
+    for (d, e) in &unreadable {
+        warnings.push(format!(
+            "{}: no valid Lamina superblock ({e}); treated as a missing member",
+            d.describe()
+        ));
+    }
+    for (d, sb) in readable.iter().zip(&per_device) {
         if sb.array_uuid != newest.array_uuid {
             return Err(EngineError::Invalid(format!(
                 "{} belongs to another array ({:?}), not to {:?}",
@@ -290,6 +357,19 @@ pub fn read_superblocks(
             )));
         }
         let i = sb.device_index as usize;
+        // A device that was replaced keeps an old superblock naming it member i;
+        // the newest table holds the replacement's identity.
+        if tolerated > 0
+            && i < newest.devices.len()
+            && sb.devices.get(i).map(|e| e.uuid) != Some(newest.devices[i].uuid)
+        {
+            warnings.push(format!(
+                "{} was member {i} of {:?} but has been replaced; ignored",
+                d.describe(),
+                newest.array_name
+            ));
+            continue;
+        }
         if i >= ordered.len() {
             return Err(EngineError::Format(format!(
                 "{}: member index {i} outside the array's {} devices",
@@ -317,7 +397,17 @@ pub fn read_superblocks(
     let missing: Vec<usize> = (0..ordered.len())
         .filter(|&i| ordered[i].is_none())
         .collect();
-    if !missing.is_empty() {
+    if !missing.is_empty() && missing.len() <= tolerated {
+        for &i in &missing {
+            warnings.push(format!(
+                "member {i} of {:?} is missing: the array runs degraded",
+                newest.array_name
+            ));
+            ordered[i] = Some(Arc::new(lamina_device::striped::Absent::new(format!(
+                "member {i} (missing)"
+            ))));
+        }
+    } else if !missing.is_empty() {
         return Err(EngineError::Invalid(format!(
             "array {:?} has {} devices; members {missing:?} were not given",
             newest.array_name,
@@ -325,6 +415,90 @@ pub fn read_superblocks(
         )));
     }
     Ok((newest, ordered.into_iter().map(|d| d.unwrap()).collect()))
+}
+
+/// Member state in the superblock: the member failed and holds nothing current.
+pub const MEMBER_FAILED: u32 = 1;
+/// Member state: a replacement being rebuilt; stripes below `rebuild_cursor` are
+/// current on it.
+pub const MEMBER_REBUILDING: u32 = 2;
+
+/// The devices the engine drives: the members, then for striped layouts the
+/// striped device over them (members marked failed in the superblock, or missing,
+/// are left out of its I/O).
+#[allow(clippy::type_complexity)]
+fn data_path(
+    sb: &Superblock,
+    geo: &Geometry,
+    members: Vec<Arc<dyn BlockDevice>>,
+    warnings: &mut Vec<String>,
+) -> Result<
+    (
+        Vec<Arc<dyn BlockDevice>>,
+        Option<Arc<lamina_device::striped::Striped>>,
+    ),
+    EngineError,
+> {
+    use lamina_device::striped::{StripeShape, Striped};
+    if sb.layout == Layout::Jbod {
+        return Ok((members, None));
+    }
+    let failed: Vec<bool> = sb
+        .devices
+        .iter()
+        .zip(&members)
+        .map(|(e, d)| e.state == MEMBER_FAILED || d.size_bytes() == 0)
+        .collect();
+    for (i, f) in failed.iter().enumerate() {
+        if *f {
+            warnings.push(format!(
+                "member {i} ({}) is failed or missing: the array runs degraded",
+                members[i].describe()
+            ));
+        }
+    }
+    let shape = StripeShape {
+        data: geo.row_blocks as usize,
+        parity: geo.parity,
+        chunk_blocks: (geo.segment_blocks / geo.row_blocks) as u64,
+        data_offset: geo.data_offset,
+        stripes: geo.segment_count as u64,
+    };
+    let striped = Arc::new(
+        Striped::new(members.clone(), shape, &failed)
+            .map_err(|e| EngineError::Invalid(e.to_string()))?,
+    );
+    if striped.redundancy_left() < 0 {
+        warnings.push(format!(
+            "{} of {} members failed, more than the layout's {} parity: data is lost",
+            striped.failed_count(),
+            members.len(),
+            geo.parity
+        ));
+    }
+    for (i, e) in sb.devices.iter().enumerate() {
+        if e.state == MEMBER_REBUILDING && !failed[i] {
+            striped.set_rebuild_cursor(i, Some(e.rebuild_cursor as u64));
+            warnings.push(format!(
+                "member {i} ({}) is being rebuilt: {} of {} stripes done",
+                members[i].describe(),
+                e.rebuild_cursor,
+                geo.segment_count
+            ));
+        }
+    }
+    // Superblocks and syncs reach members through their slots, so that they follow
+    // a replacement.
+    let mut devices: Vec<Arc<dyn BlockDevice>> = (0..members.len())
+        .map(|index| {
+            Arc::new(lamina_device::striped::MemberSlot {
+                array: striped.clone(),
+                index,
+            }) as Arc<dyn BlockDevice>
+        })
+        .collect();
+    devices.push(striped.clone());
+    Ok((devices, Some(striped)))
 }
 
 /// One unit found by the walk.
@@ -413,7 +587,7 @@ fn scan_segment(
     }
     let incarnation = incarnation?;
     let mut has_summary = false;
-    if offset + h + 1 > geo.data_end && meta.0 != StreamKind::Meta {
+    if offset + geo.round_to_row(h + 1) > geo.data_end && meta.0 != StreamKind::Meta {
         if let Ok(buf) = read_blocks(shared, report, seg, geo.data_end, geo.summary_blocks) {
             has_summary = SummaryHeader::decode(&buf).is_ok_and(|s| {
                 s.segment == seg && s.incarnation == incarnation && s.array_id == geo.array_id
@@ -550,18 +724,42 @@ pub fn open_unfinished(
     mode: OpenMode,
 ) -> Result<(Engine, RecoveryReport), EngineError> {
     let mut report = RecoveryReport::default();
+    // What a killed process left in the page cache is not yet durable; make it so
+    // before building on it. A member that cannot sync is failed (striped layouts
+    // run without it; JBOD cannot).
+    let mut sync_failed = Vec::new();
     if mode == OpenMode::ReadWrite {
-        // What a killed process left in the page cache is not yet durable; make it
-        // so before building on it.
         for d in &devices {
-            d.sync()?;
+            if let Err(e) = d.sync() {
+                sync_failed.push((d.describe(), e));
+            }
         }
     }
     let (sb, devices) = read_superblocks(devices, &mut report.warnings)?;
     let geo = Geometry::from_superblock(&sb);
+    let (devices, striped) = data_path(&sb, &geo, devices, &mut report.warnings)?;
+    for (name, e) in sync_failed {
+        let member = devices[..geo.members]
+            .iter()
+            .position(|d| d.describe() == name);
+        match (&striped, member) {
+            (Some(st), Some(i)) => {
+                report.warnings.push(format!("{e}: member {i} failed"));
+                st.fail_member(i);
+            }
+            _ => return Err(e.into()),
+        }
+    }
+    if striped.as_ref().is_some_and(|st| st.redundancy_left() < 0) && mode == OpenMode::ReadWrite {
+        return Err(EngineError::Invalid(format!(
+            "more members failed than the layout's {} parity tolerates; open read-only to read what can be rebuilt",
+            geo.parity
+        )));
+    }
     let shared = Arc::new(Shared::new(
         geo.clone(),
         devices,
+        striped,
         cfg.buffer_units,
         cfg.crc_cache_entries,
     ));
@@ -1047,8 +1245,7 @@ pub fn open_unfinished(
     }
     if mode == OpenMode::ReadWrite {
         // Persist the new version lease before any version from it is used.
-        let devs = shared.devices.clone();
-        engine.write_superblock_sync(&devs)?;
+        engine.write_superblock_sync()?;
         // Record the recovered state so that later recoveries start from here.
         engine.submit(RECOVERY_TOKEN, crate::engine::Request::Checkpoint);
     }

@@ -116,7 +116,11 @@ impl CrcCache {
 
 pub struct Shared {
     pub geo: Geometry,
+    /// The members (superblocks go to each), then for striped layouts the virtual
+    /// striped device that holds the segments (see [`Geometry::locate`]).
     pub devices: Vec<Arc<dyn BlockDevice>>,
+    /// The striped device, for its members' health.
+    pub striped: Option<Arc<lamina_device::striped::Striped>>,
     pub buffers: BufferPool,
     seg_pins: Box<[AtomicU32]>,
     seg_incarnation: Box<[AtomicU64]>,
@@ -126,6 +130,9 @@ pub struct Shared {
     /// checkpoint start unknown and are loaded from their summary (or headers) by
     /// the first read that needs them, so opening an array reads nothing of them.
     starts_known: Box<[AtomicBool]>,
+    /// Per segment: in the free queue (holds nothing anyone reads). A rebuild
+    /// skips these.
+    seg_free: Box<[AtomicBool]>,
     volumes: RwLock<Vec<Option<Arc<VolumeShared>>>>,
     crc_cache: CrcCache,
     pub read_stats: ReadStats,
@@ -135,6 +142,7 @@ impl Shared {
     pub fn new(
         geo: Geometry,
         devices: Vec<Arc<dyn BlockDevice>>,
+        striped: Option<Arc<lamina_device::striped::Striped>>,
         buffer_units: u32,
         crc_cache_entries: usize,
     ) -> Self {
@@ -148,11 +156,13 @@ impl Shared {
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             starts_known: (0..segs).map(|_| AtomicBool::new(false)).collect(),
+            seg_free: (0..segs).map(|_| AtomicBool::new(false)).collect(),
             volumes: RwLock::new(Vec::new()),
             crc_cache: CrcCache::new(crc_cache_entries),
             read_stats: ReadStats::default(),
             buffers,
             devices,
+            striped,
             geo,
         }
     }
@@ -223,6 +233,15 @@ impl Shared {
     // ---- segment pins and unit starts (engine side) ----
 
     #[inline]
+    /// Whether `seg` is in the free queue (nothing on it is read).
+    pub fn segment_free(&self, seg: u32) -> bool {
+        self.seg_free[seg as usize].load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_segment_free(&self, seg: u32, free: bool) {
+        self.seg_free[seg as usize].store(free, Ordering::SeqCst);
+    }
+
     pub(crate) fn segment_pinned(&self, seg: SegmentId) -> bool {
         self.seg_pins[seg.0 as usize].load(Ordering::SeqCst) != 0
     }

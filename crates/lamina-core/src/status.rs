@@ -23,6 +23,20 @@ pub struct ClassStatus {
     pub gc_cost: Option<f64>,
 }
 
+/// One member device of the array.
+#[derive(Clone, Debug, Default)]
+pub struct MemberStatus {
+    pub index: usize,
+    pub name: String,
+    /// "ok", "failed" or "rebuilding".
+    pub state: String,
+    pub bytes_written: u64,
+    /// Reads of this member that failed (and were rebuilt from parity).
+    pub read_errors: u64,
+    /// While rebuilding: the fraction of stripes done.
+    pub rebuild_progress: Option<f64>,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct VolumeStatus {
     pub id: u16,
@@ -46,6 +60,18 @@ pub struct StatusReport {
     pub array_uuid: String,
     pub layout: String,
     pub devices: Vec<String>,
+    pub members: Vec<MemberStatus>,
+    /// Member failures the layout can still absorb (negative: data is lost).
+    pub redundancy_left: i64,
+    /// (most - least) bytes written to a member, over the mean: how evenly the
+    /// members wear.
+    pub wear_spread: f64,
+    /// Dead blocks written to pad flushed units to whole stripe rows.
+    pub pad_bytes_written: u64,
+    /// Blocks rebuilt from parity for readers.
+    pub blocks_rebuilt_from_parity: u64,
+    /// Segments moved by GC because a member failed a read in them.
+    pub segments_repaired: u64,
     pub segment_size_bytes: u64,
     pub write_unit_bytes: u64,
     pub overprovision: f64,
@@ -137,6 +163,62 @@ impl Engine {
         }
         let rs = &self.shared.read_stats;
         use std::sync::atomic::Ordering::Relaxed;
+        let members: Vec<MemberStatus> = match &self.shared.striped {
+            Some(st) => st
+                .member_states()
+                .into_iter()
+                .enumerate()
+                .map(|(i, m)| MemberStatus {
+                    index: i,
+                    name: m.name,
+                    state: if m.failed {
+                        "failed"
+                    } else if m.rebuild_cursor.is_some() {
+                        "rebuilding"
+                    } else {
+                        "ok"
+                    }
+                    .into(),
+                    bytes_written: m.bytes_written,
+                    read_errors: m.read_errors,
+                    rebuild_progress: m
+                        .rebuild_cursor
+                        .map(|c| c as f64 / self.geo.segment_count.max(1) as f64),
+                })
+                .collect(),
+            None => self.shared.devices[..self.geo.members]
+                .iter()
+                .enumerate()
+                .map(|(i, d)| MemberStatus {
+                    index: i,
+                    name: d.describe(),
+                    state: "ok".into(),
+                    bytes_written: self.device_blocks.get(i).copied().unwrap_or(0) * bs,
+                    read_errors: 0,
+                    rebuild_progress: None,
+                })
+                .collect(),
+        };
+        // Wear: bytes written per segment of capacity (members of a stripe all have
+        // the same number of segments).
+        let written: Vec<f64> = members
+            .iter()
+            .map(|m| {
+                let segs = match &self.shared.striped {
+                    Some(_) => 1.0,
+                    None => self.geo.devices[m.index].segment_count.max(1) as f64,
+                };
+                m.bytes_written as f64 / segs
+            })
+            .collect();
+        let mean = written.iter().sum::<f64>() / written.len().max(1) as f64;
+        let spread = if mean > 0.0 {
+            (written.iter().cloned().fold(f64::MIN, f64::max)
+                - written.iter().cloned().fold(f64::MAX, f64::min))
+                / mean
+        } else {
+            0.0
+        };
         StatusReport {
             array_name: self.sb.array_name.clone(),
             array_uuid: self
@@ -146,7 +228,24 @@ impl Engine {
                 .map(|b| format!("{b:02x}"))
                 .collect(),
             layout: self.sb.layout.name().into(),
-            devices: self.shared.devices.iter().map(|d| d.describe()).collect(),
+            devices: self.shared.devices[..self.geo.members]
+                .iter()
+                .map(|d| d.describe())
+                .collect(),
+            redundancy_left: self
+                .shared
+                .striped
+                .as_ref()
+                .map_or(0, |st| st.redundancy_left() as i64),
+            members,
+            wear_spread: spread,
+            pad_bytes_written: c.pad_blocks * bs,
+            segments_repaired: self.gc.repaired,
+            blocks_rebuilt_from_parity: self
+                .shared
+                .striped
+                .as_ref()
+                .map_or(0, |st| st.rebuilt_blocks()),
             segment_size_bytes: self.geo.segment_blocks as u64 * bs,
             write_unit_bytes: self.geo.write_unit_blocks as u64 * bs,
             overprovision: self.sb.overprovision_ppm as f64 / 1e6,

@@ -19,7 +19,9 @@ pub mod crash;
 pub mod fault;
 pub mod file;
 pub mod mem;
+pub mod parity;
 pub mod sparse;
+pub mod striped;
 
 use std::io;
 

@@ -103,8 +103,10 @@ pub struct DeviceEntry {
     pub segment_count: u32,
     /// Global id of this device's first segment (JBOD numbering).
     pub first_segment: u32,
-    /// 0 = active. Other values are reserved for failed / rebuilding members.
+    /// 0 = active, 1 = failed, 2 = rebuilding (striped layouts).
     pub state: u32,
+    /// While rebuilding: stripes below this are current on the member.
+    pub rebuild_cursor: u32,
 }
 
 /// Where the last committed checkpoint is. See [`crate::checkpoint`].
@@ -186,6 +188,7 @@ impl Superblock {
             put_u32(&mut b[..], o + 24, d.segment_count);
             put_u32(&mut b[..], o + 28, d.first_segment);
             put_u32(&mut b[..], o + 32, d.state);
+            put_u32(&mut b[..], o + 36, d.rebuild_cursor);
         }
         let crc = crc32c_with_hole(&b[..], OFF_CRC);
         put_u32(&mut b[..], OFF_CRC, crc);
@@ -240,6 +243,7 @@ impl Superblock {
                     segment_count: get_u32(b, o + 24),
                     first_segment: get_u32(b, o + 28),
                     state: get_u32(b, o + 32),
+                    rebuild_cursor: get_u32(b, o + 36),
                 }
             })
             .collect();
@@ -316,6 +320,7 @@ mod tests {
                     segment_count: 127,
                     first_segment: 0,
                     state: 0,
+                    rebuild_cursor: 0,
                 },
                 DeviceEntry {
                     uuid: [2; 16],
@@ -323,6 +328,7 @@ mod tests {
                     segment_count: 255,
                     first_segment: 127,
                     state: 0,
+                    rebuild_cursor: 0,
                 },
             ],
         }

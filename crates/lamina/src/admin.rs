@@ -7,6 +7,9 @@
 //! {"op":"volume-create","name":"v","size":1073741824} -> {"ok":true}
 //! {"op":"volume-delete","name":"v"}                -> {"ok":true}
 //! {"op":"checkpoint"}                              -> {"ok":true}
+//! {"op":"member-fail","index":2}                   -> {"ok":true}
+//! {"op":"member-replace","index":2,"path":"/x","size":N,"force":false,"rate":N}
+//!                                                  -> {"ok":true} (rebuild runs on)
 //! anything else                                    -> {"ok":false,"error":"..."}
 //! ```
 
@@ -59,6 +62,34 @@ fn handle(rt: &Runtime, req: &Value) -> Value {
                 .map_err(|e| e.to_string()),
             None => Err("volume-delete needs \"name\"".into()),
         },
+        "member-fail" => match req.get("index").and_then(|v| v.as_u64()) {
+            Some(index) => rt
+                .call(Request::FailMember {
+                    index: index as usize,
+                })
+                .map(|_| json!({"ok": true}))
+                .map_err(|e| e.to_string()),
+            None => Err("member-fail needs \"index\"".into()),
+        },
+        "member-replace" => {
+            let index = req.get("index").and_then(|v| v.as_u64());
+            let path = req.get("path").and_then(|v| v.as_str());
+            let size = req.get("size").and_then(|v| v.as_u64());
+            let force = req.get("force").and_then(|v| v.as_bool()).unwrap_or(false);
+            let rate = req.get("rate").and_then(|v| v.as_u64());
+            match (index, path) {
+                (Some(index), Some(path)) => {
+                    crate::rebuild::open_new_device(std::path::Path::new(path), size, force)
+                        .and_then(|dev| crate::rebuild::replace(rt, index as usize, dev))
+                        .map(|_| {
+                            crate::rebuild::spawn(rt, index as usize, rate);
+                            json!({"ok": true})
+                        })
+                        .map_err(|e| format!("{e:#}"))
+                }
+                _ => Err("member-replace needs \"index\" and \"path\"".into()),
+            }
+        }
         "checkpoint" => rt
             .call(Request::Checkpoint)
             .map(|_| json!({"ok": true}))
@@ -158,6 +189,26 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         corrupt_blocks: u("corrupt_blocks"),
         read_checksum_errors: u("read_checksum_errors"),
         failed: s["failed"].as_str().map(String::from),
+        members: a["members"]
+            .as_array()
+            .map(|ms| {
+                ms.iter()
+                    .map(|m| lamina_core::MemberStatus {
+                        index: m["index"].as_u64().unwrap_or(0) as usize,
+                        name: m["name"].as_str().unwrap_or("").into(),
+                        state: m["state"].as_str().unwrap_or("").into(),
+                        bytes_written: m["bytes_written"].as_u64().unwrap_or(0),
+                        read_errors: m["read_errors"].as_u64().unwrap_or(0),
+                        rebuild_progress: m["rebuild_progress"].as_f64(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        redundancy_left: a["redundancy_left"].as_i64().unwrap_or(0),
+        wear_spread: a["wear_spread"].as_f64().unwrap_or(0.0),
+        pad_bytes_written: u("pad_bytes_written"),
+        blocks_rebuilt_from_parity: u("blocks_rebuilt_from_parity"),
+        segments_repaired: u("segments_repaired"),
         ..Default::default()
     };
     if let Some(vols) = s["volumes"].as_array() {

@@ -44,6 +44,10 @@ pub struct ServeConfig {
     /// Threads executing device writes and syncs.
     #[serde(default = "default_io_threads")]
     pub io_threads: usize,
+    /// Most bytes per second a rebuild writes to a new member ("200M"), so that
+    /// clients keep their share of the devices; unlimited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild_rate: Option<String>,
 }
 
 impl Default for ServeConfig {
@@ -53,6 +57,7 @@ impl Default for ServeConfig {
             tcp: default_tcp(),
             metrics: None,
             io_threads: default_io_threads(),
+            rebuild_rate: None,
         }
     }
 }

@@ -6,6 +6,7 @@
 mod admin;
 mod config;
 mod output;
+mod rebuild;
 mod runtime;
 mod serve;
 mod sim;
@@ -96,6 +97,58 @@ enum ArrayCmd {
     /// Create an array in DIR from one or more devices.
     #[command(long_about = ARRAY_CREATE_ABOUT)]
     Create(ArrayCreateArgs),
+    /// Take a member device out of service (as `mdadm --fail`): the array serves
+    /// on from the others and their parity.
+    Fail {
+        dir: PathBuf,
+        /// Index of the member (as `lamina status` lists them).
+        #[arg(long, value_name = "N")]
+        device: usize,
+    },
+    /// Put a new device in place of a failed member and rebuild it (online when
+    /// the server runs).
+    #[command(long_about = ARRAY_REPLACE_ABOUT)]
+    Replace(ArrayReplaceArgs),
+}
+
+const ARRAY_REPLACE_ABOUT: &str = "\
+Put a new device in the place of failed member N of a striped array (said5,
+said6) and rebuild its share of every stripe that holds data from the other
+members' data and parity. Free stripes are skipped: a log-structured array knows
+which stripes are in use, so a rebuild moves the used space, not the device size.
+
+When `lamina serve` runs, the rebuild runs inside it while clients keep working,
+at most --rate bytes per second; this command shows its progress until it is done
+(or returns at once with --no-wait). Otherwise the rebuild runs here. Progress is
+recorded in the superblocks every few seconds: an interrupted rebuild resumes
+when the array is opened again.
+
+EXAMPLE
+    lamina array fail /srv/tank --device 2
+    lamina array replace /srv/tank --old 2 --new /dev/sdx --rate 200M";
+
+#[derive(clap::Args)]
+struct ArrayReplaceArgs {
+    dir: PathBuf,
+    /// Index of the failed member (as `lamina status` lists them).
+    #[arg(long, value_name = "N")]
+    old: usize,
+    /// The new device: PATH or PATH:SIZE (creates a sparse file).
+    #[arg(long, value_name = "PATH[:SIZE]")]
+    new: String,
+    /// Most bytes per second the rebuild writes (K, M, G suffixes); unlimited by
+    /// default.
+    #[arg(long, value_name = "SIZE")]
+    rate: Option<String>,
+    /// Reuse a device that holds a Lamina superblock.
+    #[arg(long)]
+    force: bool,
+    /// Return once the rebuild has started (server only).
+    #[arg(long)]
+    no_wait: bool,
+    /// No progress bar.
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 const ARRAY_CREATE_ABOUT: &str = "\
@@ -131,7 +184,10 @@ struct ArrayCreateArgs {
     /// Spare space as a fraction of user space (0.10 keeps 10% spare for GC).
     #[arg(long, default_value_t = 0.10, value_name = "FRACTION")]
     overprovision: f64,
-    /// How segments are spread over devices (only jbod is available yet).
+    /// How segments are spread over devices: jbod (each segment on one device),
+    /// said0 (striped), said5 (striped, one parity chunk per stripe, needs 3+
+    /// devices), said6 (two parity chunks, needs 4+ devices). For striped layouts
+    /// --segment-size is each device's chunk of a stripe.
     #[arg(long, default_value = "jbod", value_parser = ["jbod", "said0", "said5", "said6"])]
     layout: String,
     /// Name of the array (default: the directory's name).
@@ -178,6 +234,8 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Array(ArrayCmd::Create(a)) => array_create(a),
+        Cmd::Array(ArrayCmd::Fail { dir, device }) => array_fail(&dir, device),
+        Cmd::Array(ArrayCmd::Replace(a)) => array_replace(a),
         Cmd::Volume(v) => volume(v),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Status(a) => status(a),
@@ -205,6 +263,104 @@ fn parse_device(spec: &str) -> Result<(PathBuf, Option<u64>)> {
         }
     }
     Ok((PathBuf::from(spec), None))
+}
+
+fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
+    let dir = absolute(&a.dir)?;
+    let (path, size) = parse_device(&a.new)?;
+    let path = absolute(&path)?;
+    let rate = a
+        .rate
+        .as_deref()
+        .map(parse_size)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let (before, running) = get_status(&dir)?;
+    let old_name = before
+        .members
+        .get(a.old)
+        .map(|m| m.name.clone())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "no member {} (the array has {})",
+                a.old,
+                before.members.len()
+            )
+        })?;
+    let req = json!({"op": "member-replace", "index": a.old, "path": path, "size": size,
+                     "force": a.force, "rate": rate});
+    let bar = |quiet: bool| {
+        let pb = if quiet {
+            indicatif::ProgressBar::hidden()
+        } else {
+            indicatif::ProgressBar::new(100)
+        };
+        pb.set_style(
+            indicatif::ProgressStyle::with_template(
+                "rebuild {bar:40} {percent}% of stripes  {elapsed} (eta {eta})",
+            )
+            .unwrap(),
+        );
+        pb
+    };
+    if running && admin::request(&admin_socket(&dir)?, &req)?.is_some() {
+        rebuild::update_config(&dir, &old_name, &path)?;
+        println!(
+            "member {} replaced by {}; rebuilding in the server",
+            a.old,
+            path.display()
+        );
+        if a.no_wait {
+            return Ok(());
+        }
+        let pb = bar(a.quiet);
+        loop {
+            let (s, running) = get_status(&dir)?;
+            let m = &s.members[a.old];
+            match (m.state.as_str(), m.rebuild_progress) {
+                ("rebuilding", Some(p)) => pb.set_position((p * 100.0) as u64),
+                ("ok", _) => break,
+                (state, _) => bail!(
+                    "member {} is {state}: the rebuild stopped (see the server log)",
+                    a.old
+                ),
+            }
+            if !running {
+                bail!("the server stopped; the rebuild resumes when it starts again");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        pb.finish();
+        println!("member {} rebuilt", a.old);
+        return Ok(());
+    }
+    // Offline: run the engine here.
+    let cfg = Config::load(&dir)?;
+    let (engine, _) = open_array(&dir, OpenMode::ReadWrite)?;
+    let rt = runtime::Runtime::start(engine, cfg.serve.io_threads);
+    let result = (|| -> Result<lamina_core::rebuild::RebuildReport> {
+        let dev = rebuild::open_new_device(&path, size, a.force)?;
+        rebuild::replace(&rt, a.old, dev)?;
+        rebuild::update_config(&dir, &old_name, &path)?;
+        let pb = bar(a.quiet);
+        let r = rebuild::run(&rt, a.old, rate, &mut |d, t| {
+            pb.set_position(d * 100 / t.max(1));
+        })?;
+        pb.finish();
+        Ok(r)
+    })();
+    rt.shutdown()?;
+    let r = result?;
+    println!(
+        "member {} rebuilt in {:.1}s: {} of {} stripes held data; wrote {} (a whole-device rebuild writes {})",
+        a.old,
+        r.elapsed.as_secs_f64(),
+        r.stripes_rebuilt,
+        r.stripes_visited,
+        human(r.bytes_written),
+        human(r.whole_device_bytes)
+    );
+    Ok(())
 }
 
 fn random_uuid() -> [u8; 16] {
@@ -351,7 +507,15 @@ pub fn open_array(
     let mut devices: Vec<Arc<dyn BlockDevice>> = Vec::new();
     for p in &cfg.devices {
         let p = Config::resolve(dir, p);
-        devices.push(Arc::new(FileDevice::open(&p, dm)?));
+        // A member that cannot be opened is passed on as absent: a striped array
+        // with parity runs degraded without it, other layouts say what is missing.
+        match FileDevice::open(&p, dm) {
+            Ok(d) => devices.push(Arc::new(d)),
+            Err(e) => devices.push(Arc::new(lamina_device::striped::Absent::new(format!(
+                "{} ({e})",
+                p.display()
+            )))),
+        }
     }
     let ec = cfg.engine_config()?;
     Ok(lamina_core::open(devices, ec, mode)?)
@@ -360,6 +524,33 @@ pub fn open_array(
 fn admin_socket(dir: &Path) -> Result<PathBuf> {
     let cfg = Config::load(dir)?;
     Ok(Config::resolve(dir, &cfg.admin_socket))
+}
+
+fn array_fail(dir: &Path, device: usize) -> Result<()> {
+    let dir = absolute(dir)?;
+    // Checked before anything is opened for writing.
+    let (st, _) = get_status(&dir)?;
+    if st.layout == "jbod" || st.layout == "said0" {
+        bail!(
+            "a {} array has no redundancy: no member can be failed",
+            if st.layout == "jbod" { "JBOD" } else { "SAID0" }
+        );
+    }
+    if device >= st.members.len() {
+        bail!(
+            "no member {device}: the array has members 0 to {}",
+            st.members.len() - 1
+        );
+    }
+    let req = json!({"op": "member-fail", "index": device});
+    if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
+        offline(&dir, Request::FailMember { index: device })?;
+    }
+    println!(
+        "member {device} of {} is failed; the array runs degraded",
+        dir.display()
+    );
+    Ok(())
 }
 
 /// Runs a request against a stopped array (opened read-write, then closed cleanly).

@@ -16,7 +16,20 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
             "segment_size_bytes": s.segment_size_bytes,
             "write_unit_bytes": s.write_unit_bytes,
             "overprovision": s.overprovision,
+            "members": s.members.iter().map(|m| json!({
+                "index": m.index,
+                "name": m.name,
+                "state": m.state,
+                "bytes_written": m.bytes_written,
+                "read_errors": m.read_errors,
+                "rebuild_progress": m.rebuild_progress,
+            })).collect::<Vec<_>>(),
+            "redundancy_left": s.redundancy_left,
+            "wear_spread": s.wear_spread,
         },
+        "pad_bytes_written": s.pad_bytes_written,
+        "blocks_rebuilt_from_parity": s.blocks_rebuilt_from_parity,
+        "segments_repaired": s.segments_repaired,
         "capacity_bytes": s.capacity_bytes,
         "usable_bytes": s.usable_bytes,
         "live_bytes": s.live_bytes,
@@ -80,8 +93,46 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
     if let Some(f) = &s.failed {
         o += &format!("  FAILED: {f}\n");
     }
-    for d in &s.devices {
-        o += &format!("  device {d}\n");
+    if s.members.is_empty() {
+        for d in &s.devices {
+            o += &format!("  device {d}\n");
+        }
+    }
+    for m in &s.members {
+        o += &format!(
+            "  member {} {:<10} {}  written {}{}\n",
+            m.index,
+            match m.rebuild_progress {
+                Some(p) => format!("REBUILDING {:.0}%", p * 100.0),
+                None => m.state.to_uppercase(),
+            },
+            m.name,
+            human(m.bytes_written),
+            if m.read_errors > 0 {
+                format!(", {} read errors repaired from parity", m.read_errors)
+            } else {
+                String::new()
+            }
+        );
+    }
+    if s.layout != "jbod" {
+        o += &format!(
+            "  redundancy: {}\n",
+            match s.redundancy_left {
+                r if r < 0 => "NONE, data lost on failed members".to_string(),
+                0 => "none left (degraded)".to_string(),
+                r => format!(
+                    "{r} more member failure{} tolerated",
+                    if r == 1 { "" } else { "s" }
+                ),
+            }
+        );
+    }
+    if s.members.len() > 1 {
+        o += &format!(
+            "  wear spread {:.1}% (most - least written per byte of capacity, over the mean)\n",
+            s.wear_spread * 100.0
+        );
     }
     o += &format!(
         "  capacity {}   usable {}   live {} ({:.1}%)\n",
@@ -167,6 +218,40 @@ pub fn metrics_text(s: &StatusReport) -> String {
             .map(|v| (format!("{{volume=\"{}\"}}", v.name), f(v)))
             .collect()
     };
+    metric(
+        "member_failed",
+        "gauge",
+        "1 if the member device has failed.",
+        s.members
+            .iter()
+            .map(|m| {
+                (
+                    format!("{{member=\"{}\"}}", m.index),
+                    (m.state == "failed") as u8 as f64,
+                )
+            })
+            .collect(),
+    );
+    metric(
+        "member_bytes_written_total",
+        "counter",
+        "Bytes written to each member device.",
+        s.members
+            .iter()
+            .map(|m| {
+                (
+                    format!("{{member=\"{}\"}}", m.index),
+                    m.bytes_written as f64,
+                )
+            })
+            .collect(),
+    );
+    metric(
+        "redundancy_left",
+        "gauge",
+        "Member failures the layout can still absorb.",
+        vec![(String::new(), s.redundancy_left as f64)],
+    );
     metric(
         "capacity_bytes",
         "gauge",

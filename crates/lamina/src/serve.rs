@@ -207,6 +207,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
     );
     let status = engine.status();
     let rt = Runtime::start(engine, cfg.serve.io_threads);
+    let rebuild_rate = cfg
+        .serve
+        .rebuild_rate
+        .as_deref()
+        .map(parse_size)
+        .transpose()
+        .map_err(anyhow::Error::msg)
+        .context("[serve] rebuild_rate")?;
+    crate::rebuild::resume_all(&rt, rebuild_rate);
     let backend = Arc::new(LaminaBackend { rt: rt.clone() });
     let stop = Arc::new(AtomicBool::new(false));
 

@@ -446,7 +446,30 @@ fn bad_configuration_and_commands_get_clear_messages() {
     );
     fails_with(
         &["array", "create", o, "--device", &xs, "--layout", "said5"],
-        "not available yet",
+        "said5 needs at least 3 devices, 1 given",
+    );
+    let ys: Vec<String> = (0..3)
+        .map(|i| format!("{}:64M", t.join(&format!("y{i}.img")).display()))
+        .collect();
+    fails_with(
+        &[
+            "array", "create", o, "--layout", "said6", "--device", &ys[0], "--device", &ys[1],
+            "--device", &ys[2],
+        ],
+        "said6 needs at least 4 devices, 3 given",
+    );
+    assert!(
+        !t.join("y0.img").exists(),
+        "a refused create leaves no files behind"
+    );
+    // Failing or replacing members: clear refusals.
+    fails_with(
+        &["array", "fail", d, "--device", "0"],
+        "JBOD array has no redundancy",
+    );
+    fails_with(
+        &["array", "replace", d, "--old", "7", "--new", &xs],
+        "no member 7",
     );
     fails_with(
         &["array", "create", o, "--device", &xs, "--overprovision=-1"],

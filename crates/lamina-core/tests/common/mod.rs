@@ -80,6 +80,26 @@ pub fn create_volume(e: &mut Engine, name: &str, size: u64) -> VolumeId {
 #[allow(unused_imports)]
 pub use lamina_testkit::{decode_pattern, pattern};
 
+/// Writes block `lba` holding `pattern(lba, gen)`.
+pub fn write_block(
+    e: &mut Engine,
+    vol: VolumeId,
+    lba: u64,
+    gen: u64,
+    fua: bool,
+) -> Result<(), lamina_core::EngineError> {
+    call(
+        e,
+        Request::Write {
+            volume: vol,
+            offset: lba * BS as u64,
+            data: pattern(lba, gen),
+            fua,
+        },
+    )
+    .result
+}
+
 pub fn read_block(e: &Engine, vol: VolumeId, lba: u64) -> Vec<u8> {
     let v = e.shared().volume_by_id(vol).unwrap();
     let mut b = vec![0u8; BS];

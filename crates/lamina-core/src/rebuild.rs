@@ -1,0 +1,133 @@
+//! Rebuilding a replaced member of a striped array, online.
+//!
+//! A log-structured array knows which stripes hold anything: the ones not in the
+//! free queue. Only those are rebuilt; a free stripe is skipped, because whatever
+//! is written to it later goes to the new member with the rest of its rows. So a
+//! rebuild moves the array's *used* space, not the member's size (a whole-device
+//! rebuild, as RAID does it, moves every stripe).
+//!
+//! The rebuild runs beside the engine (its own thread in the server), rebuilding
+//! one stripe at a time under the stripe's lock so that a write to the same rows
+//! cannot interleave. Its progress (the stripe below which the new member is
+//! current) is recorded in the superblocks every few seconds, so a rebuild that is
+//! interrupted resumes where the record says after a restart.
+
+use crate::engine::Request;
+use crate::error::EngineError;
+use crate::shared::Shared;
+use std::time::{Duration, Instant};
+
+/// How a rebuild runs.
+#[derive(Clone, Debug)]
+pub struct RebuildOptions {
+    /// Bytes per second written to the new member at most (`None`: no limit), so
+    /// that foreground I/O keeps its share of the devices.
+    pub rate_bytes_per_s: Option<u64>,
+    /// How often progress is recorded in the superblocks.
+    pub record_every: Duration,
+    /// Stop after this many stripes, unfinished (tests of resumption).
+    pub max_stripes: Option<u64>,
+}
+
+impl Default for RebuildOptions {
+    fn default() -> Self {
+        RebuildOptions {
+            rate_bytes_per_s: None,
+            record_every: Duration::from_secs(2),
+            max_stripes: None,
+        }
+    }
+}
+
+/// What a finished rebuild did.
+#[derive(Clone, Debug, Default)]
+pub struct RebuildReport {
+    pub member: usize,
+    /// Stripes the rebuild went through (from where it resumed).
+    pub stripes_visited: u64,
+    /// Stripes that held data and were rebuilt.
+    pub stripes_rebuilt: u64,
+    /// Bytes written to the new member.
+    pub bytes_written: u64,
+    /// Bytes a whole-device rebuild of the same stripes would have written.
+    pub whole_device_bytes: u64,
+    pub elapsed: Duration,
+    /// The rebuild went through the last stripe (else it stopped at `max_stripes`).
+    pub finished: bool,
+}
+
+/// Rebuilds member `index` from where its rebuild stands. `call` sends a request
+/// to the engine and waits for the reply; `progress(done, total)` is called after
+/// each stripe.
+pub fn rebuild(
+    shared: &Shared,
+    index: usize,
+    call: &dyn Fn(Request) -> Result<(), EngineError>,
+    opts: &RebuildOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<RebuildReport, EngineError> {
+    let st = shared
+        .striped
+        .clone()
+        .ok_or_else(|| EngineError::Invalid("not a striped array".into()))?;
+    let stripes = shared.geo.segment_count as u64;
+    let chunk_bytes = st.shape().chunk_blocks * 4096;
+    let t0 = Instant::now();
+    let mut report = RebuildReport {
+        member: index,
+        ..Default::default()
+    };
+    let Some(from) = st.rebuild_cursor(index) else {
+        return Ok(report);
+    };
+    let mut last_record = Instant::now();
+    for s in from..stripes {
+        if opts
+            .max_stripes
+            .is_some_and(|m| report.stripes_visited >= m)
+        {
+            call(Request::RebuildProgress {
+                index,
+                cursor: Some(s),
+            })?;
+            report.elapsed = t0.elapsed();
+            return Ok(report);
+        }
+        if st.is_failed(index) {
+            return Err(EngineError::Io(format!(
+                "member {index} failed during its rebuild (stripe {s})"
+            )));
+        }
+        if !shared.segment_free(s as u32) {
+            let n = st
+                .rebuild_stripe(index, s)
+                .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;
+            report.bytes_written += n;
+            report.stripes_rebuilt += 1;
+            if let Some(rate) = opts.rate_bytes_per_s.filter(|&r| r > 0) {
+                let due = Duration::from_secs_f64(report.bytes_written as f64 / rate as f64);
+                if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
+        }
+        report.stripes_visited += 1;
+        report.whole_device_bytes += chunk_bytes;
+        st.set_rebuild_cursor(index, Some(s + 1));
+        progress(s + 1, stripes);
+        if last_record.elapsed() >= opts.record_every {
+            call(Request::RebuildProgress {
+                index,
+                cursor: Some(s + 1),
+            })?;
+            last_record = Instant::now();
+        }
+    }
+    call(Request::RebuildProgress {
+        index,
+        cursor: None,
+    })?;
+    report.elapsed = t0.elapsed();
+    report.finished = true;
+    Ok(report)
+}

@@ -1,0 +1,447 @@
+//! Striped arrays (SAID0/5/6) through the engine: degraded service when members
+//! fail, restart with failed or missing members, padding of partial rows, and the
+//! errors for layouts that cannot be built.
+
+mod common;
+
+use common::*;
+use lamina_core::{format, open, FormatParams, OpenMode, Request, VolumeId};
+use lamina_device::fault::FaultDevice;
+use lamina_device::mem::MemDevice;
+use lamina_device::BlockDevice;
+use lamina_format::superblock::Layout;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+fn members(n: usize, segments: u64) -> Vec<Arc<FaultDevice>> {
+    (0..n)
+        .map(|i| {
+            Arc::new(FaultDevice::new(Arc::new(MemDevice::new(
+                format!("m{i}"),
+                device_bytes(segments),
+            ))))
+        })
+        .collect()
+}
+
+fn as_devs(f: &[Arc<FaultDevice>]) -> Vec<Arc<dyn BlockDevice>> {
+    f.iter()
+        .map(|d| d.clone() as Arc<dyn BlockDevice>)
+        .collect()
+}
+
+fn params(layout: Layout) -> FormatParams {
+    FormatParams {
+        layout,
+        ..small_params()
+    }
+}
+
+/// Random overwrites of `blocks` blocks with periodic flushes, checked against a
+/// model; calls `at(i)` before write `i` so that tests can break members.
+fn run(
+    e: &mut lamina_core::Engine,
+    vol: VolumeId,
+    model: &mut HashMap<u64, u64>,
+    blocks: u64,
+    writes: u64,
+    seed: u64,
+    mut at: impl FnMut(u64),
+) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for i in 0..writes {
+        at(i);
+        let lba = rng.gen_range(0..blocks);
+        let gen = model.get(&lba).copied().unwrap_or(0) + 1;
+        write_block(e, vol, lba, gen, false).unwrap_or_else(|err| panic!("write {i}: {err}"));
+        model.insert(lba, gen);
+        if i % 97 == 0 {
+            call(e, Request::Flush).result.expect("flush");
+        }
+    }
+    call(e, Request::Flush).result.expect("flush");
+}
+
+fn verify(e: &lamina_core::Engine, vol: VolumeId, model: &HashMap<u64, u64>) {
+    for (&lba, &gen) in model {
+        let b = read_block(e, vol, lba);
+        assert_eq!(decode_pattern(lba, &b).ok(), Some(gen), "lba {lba}");
+    }
+}
+
+/// Loses `lose` members (vanished) part way through a run that keeps GC busy,
+/// verifies, restarts and verifies again.
+fn survive(layout: Layout, n: usize, lose: &[usize]) {
+    let f = members(n, 24);
+    format_devices(&as_devs(&f), &params(layout));
+    let mut e = open_rw(&as_devs(&f), small_config());
+    let blocks = (e.status().usable_bytes / BS as u64) * 8 / 10;
+    let vol = create_volume(&mut e, "v", blocks * BS as u64);
+    let mut model = HashMap::new();
+    let writes = blocks * 4;
+    run(&mut e, vol, &mut model, blocks, writes, 1, |i| {
+        for (j, &m) in lose.iter().enumerate() {
+            if i == writes / 3 + j as u64 * 500 {
+                f[m].vanish();
+            }
+        }
+    });
+    assert!(e.counters().gc_blocks > 0, "GC ran while degraded");
+    verify(&e, vol, &model);
+    let st = e.shared().striped.clone().unwrap();
+    for &m in lose {
+        assert!(st.is_failed(m), "member {m} marked failed");
+    }
+    assert_eq!(
+        st.redundancy_left(),
+        (n - layout_k(layout, n)) as isize - lose.len() as isize
+    );
+    assert!(st.rebuilt_blocks() > 0, "reads were rebuilt from parity");
+    drop(e);
+    // Restart: the failed members are recorded in the superblocks of the others
+    // and left alone even though they are readable again.
+    for &m in lose {
+        f[m].heal();
+    }
+    let mut e = open_rw(&as_devs(&f), small_config());
+    let st = e.shared().striped.clone().unwrap();
+    for &m in lose {
+        assert!(st.is_failed(m), "member {m} still failed after restart");
+    }
+    verify(&e, vol, &model);
+    run(&mut e, vol, &mut model, blocks, blocks, 2, |_| {});
+    verify(&e, vol, &model);
+}
+
+fn layout_k(layout: Layout, n: usize) -> usize {
+    match layout {
+        Layout::Said5 => n - 1,
+        Layout::Said6 => n - 2,
+        _ => n,
+    }
+}
+
+#[test]
+fn said5_serves_through_a_lost_member_and_restarts_degraded() {
+    survive(Layout::Said5, 4, &[2]);
+}
+
+#[test]
+fn said6_serves_through_two_lost_members() {
+    survive(Layout::Said6, 6, &[0, 4]);
+}
+
+#[test]
+fn said0_and_said5_round_trip_without_failures() {
+    for (layout, n) in [(Layout::Said0, 3), (Layout::Said5, 3), (Layout::Said6, 5)] {
+        let f = members(n, 16);
+        format_devices(&as_devs(&f), &params(layout));
+        let mut e = open_rw(&as_devs(&f), small_config());
+        let blocks = (e.status().usable_bytes / BS as u64) * 8 / 10;
+        let vol = create_volume(&mut e, "v", blocks * BS as u64);
+        let mut model = HashMap::new();
+        run(&mut e, vol, &mut model, blocks, blocks * 3, 3, |_| {});
+        verify(&e, vol, &model);
+        drop(e);
+        let e = open_rw(&as_devs(&f), small_config());
+        verify(&e, vol, &model);
+    }
+}
+
+#[test]
+fn flushed_partial_rows_are_padded_not_rewritten() {
+    let f = members(4, 16);
+    format_devices(&as_devs(&f), &params(Layout::Said5));
+    let mut e = open_rw(&as_devs(&f), small_config());
+    let vol = create_volume(&mut e, "v", 1 << 20);
+    let mut model = HashMap::new();
+    for lba in 0..50u64 {
+        write_block(&mut e, vol, lba, 1, true).unwrap();
+        model.insert(lba, 1);
+    }
+    let c = e.counters();
+    assert!(c.pad_blocks > 0, "single-block FUA writes were padded");
+    // At most k - 1 = 2 pad blocks per unit.
+    assert!(c.pad_blocks <= 2 * 60, "{} pad blocks", c.pad_blocks);
+    // Lose any one member: everything flushed is still there.
+    for m in &f {
+        m.vanish();
+        verify(&e, vol, &model);
+        m.heal();
+    }
+    assert!(e.shared().striped.as_ref().unwrap().rebuilt_blocks() > 0);
+}
+
+#[test]
+fn layouts_refuse_too_few_devices() {
+    for (layout, n, need) in [(Layout::Said5, 2, 3), (Layout::Said6, 3, 4)] {
+        let f = members(n, 16);
+        let uuids: Vec<[u8; 16]> = (0..n).map(|i| [i as u8 + 1; 16]).collect();
+        let err = format(&as_devs(&f), &params(layout), [1; 16], &uuids, 0).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("at least {need} devices")),
+            "{err}"
+        );
+        // Nothing was written.
+        let mut b = vec![0u8; BS];
+        f[0].read_at(&mut b, 0).unwrap();
+        assert!(b.iter().all(|&x| x == 0));
+    }
+}
+
+#[test]
+fn losing_more_than_the_parity_stops_writes_but_keeps_reads() {
+    let f = members(4, 16);
+    format_devices(&as_devs(&f), &params(Layout::Said5));
+    let mut e = open_rw(&as_devs(&f), small_config());
+    let vol = create_volume(&mut e, "v", 2 << 20);
+    let mut model = HashMap::new();
+    run(&mut e, vol, &mut model, 256, 600, 4, |_| {});
+    f[0].vanish();
+    f[3].vanish();
+    // Writes now fail with a reason.
+    let mut failed = None;
+    for lba in 0..200u64 {
+        let r = write_block(&mut e, vol, lba, 99, true);
+        if let Err(err) = r {
+            failed = Some(err);
+            break;
+        }
+    }
+    let err = failed.expect("writes fail once two SAID5 members are gone");
+    assert!(err.to_string().contains("members failed"), "{err}");
+    // Blocks on the surviving members are still served.
+    let v = e.shared().volume_by_id(vol).unwrap();
+    let mut ok = 0;
+    for (&lba, &gen) in &model {
+        let mut b = vec![0u8; BS];
+        if e.shared().read(&v, lba * BS as u64, &mut b).is_ok()
+            && decode_pattern(lba, &b).ok() == Some(gen)
+        {
+            ok += 1;
+        }
+    }
+    assert!(ok > 0, "some blocks still readable");
+    drop(e);
+    // Read-write open refuses; the message says why.
+    let err = match open(as_devs(&f), small_config(), OpenMode::ReadWrite) {
+        Ok(_) => panic!("opened with two SAID5 members gone"),
+        Err(e) => e,
+    };
+    assert!(err.to_string().contains("tolerates 1"), "{err}");
+}
+
+/// Runs a rebuild of member `index` against an engine driven inline.
+fn rebuild(
+    e: &mut lamina_core::Engine,
+    index: usize,
+    max: Option<u64>,
+) -> lamina_core::rebuild::RebuildReport {
+    let shared = e.shared().clone();
+    let cell = std::cell::RefCell::new(e);
+    let call = |r: Request| call(&mut cell.borrow_mut(), r).result;
+    let opts = lamina_core::rebuild::RebuildOptions {
+        record_every: std::time::Duration::ZERO,
+        max_stripes: max,
+        ..Default::default()
+    };
+    lamina_core::rebuild::rebuild(&shared, index, &call, &opts, &mut |_, _| {}).expect("rebuild")
+}
+
+fn replace(e: &mut lamina_core::Engine, index: usize, size: u64) -> Arc<FaultDevice> {
+    let dev = Arc::new(FaultDevice::new(Arc::new(MemDevice::new(
+        format!("new{index}"),
+        size,
+    ))));
+    call(
+        e,
+        Request::ReplaceMember {
+            index,
+            device: lamina_core::NewDevice(dev.clone()),
+            uuid: [0x77; 16],
+        },
+    )
+    .result
+    .expect("replace");
+    dev
+}
+
+#[test]
+fn replaced_member_is_rebuilt_from_live_stripes_only_and_resumes() {
+    let mut f = members(4, 48);
+    format_devices(&as_devs(&f), &params(Layout::Said5));
+    let mut e = open_rw(&as_devs(&f), small_config());
+    // Half full: the rebuild should move about half of what a whole-device copy
+    // would.
+    let blocks = (e.status().usable_bytes / BS as u64) / 2;
+    let vol = create_volume(&mut e, "v", blocks * BS as u64);
+    let mut model = HashMap::new();
+    run(&mut e, vol, &mut model, blocks, blocks, 5, |_| {});
+    // Replacing a healthy member is refused.
+    let err = call(
+        &mut e,
+        Request::ReplaceMember {
+            index: 1,
+            device: lamina_core::NewDevice(Arc::new(MemDevice::new("x", device_bytes(48)))),
+            uuid: [1; 16],
+        },
+    )
+    .result
+    .unwrap_err();
+    assert!(err.to_string().contains("fail it first"), "{err}");
+    call(&mut e, Request::FailMember { index: 1 })
+        .result
+        .unwrap();
+    run(&mut e, vol, &mut model, blocks, blocks / 2, 6, |_| {});
+    // Too small a replacement is refused with the sizes.
+    let err = call(
+        &mut e,
+        Request::ReplaceMember {
+            index: 1,
+            device: lamina_core::NewDevice(Arc::new(MemDevice::new("small", 1 << 20))),
+            uuid: [2; 16],
+        },
+    )
+    .result
+    .unwrap_err();
+    assert!(err.to_string().contains("too small"), "{err}");
+    let new = replace(&mut e, 1, device_bytes(48));
+    // Rebuild part of it, then "crash" (drop without shutdown) and reopen.
+    let part = rebuild(&mut e, 1, Some(10));
+    assert!(!part.finished);
+    drop(e);
+    f[1] = new;
+    let mut e = open_rw(&as_devs(&f), small_config());
+    let st = e.shared().striped.clone().unwrap();
+    eprintln!("{:?}", e.superblock().devices);
+    assert_eq!(
+        st.rebuild_cursor(1),
+        Some(10),
+        "resumes at the recorded stripe"
+    );
+    verify(&e, vol, &model);
+    let rest = rebuild(&mut e, 1, None);
+    assert!(rest.finished);
+    assert_eq!(st.rebuild_cursor(1), None);
+    assert_eq!(st.redundancy_left(), 1, "full redundancy again");
+    let moved = part.bytes_written + rest.bytes_written;
+    let whole = part.whole_device_bytes + rest.whole_device_bytes;
+    eprintln!("rebuild moved {moved} bytes; a whole-device rebuild {whole}");
+    assert!(
+        moved < whole * 3 / 4,
+        "only live stripes: {moved} of {whole}"
+    );
+    // The rebuilt member now carries its share: lose another one and read all.
+    f[3].vanish();
+    verify(&e, vol, &model);
+    f[3].heal();
+    // And after a restart the member is active.
+    drop(e);
+    let e = open_rw(&as_devs(&f), small_config());
+    assert_eq!(e.status().members[1].state, "ok");
+    f[0].vanish();
+    verify(&e, vol, &model);
+}
+
+/// Members wear evenly: striped layouts by construction (every stripe writes each
+/// member, parity rotates), JBOD by the allocator (the next segment comes from the
+/// member with the least written per byte of capacity). The counts survive a
+/// restart.
+#[test]
+fn members_wear_evenly_and_the_counts_persist() {
+    for (layout, sizes) in [
+        (Layout::Said5, vec![24u64, 24, 24, 24]),
+        (Layout::Jbod, vec![16, 24, 40]),
+    ] {
+        let f: Vec<Arc<FaultDevice>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                Arc::new(FaultDevice::new(Arc::new(MemDevice::new(
+                    format!("m{i}"),
+                    device_bytes(s),
+                ))))
+            })
+            .collect();
+        format_devices(&as_devs(&f), &params(layout));
+        let mut e = open_rw(&as_devs(&f), small_config());
+        let blocks = (e.status().usable_bytes / BS as u64) * 7 / 10;
+        let vol = create_volume(&mut e, "v", blocks * BS as u64);
+        let mut model = HashMap::new();
+        run(&mut e, vol, &mut model, blocks, blocks * 6, 8, |_| {});
+        let s = e.status();
+        let written: Vec<u64> = s.members.iter().map(|m| m.bytes_written).collect();
+        assert!(written.iter().all(|&w| w > 0), "{layout:?} {written:?}");
+        eprintln!("{layout:?} spread {} {written:?}", s.wear_spread);
+        assert!(
+            s.wear_spread < 0.03,
+            "{layout:?}: spread {} {written:?}",
+            s.wear_spread
+        );
+        call(&mut e, Request::Checkpoint).result.unwrap();
+        drop(e);
+        let e = open_rw(&as_devs(&f), small_config());
+        let again: Vec<u64> = e.status().members.iter().map(|m| m.bytes_written).collect();
+        for (a, b) in written.iter().zip(&again) {
+            assert!(
+                *b >= *a,
+                "{layout:?}: {again:?} after restart, {written:?} before"
+            );
+        }
+    }
+}
+
+/// A member that fails reads in one spot: those blocks are served from parity,
+/// then GC moves the segment elsewhere, after which no read touches the spot.
+#[test]
+fn read_errors_are_served_from_parity_and_moved_away() {
+    use lamina_device::fault::FaultOp;
+    let f = members(4, 24);
+    format_devices(&as_devs(&f), &params(Layout::Said5));
+    let mut e = open_rw(&as_devs(&f), small_config());
+    let vol = create_volume(&mut e, "v", 1 << 20);
+    let mut model = HashMap::new();
+    run(&mut e, vol, &mut model, 256, 256, 9, |_| {});
+    for lba in 0..256u64 {
+        model.entry(lba).or_insert(0);
+    }
+    // Every read of the chunk holding LBA 0 fails from now on.
+    let st = e.shared().striped.clone().unwrap();
+    let sh = st.shape();
+    let seg_blocks = e.shared().geo.segment_blocks as u64;
+    let v = e.shared().volume_by_id(vol).unwrap();
+    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(0)) else {
+        panic!("lba 0 not on a device");
+    };
+    let (seg, b) = (pba.0 as u64 / seg_blocks, pba.0 as u64 % seg_blocks);
+    let m = sh.member(seg, (b % sh.data as u64) as usize);
+    f[m].fail(
+        FaultOp::Read,
+        sh.member_offset(seg, 0),
+        sh.member_offset(seg + 1, 0),
+        u64::MAX,
+    );
+    verify(&e, vol, &model);
+    assert!(st.member_states()[m].read_errors > 0, "the fault was hit");
+    assert!(!st.is_failed(m), "read errors do not fail a member");
+    // Let the engine act: the damaged segments are collected.
+    for _ in 0..20 {
+        call(&mut e, Request::Flush).result.unwrap();
+    }
+    assert!(e.status().segments_repaired > 0);
+    verify(&e, vol, &model);
+    let moved = lamina_core::map::decode(v.map.load(0));
+    assert!(
+        !matches!(moved, lamina_core::map::Entry::Device(p) if p.0 as u64 / seg_blocks == seg),
+        "LBA 0 moved off the damaged stripe"
+    );
+    let after = st.member_states()[m].read_errors;
+    verify(&e, vol, &model);
+    assert_eq!(
+        st.member_states()[m].read_errors,
+        after,
+        "no read touches the bad spot once its data moved"
+    );
+}

@@ -1,0 +1,794 @@
+//! Striped arrays (SAID0, SAID5, SAID6): one virtual device over several members.
+//!
+//! The log writes a segment front to back. Here a segment is a **stripe**: one
+//! segment (a *chunk*) on each member, `k` of them holding data and `m` (0, 1 or 2)
+//! holding parity. Block `b` of a stripe lives in row `b / k` of data column `b % k`;
+//! a row is `k` data blocks and their `m` parity blocks, one block on each member, all
+//! at the same offset. The members of stripe `s` are taken in the order
+//! `(s + j) mod n`, `j = 0..n`: data columns first, then P, then Q, so parity rotates
+//! over every member from one stripe to the next.
+//!
+//! **No read-modify-write.** The engine writes only whole rows (its write units are
+//! padded to a multiple of `k` blocks), so the parity of every row is computed from
+//! the data being written, in memory, and written once beside it. Nothing is ever read
+//! to write. A flush that persists a partly filled unit pads it to the row with dead
+//! blocks: at most `k - 1` blocks per flush, the price of never rewriting parity.
+//!
+//! **Degraded service.** A member whose write or sync fails is marked failed and left
+//! out of every later operation; rows written without it still carry its share in
+//! their parity. Reads of a failed member's blocks, and reads that fail, are rebuilt
+//! from the rest of the row. Only when more members have failed than the layout has
+//! parity do writes fail (and reads of what cannot be rebuilt).
+
+use crate::parity::{encode, reconstruct};
+use crate::{BlockDevice, DeviceError};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+const BLOCK: usize = 4096;
+const BLOCK_U64: u64 = BLOCK as u64;
+
+/// Shape of a striped array.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StripeShape {
+    /// Data members per stripe.
+    pub data: usize,
+    /// Parity members per stripe (0, 1 or 2).
+    pub parity: usize,
+    /// Blocks of one member's chunk of a stripe (a per-device segment).
+    pub chunk_blocks: u64,
+    /// Byte offset on every member where stripes start.
+    pub data_offset: u64,
+    /// Stripes in the array.
+    pub stripes: u64,
+}
+
+impl StripeShape {
+    pub fn members(&self) -> usize {
+        self.data + self.parity
+    }
+    /// Member holding position `j` (data columns, then P, then Q) of stripe `s`.
+    pub fn member(&self, s: u64, j: usize) -> usize {
+        ((s + j as u64) % self.members() as u64) as usize
+    }
+    /// Byte offset on a member of row `row` of stripe `s`.
+    pub fn member_offset(&self, s: u64, row: u64) -> u64 {
+        self.data_offset + (s * self.chunk_blocks + row) * BLOCK_U64
+    }
+    /// Data blocks of one stripe.
+    pub fn stripe_blocks(&self) -> u64 {
+        self.chunk_blocks * self.data as u64
+    }
+}
+
+/// Health of one member.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberState {
+    pub name: String,
+    pub failed: bool,
+    /// A rebuild under way: stripes below this are done.
+    pub rebuild_cursor: Option<u64>,
+    /// Reads of this member that failed and were rebuilt from parity.
+    pub read_errors: u64,
+    pub bytes_written: u64,
+}
+
+/// Locks that keep a rebuild of rows and a write of the same rows apart.
+const STRIPE_LOCKS: usize = 64;
+
+/// No rebuild under way: every stripe of the member is current.
+const NOT_REBUILDING: u64 = u64::MAX;
+
+pub struct Striped {
+    /// A slot per member; `replace` swaps the device in it.
+    members: Vec<RwLock<Arc<dyn BlockDevice>>>,
+    /// Per member: stripes below this are current on it (rebuilt, or written since
+    /// it joined); [`NOT_REBUILDING`] when all are.
+    rebuilt_below: Vec<AtomicU64>,
+    stripe_locks: Vec<Mutex<()>>,
+    /// Per member: a rebuild thread owns it.
+    rebuild_claimed: Vec<AtomicBool>,
+    shape: StripeShape,
+    failed: Vec<AtomicBool>,
+    read_errors: Vec<AtomicU64>,
+    written: Vec<AtomicU64>,
+    /// Bumped whenever a member fails, so the owner can notice and record it.
+    failures: AtomicU64,
+    /// Blocks rebuilt from parity for readers.
+    rebuilt_blocks: AtomicU64,
+    /// Stripes where a member failed a read (for the owner to move elsewhere).
+    repairs: Mutex<Vec<u64>>,
+}
+
+thread_local! {
+    /// Gather / parity / rebuild buffers, reused across calls (no allocation per I/O).
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < len {
+            s.resize(len, 0);
+        }
+        f(&mut s[..len])
+    })
+}
+
+impl Striped {
+    /// A striped device over `members` (in array order). `failed[i]` marks members
+    /// known to be failed (or missing) when the array is opened.
+    pub fn new(
+        members: Vec<Arc<dyn BlockDevice>>,
+        shape: StripeShape,
+        failed: &[bool],
+    ) -> Result<Self, DeviceError> {
+        let n = members.len();
+        let bad = |detail: String| DeviceError::Open {
+            device: "striped array".into(),
+            detail,
+        };
+        if n != shape.members() || shape.data == 0 || shape.parity > 2 {
+            return Err(bad(format!(
+                "{n} members do not make a stripe of {} data and {} parity",
+                shape.data, shape.parity
+            )));
+        }
+        let need = shape.member_offset(shape.stripes, 0);
+        for (i, m) in members.iter().enumerate() {
+            if !failed.get(i).copied().unwrap_or(false) && m.size_bytes() < need {
+                return Err(bad(format!(
+                    "member {} has {} bytes, the stripes need {need}",
+                    m.describe(),
+                    m.size_bytes()
+                )));
+            }
+        }
+        Ok(Striped {
+            rebuilt_below: (0..n).map(|_| AtomicU64::new(NOT_REBUILDING)).collect(),
+            stripe_locks: (0..STRIPE_LOCKS).map(|_| Mutex::new(())).collect(),
+            rebuild_claimed: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            failed: (0..n)
+                .map(|i| AtomicBool::new(failed.get(i).copied().unwrap_or(false)))
+                .collect(),
+            read_errors: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            written: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            members: members.into_iter().map(RwLock::new).collect(),
+            shape,
+            failures: AtomicU64::new(0),
+            rebuilt_blocks: AtomicU64::new(0),
+            repairs: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn shape(&self) -> StripeShape {
+        self.shape
+    }
+
+    /// The device in member slot `i`.
+    pub fn member(&self, i: usize) -> Arc<dyn BlockDevice> {
+        self.members[i].read().unwrap().clone()
+    }
+
+    /// Whether stripe `s` of member `i` can be read directly.
+    fn current(&self, i: usize, s: u64) -> bool {
+        !self.is_failed(i) && s < self.rebuilt_below[i].load(Ordering::Acquire)
+    }
+
+    /// Stripes below which member `i` is current (`None`: all of them).
+    pub fn rebuild_cursor(&self, i: usize) -> Option<u64> {
+        let c = self.rebuilt_below[i].load(Ordering::Acquire);
+        (c != NOT_REBUILDING).then_some(c)
+    }
+
+    /// Puts `dev` in member slot `i` (which must be failed) and starts a rebuild
+    /// at stripe `from`: stripes below it are current on `dev`, the others are
+    /// read from parity until [`Striped::rebuild_stripe`] has been through them.
+    pub fn replace(
+        &self,
+        i: usize,
+        dev: Arc<dyn BlockDevice>,
+        from: u64,
+    ) -> Result<(), DeviceError> {
+        let need = self.shape.member_offset(self.shape.stripes, 0);
+        if dev.size_bytes() < need {
+            return Err(DeviceError::Open {
+                device: dev.describe(),
+                detail: format!(
+                    "{} bytes is too small: a member needs {need}",
+                    dev.size_bytes()
+                ),
+            });
+        }
+        *self.members[i].write().unwrap() = dev;
+        self.read_errors[i].store(0, Ordering::Relaxed);
+        self.rebuilt_below[i].store(from, Ordering::Release);
+        self.failed[i].store(false, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Sets the bytes written to member `i` (restored from a checkpoint).
+    pub fn set_bytes_written(&self, i: usize, bytes: u64) {
+        self.written[i].store(bytes, Ordering::Relaxed);
+    }
+
+    /// Stripes where reads failed since the last call.
+    pub fn take_repairs(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.repairs.lock().unwrap())
+    }
+
+    fn note_read_error(&self, member: usize, s: u64) {
+        self.read_errors[member].fetch_add(1, Ordering::Relaxed);
+        let mut r = self.repairs.lock().unwrap();
+        if r.len() < 4096 && !r.contains(&s) {
+            r.push(s);
+        }
+    }
+
+    /// Claims the rebuild of member `i` for the caller; false if another has it.
+    pub fn claim_rebuild(&self, i: usize) -> bool {
+        !self.rebuild_claimed[i].swap(true, Ordering::SeqCst)
+    }
+
+    pub fn release_rebuild(&self, i: usize) {
+        self.rebuild_claimed[i].store(false, Ordering::SeqCst);
+    }
+
+    /// Marks stripes below `cursor` of member `i` current (a rebuild resumed, or
+    /// one that has moved on); `None` ends the rebuild.
+    pub fn set_rebuild_cursor(&self, i: usize, cursor: Option<u64>) {
+        self.rebuilt_below[i].store(cursor.unwrap_or(NOT_REBUILDING), Ordering::Release);
+    }
+
+    /// Rebuilds stripe `s` of member `i` from the other members and writes it to
+    /// member `i`; returns the bytes written.
+    pub fn rebuild_stripe(&self, i: usize, s: u64) -> Result<u64, DeviceError> {
+        let sh = self.shape;
+        let n = sh.members();
+        let j = (0..n)
+            .find(|&j| sh.member(s, j) == i)
+            .expect("member in stripe");
+        const BATCH: u64 = 64;
+        let mut written = 0;
+        let mut row = 0;
+        while row < sh.chunk_blocks {
+            let rows = BATCH.min(sh.chunk_blocks - row);
+            let len = rows as usize * BLOCK;
+            let _g = self.stripe_locks[(s as usize) % STRIPE_LOCKS]
+                .lock()
+                .unwrap();
+            with_scratch(n * len, |all| -> Result<(), DeviceError> {
+                let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
+                let mut have = vec![false; n];
+                // The rebuilt member counts as lost for this row.
+                let off = sh.member_offset(s, row);
+                for (jj, col) in cols.iter_mut().enumerate() {
+                    let m = sh.member(s, jj);
+                    if m != i && self.current(m, s) {
+                        match self.member(m).read_at(col, off) {
+                            Ok(()) => have[jj] = true,
+                            Err(_) => {
+                                self.note_read_error(m, s);
+                            }
+                        }
+                    }
+                }
+                let lost: Vec<bool> = have.iter().map(|h| !h).collect();
+                reconstruct(&mut cols, sh.parity, &lost).map_err(|e| DeviceError::Io {
+                    device: self.describe(),
+                    op: "rebuild",
+                    offset: off,
+                    len,
+                    source: std::io::Error::other(format!(
+                        "stripe {s}: {} members unreadable, the layout tolerates {}",
+                        e.lost, e.tolerated
+                    )),
+                })?;
+                self.member(i)
+                    .write_at(cols[j], off)
+                    .inspect_err(|_| self.fail_member(i))?;
+                Ok(())
+            })?;
+            self.written[i].fetch_add(len as u64, Ordering::Relaxed);
+            written += len as u64;
+            row += rows;
+        }
+        Ok(written)
+    }
+
+    pub fn member_states(&self) -> Vec<MemberState> {
+        (0..self.members.len())
+            .map(|i| MemberState {
+                name: self.member(i).describe(),
+                rebuild_cursor: self.rebuild_cursor(i),
+                failed: self.is_failed(i),
+                read_errors: self.read_errors[i].load(Ordering::Relaxed),
+                bytes_written: self.written[i].load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+
+    pub fn is_failed(&self, i: usize) -> bool {
+        self.failed[i].load(Ordering::SeqCst)
+    }
+
+    pub fn failed_count(&self) -> usize {
+        (0..self.members.len())
+            .filter(|&i| self.is_failed(i))
+            .count()
+    }
+
+    /// Failures still tolerated: parity members minus failed members (negative when
+    /// data is lost).
+    pub fn redundancy_left(&self) -> isize {
+        self.shape.parity as isize - self.failed_count() as isize
+    }
+
+    /// Counter of failures so far (changes when a member fails).
+    pub fn failure_epoch(&self) -> u64 {
+        self.failures.load(Ordering::SeqCst)
+    }
+
+    /// Blocks rebuilt from parity for readers so far.
+    pub fn rebuilt_blocks(&self) -> u64 {
+        self.rebuilt_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Takes member `i` out of service (an administrator's `fail`, or an I/O error).
+    pub fn fail_member(&self, i: usize) {
+        if !self.failed[i].swap(true, Ordering::SeqCst) {
+            self.failures.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn too_many_failed(&self, op: &'static str, offset: u64) -> DeviceError {
+        DeviceError::Io {
+            device: self.describe(),
+            op,
+            offset,
+            len: 0,
+            source: std::io::Error::other(format!(
+                "{} of {} members failed; the layout tolerates {}",
+                self.failed_count(),
+                self.members.len(),
+                self.shape.parity
+            )),
+        }
+    }
+
+    /// Stripe, first block within it, and block count of a virtual range.
+    fn split(
+        &self,
+        op: &'static str,
+        offset: u64,
+        len: usize,
+    ) -> Result<(u64, u64, u64), DeviceError> {
+        let sh = &self.shape;
+        let out = || DeviceError::OutOfRange {
+            device: self.describe(),
+            op,
+            offset,
+            len,
+            size: self.size_bytes(),
+        };
+        if offset < sh.data_offset
+            || !(offset - sh.data_offset).is_multiple_of(BLOCK_U64)
+            || !len.is_multiple_of(BLOCK)
+        {
+            return Err(out());
+        }
+        let first = (offset - sh.data_offset) / BLOCK_U64;
+        let blocks = (len / BLOCK) as u64;
+        let s = first / sh.stripe_blocks();
+        let b = first % sh.stripe_blocks();
+        if s >= sh.stripes || b + blocks > sh.stripe_blocks() {
+            return Err(out());
+        }
+        Ok((s, b, blocks))
+    }
+
+    /// Writes `buf` to `member` at `off`; on failure marks it failed.
+    fn member_write(&self, member: usize, buf: &[u8], off: u64) {
+        if self.is_failed(member) {
+            return;
+        }
+        match self.member(member).write_at(buf, off) {
+            Ok(()) => {
+                self.written[member].fetch_add(buf.len() as u64, Ordering::Relaxed);
+            }
+            Err(_) => self.fail_member(member),
+        }
+    }
+
+    /// Rebuilds rows `row..row + rows` of stripe `s` into `cols` (`n` column buffers
+    /// of `rows` blocks each, in stripe order), reading every position not yet
+    /// present. `have[j]` says column `j` already holds good data.
+    fn rebuild_rows(
+        &self,
+        s: u64,
+        row: u64,
+        cols: &mut [&mut [u8]],
+        have: &mut [bool],
+    ) -> Result<(), DeviceError> {
+        let sh = &self.shape;
+        let off = sh.member_offset(s, row);
+        for j in 0..sh.members() {
+            if have[j] {
+                continue;
+            }
+            let m = sh.member(s, j);
+            if self.current(m, s) {
+                match self.member(m).read_at(cols[j], off) {
+                    Ok(()) => have[j] = true,
+                    Err(_) => {
+                        self.note_read_error(m, s);
+                    }
+                }
+            }
+        }
+        let lost: Vec<bool> = have.iter().map(|h| !h).collect();
+        reconstruct(cols, sh.parity, &lost).map_err(|e| DeviceError::Io {
+            device: self.describe(),
+            op: "read",
+            offset: off,
+            len: cols[0].len(),
+            source: std::io::Error::other(format!(
+                "stripe {s} rows {row}+{}: {} members unreadable, the layout tolerates {}",
+                cols[0].len() / BLOCK,
+                e.lost,
+                e.tolerated
+            )),
+        })
+    }
+}
+
+impl BlockDevice for Striped {
+    fn size_bytes(&self) -> u64 {
+        self.shape.data_offset + self.shape.stripes * self.shape.stripe_blocks() * BLOCK_U64
+    }
+
+    fn describe(&self) -> String {
+        let kind = match self.shape.parity {
+            0 => "said0",
+            1 => "said5",
+            _ => "said6",
+        };
+        format!("{kind}({} members)", self.members.len())
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
+        let (s, b, blocks) = self.split("read", offset, buf.len())?;
+        let sh = self.shape;
+        let k = sh.data as u64;
+        // Column by column: the blocks of one column are consecutive on its member.
+        for c in 0..sh.data {
+            // Rows r with b <= r k + c < b + blocks.
+            let c64 = c as u64;
+            let end = b + blocks;
+            let first = if b > c64 { (b - c64).div_ceil(k) } else { 0 };
+            let last = if end > c64 {
+                (end - c64).div_ceil(k)
+            } else {
+                0
+            };
+            if last <= first {
+                continue;
+            }
+            let rows = (last - first) as usize;
+            let m = sh.member(s, c);
+            let scatter = |col: &[u8], buf: &mut [u8]| {
+                for r in 0..rows {
+                    let vb = (first + r as u64) * k + c as u64 - b;
+                    let d = vb as usize * BLOCK;
+                    buf[d..d + BLOCK].copy_from_slice(&col[r * BLOCK..(r + 1) * BLOCK]);
+                }
+            };
+            let ok = with_scratch(rows * BLOCK, |col| {
+                if !self.current(m, s) {
+                    return false;
+                }
+                match self.member(m).read_at(col, sh.member_offset(s, first)) {
+                    Ok(()) => {
+                        scatter(col, buf);
+                        true
+                    }
+                    Err(_) => {
+                        self.note_read_error(m, s);
+                        false
+                    }
+                }
+            });
+            if ok {
+                continue;
+            }
+            // Rebuild the column from the rest of the rows.
+            let n = sh.members();
+            let len = rows * BLOCK;
+            with_scratch(n * len, |all| -> Result<(), DeviceError> {
+                let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
+                let mut have = vec![false; n];
+                self.rebuild_rows(s, first, &mut cols, &mut have)?;
+                scatter(cols[c], buf);
+                Ok(())
+            })?;
+            self.rebuilt_blocks
+                .fetch_add(rows as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
+        let (s, b, blocks) = self.split("write", offset, buf.len())?;
+        let sh = self.shape;
+        let k = sh.data as u64;
+        if b % k != 0 || blocks % k != 0 {
+            return Err(DeviceError::Io {
+                device: self.describe(),
+                op: "write",
+                offset,
+                len: buf.len(),
+                source: std::io::Error::other(format!(
+                    "writes must cover whole rows of {k} blocks (block {b}, {blocks} blocks)"
+                )),
+            });
+        }
+        if self.failed_count() > sh.parity {
+            return Err(self.too_many_failed("write", offset));
+        }
+        let rows = (blocks / k) as usize;
+        let row = b / k;
+        let len = rows * BLOCK;
+        let n = sh.members();
+        let off = sh.member_offset(s, row);
+        let _g = self.stripe_locks[(s as usize) % STRIPE_LOCKS]
+            .lock()
+            .unwrap();
+        with_scratch(n * len, |all| {
+            let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
+            // Gather each data column.
+            for (c, col) in cols.iter_mut().take(sh.data).enumerate() {
+                for r in 0..rows {
+                    let src = (r * sh.data + c) * BLOCK;
+                    col[r * BLOCK..(r + 1) * BLOCK].copy_from_slice(&buf[src..src + BLOCK]);
+                }
+            }
+            if sh.parity > 0 {
+                let (data, par) = cols.split_at_mut(sh.data);
+                let refs: Vec<&[u8]> = data.iter().map(|d| &**d).collect();
+                let (p, q) = par.split_at_mut(1);
+                encode(&refs, p[0], q.first_mut().map(|q| &mut **q));
+            }
+            for (j, col) in cols.iter().enumerate() {
+                self.member_write(sh.member(s, j), col, off);
+            }
+        });
+        if self.failed_count() > sh.parity {
+            return Err(self.too_many_failed("write", offset));
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<(), DeviceError> {
+        for i in 0..self.members.len() {
+            if !self.is_failed(i) && self.member(i).sync().is_err() {
+                self.fail_member(i);
+            }
+        }
+        if self.failed_count() > self.shape.parity {
+            return Err(self.too_many_failed("sync", 0));
+        }
+        Ok(())
+    }
+}
+
+/// Member `i` of a striped array as a device of its own (superblocks, syncs):
+/// whatever device is in the slot now, the replacement after a `replace`.
+pub struct MemberSlot {
+    pub array: Arc<Striped>,
+    pub index: usize,
+}
+
+impl BlockDevice for MemberSlot {
+    fn size_bytes(&self) -> u64 {
+        self.array.member(self.index).size_bytes()
+    }
+    fn describe(&self) -> String {
+        self.array.member(self.index).describe()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
+        self.array.member(self.index).read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
+        self.array.member(self.index).write_at(buf, offset)
+    }
+    fn sync(&self) -> Result<(), DeviceError> {
+        self.array.member(self.index).sync()
+    }
+}
+
+/// The slot of a member that is missing: every operation fails, size 0.
+pub struct Absent {
+    name: String,
+}
+
+impl Absent {
+    pub fn new(name: impl Into<String>) -> Self {
+        Absent { name: name.into() }
+    }
+    fn err(&self) -> DeviceError {
+        DeviceError::Open {
+            device: self.name.clone(),
+            detail: "device is missing".into(),
+        }
+    }
+}
+
+impl BlockDevice for Absent {
+    fn size_bytes(&self) -> u64 {
+        0
+    }
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+    fn read_at(&self, _: &mut [u8], _: u64) -> Result<(), DeviceError> {
+        Err(self.err())
+    }
+    fn write_at(&self, _: &[u8], _: u64) -> Result<(), DeviceError> {
+        Err(self.err())
+    }
+    fn sync(&self) -> Result<(), DeviceError> {
+        Err(self.err())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fault::{FaultDevice, FaultOp};
+    use crate::mem::MemDevice;
+    use proptest::prelude::*;
+
+    fn array(data: usize, parity: usize) -> (Striped, Vec<Arc<FaultDevice>>) {
+        let shape = StripeShape {
+            data,
+            parity,
+            chunk_blocks: 8,
+            data_offset: 2 * BLOCK_U64,
+            stripes: 4,
+        };
+        let size = shape.member_offset(shape.stripes, 0);
+        let faults: Vec<Arc<FaultDevice>> = (0..shape.members())
+            .map(|i| {
+                Arc::new(FaultDevice::new(Arc::new(MemDevice::new(
+                    format!("m{i}"),
+                    size,
+                ))))
+            })
+            .collect();
+        let members = faults
+            .iter()
+            .map(|f| f.clone() as Arc<dyn BlockDevice>)
+            .collect();
+        (Striped::new(members, shape, &[]).unwrap(), faults)
+    }
+
+    fn pattern(seed: u64, blocks: usize) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..blocks * BLOCK)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// Fills every stripe with known data, returns the image.
+    fn fill(a: &Striped) -> Vec<u8> {
+        let sh = a.shape();
+        let img = pattern(7, (sh.stripes * sh.stripe_blocks()) as usize);
+        let unit = sh.data * 2 * BLOCK;
+        for (i, chunk) in img.chunks(unit).enumerate() {
+            a.write_at(chunk, sh.data_offset + (i * unit) as u64)
+                .unwrap();
+        }
+        img
+    }
+
+    fn read_all(a: &Striped, img: &[u8]) {
+        let sh = a.shape();
+        // Odd-sized reads at every alignment.
+        for start in 0..(sh.stripe_blocks() - 3) {
+            for s in 0..sh.stripes {
+                let v = s * sh.stripe_blocks() + start;
+                let mut buf = vec![0u8; 3 * BLOCK];
+                a.read_at(&mut buf, sh.data_offset + v * BLOCK_U64).unwrap();
+                let o = v as usize * BLOCK;
+                assert!(buf == img[o..o + 3 * BLOCK], "stripe {s} block {start}");
+            }
+        }
+    }
+
+    #[test]
+    fn parity_rotates_over_every_member() {
+        let (a, _) = array(3, 1);
+        let sh = a.shape();
+        let p: Vec<usize> = (0..4).map(|s| sh.member(s, 3)).collect();
+        let mut sorted = p.clone();
+        sorted.sort();
+        assert_eq!(sorted, vec![0, 1, 2, 3], "P members {p:?}");
+    }
+
+    #[test]
+    fn partial_rows_are_refused() {
+        let (a, _) = array(3, 1);
+        let e = a.write_at(&[0u8; 2 * BLOCK], 2 * BLOCK_U64).unwrap_err();
+        assert!(e.to_string().contains("whole rows"), "{e}");
+    }
+
+    #[test]
+    fn said5_reads_through_a_lost_member() {
+        let (a, f) = array(3, 1);
+        let img = fill(&a);
+        read_all(&a, &img);
+        f[2].vanish();
+        read_all(&a, &img);
+        assert!(a.rebuilt_blocks() > 0);
+        // Writes go on without it, reads still match.
+        let sh = a.shape();
+        let more = pattern(9, 6);
+        a.write_at(&more, sh.data_offset).unwrap();
+        assert!(a.is_failed(2), "the failed write marked it");
+        assert_eq!(a.redundancy_left(), 0);
+        let mut img = img;
+        img[..more.len()].copy_from_slice(&more);
+        read_all(&a, &img);
+        // A second loss is beyond SAID5.
+        f[0].vanish();
+        assert!(a.write_at(&more, sh.data_offset).is_err());
+    }
+
+    #[test]
+    fn read_errors_on_one_block_are_rebuilt() {
+        let (a, f) = array(4, 1);
+        let img = fill(&a);
+        let sh = a.shape();
+        f[1].fail(
+            FaultOp::Read,
+            sh.member_offset(1, 2),
+            sh.member_offset(1, 3),
+            u64::MAX,
+        );
+        read_all(&a, &img);
+        assert!(!a.is_failed(1), "a read error does not fail the member");
+        assert!(a.member_states()[1].read_errors > 0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+        /// SAID6: lose any two members, every block still reads back.
+        #[test]
+        fn said6_survives_any_two_losses(k in 2usize..6, x in 0usize..8, y in 0usize..8) {
+            let (a, f) = array(k, 2);
+            let img = fill(&a);
+            let n = k + 2;
+            f[x % n].vanish();
+            a.fail_member(x % n);
+            f[y % n].vanish();
+            a.fail_member(y % n);
+            read_all(&a, &img);
+        }
+    }
+
+    #[test]
+    fn said0_has_no_redundancy() {
+        let (a, f) = array(3, 0);
+        let img = fill(&a);
+        read_all(&a, &img);
+        f[0].vanish();
+        let mut buf = vec![0u8; 3 * BLOCK];
+        assert!(a.read_at(&mut buf, a.shape().data_offset).is_err());
+    }
+}

@@ -1,0 +1,128 @@
+//! `lamina array replace`: putting a new device in the place of a failed member and
+//! rebuilding it, online (through the running server) or offline.
+
+use crate::config::Config;
+use crate::runtime::Runtime;
+use anyhow::{bail, Context, Result};
+use lamina_core::rebuild::{rebuild, RebuildOptions, RebuildReport};
+use lamina_core::{NewDevice, Request};
+use lamina_device::file::{FileDevice, OpenMode as DevMode};
+use lamina_device::BlockDevice;
+use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Opens (or creates, with a size) the replacement device; refuses one that holds
+/// a Lamina superblock unless `force`.
+pub fn open_new_device(
+    path: &Path,
+    size: Option<u64>,
+    force: bool,
+) -> Result<Arc<dyn BlockDevice>> {
+    let dev = if path.exists() {
+        FileDevice::open(path, DevMode::ReadWrite)?
+    } else {
+        let Some(size) = size else {
+            bail!(
+                "{} does not exist; give PATH:SIZE to create a sparse file",
+                path.display()
+            );
+        };
+        FileDevice::create_sparse(path, size)?
+    };
+    if !force {
+        for off in SUPERBLOCK_OFFSETS {
+            let mut b = vec![0u8; 4096];
+            if dev.read_at(&mut b, off).is_ok() {
+                if let Ok(sb) = Superblock::decode(&b) {
+                    bail!(
+                        "{} belongs to Lamina array {:?}; refusing to overwrite it (--force to reuse it)",
+                        path.display(),
+                        sb.array_name
+                    );
+                }
+            }
+        }
+    }
+    Ok(Arc::new(dev))
+}
+
+/// Puts `dev` in member slot `index` (recorded durably when this returns).
+pub fn replace(rt: &Runtime, index: usize, dev: Arc<dyn BlockDevice>) -> Result<()> {
+    rt.call(Request::ReplaceMember {
+        index,
+        device: NewDevice(dev),
+        uuid: crate::random_uuid(),
+    })?;
+    Ok(())
+}
+
+/// Rebuilds member `index` on this thread.
+pub fn run(
+    rt: &Runtime,
+    index: usize,
+    rate: Option<u64>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<RebuildReport> {
+    let call = |r: Request| rt.call(r).map(|_| ());
+    let opts = RebuildOptions {
+        rate_bytes_per_s: rate,
+        ..Default::default()
+    };
+    Ok(rebuild(&rt.shared, index, &call, &opts, progress)?)
+}
+
+/// Rebuilds member `index` on a thread of its own (in the server), logging the
+/// outcome; does nothing if a rebuild of it is already running.
+pub fn spawn(rt: &Runtime, index: usize, rate: Option<u64>) {
+    let Some(st) = rt.shared.striped.clone() else {
+        return;
+    };
+    if !st.claim_rebuild(index) {
+        return;
+    }
+    let rt = rt.clone();
+    std::thread::Builder::new()
+        .name(format!("lamina-rebuild{index}"))
+        .spawn(move || {
+            tracing::info!("rebuilding member {index}");
+            match run(&rt, index, rate, &mut |_, _| {}) {
+                Ok(r) => tracing::info!(
+                    "member {index} rebuilt in {:.1}s: {} of {} stripes held data, {} bytes written (a whole-device rebuild writes {})",
+                    r.elapsed.as_secs_f64(),
+                    r.stripes_rebuilt,
+                    r.stripes_visited,
+                    r.bytes_written,
+                    r.whole_device_bytes
+                ),
+                Err(e) => tracing::error!("rebuild of member {index} stopped: {e}"),
+            }
+            st.release_rebuild(index);
+        })
+        .expect("spawn rebuild thread");
+}
+
+/// Starts the rebuilds a previous run left unfinished.
+pub fn resume_all(rt: &Runtime, rate: Option<u64>) {
+    if let Some(st) = rt.shared.striped.clone() {
+        for i in 0..st.shape().members() {
+            if st.rebuild_cursor(i).is_some() && !st.is_failed(i) {
+                spawn(rt, i, rate);
+            }
+        }
+    }
+}
+
+/// Swaps the failed member's path for the new one in `lamina.toml` (the list is in
+/// any order; superblocks give each device its place).
+pub fn update_config(dir: &Path, old_name: &str, new: &Path) -> Result<()> {
+    let mut cfg = Config::load(dir)?;
+    let new = std::path::absolute(new).with_context(|| format!("bad path {}", new.display()))?;
+    cfg.devices.retain(|p| {
+        let r = Config::resolve(dir, p);
+        let s = r.display().to_string();
+        !(old_name == s || old_name.starts_with(&format!("{s} (")) || r == new)
+    });
+    cfg.devices.push(PathBuf::from(&new));
+    cfg.save(dir)
+}
