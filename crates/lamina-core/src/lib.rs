@@ -18,6 +18,7 @@ pub mod map;
 pub mod placement;
 pub mod rebuild;
 pub mod recovery;
+pub mod scrub;
 pub mod shared;
 pub mod status;
 pub mod types;

@@ -114,6 +114,18 @@ impl CrcCache {
     }
 }
 
+/// A pin on a segment (see [`Shared::pin_segment`]).
+pub struct SegmentPin<'a> {
+    shared: &'a Shared,
+    seg: SegmentId,
+}
+
+impl Drop for SegmentPin<'_> {
+    fn drop(&mut self) {
+        self.shared.seg_pins[self.seg.0 as usize].fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 pub struct Shared {
     pub geo: Geometry,
     /// The members (superblocks go to each), then for striped layouts the virtual
@@ -236,6 +248,17 @@ impl Shared {
     /// Whether `seg` is in the free queue (nothing on it is read).
     pub fn segment_free(&self, seg: u32) -> bool {
         self.seg_free[seg as usize].load(Ordering::SeqCst)
+    }
+
+    /// The current incarnation of `seg`.
+    pub fn incarnation(&self, seg: SegmentId) -> u64 {
+        self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst)
+    }
+
+    /// Keeps `seg` from being reused while the guard lives.
+    pub fn pin_segment(&self, seg: SegmentId) -> SegmentPin<'_> {
+        self.seg_pins[seg.0 as usize].fetch_add(1, Ordering::SeqCst);
+        SegmentPin { shared: self, seg }
     }
 
     pub(crate) fn set_segment_free(&self, seg: u32, free: bool) {

@@ -445,3 +445,65 @@ fn read_errors_are_served_from_parity_and_moved_away() {
         "no read touches the bad spot once its data moved"
     );
 }
+
+/// Where LBA `lba` of `vol` lives: (stripe, member, byte offset on the member, row).
+fn locate_block(e: &lamina_core::Engine, vol: VolumeId, lba: u64) -> (u64, usize, u64, u64) {
+    let st = e.shared().striped.clone().unwrap();
+    let sh = st.shape();
+    let seg_blocks = e.shared().geo.segment_blocks as u64;
+    let v = e.shared().volume_by_id(vol).unwrap();
+    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(lba)) else {
+        panic!("lba {lba} not on a device");
+    };
+    let (seg, b) = (pba.0 as u64 / seg_blocks, pba.0 as u64 % seg_blocks);
+    let row = b / sh.data as u64;
+    (
+        seg,
+        sh.member(seg, (b % sh.data as u64) as usize),
+        sh.member_offset(seg, row),
+        row,
+    )
+}
+
+/// Scrub finds a corrupted data block (by its checksum) and a corrupted parity
+/// block (by the parity check), repairs both, and a second scrub finds nothing.
+#[test]
+fn scrub_repairs_corrupt_data_and_parity() {
+    for (layout, n) in [(Layout::Said5, 4), (Layout::Said6, 5)] {
+        let f = members(n, 16);
+        format_devices(&as_devs(&f), &params(layout));
+        let mut e = open_rw(&as_devs(&f), small_config());
+        let vol = create_volume(&mut e, "v", 1 << 20);
+        let mut model = HashMap::new();
+        for lba in 0..200u64 {
+            write_block(&mut e, vol, lba, 1, false).unwrap();
+            model.insert(lba, 1);
+        }
+        call(&mut e, Request::Flush).result.unwrap();
+        let clean = lamina_core::scrub::scrub(e.shared(), &mut |_, _| {}).unwrap();
+        assert_eq!(clean.stats.parity_mismatches, 0, "{layout:?} {clean:?}");
+        assert_eq!(clean.stats.checksum_errors, 0);
+        assert!(clean.blocks_checked >= 200);
+        // Silent corruption: a data block of LBA 10, and the parity of LBA 100's row.
+        let (_, m, off, _) = locate_block(&e, vol, 10);
+        f[m].write_at(&[0x5a; BS], off).unwrap();
+        let (seg, _, off, _) = locate_block(&e, vol, 100);
+        let sh = e.shared().striped.as_ref().unwrap().shape();
+        f[sh.member(seg, sh.data)]
+            .write_at(&[0xa5; BS], off)
+            .unwrap();
+        let r = lamina_core::scrub::scrub(e.shared(), &mut |_, _| {}).unwrap();
+        assert_eq!(r.stats.checksum_errors, 1, "{layout:?} {r:?}");
+        assert_eq!(r.stats.blocks_repaired, 1, "{layout:?} {r:?}");
+        assert!(r.stats.parity_repaired >= 1, "{layout:?} {r:?}");
+        assert_eq!(r.stats.unrecoverable, 0, "{layout:?} {r:?}");
+        let again = lamina_core::scrub::scrub(e.shared(), &mut |_, _| {}).unwrap();
+        assert_eq!(again.stats.parity_mismatches, 0, "{layout:?} {again:?}");
+        assert_eq!(again.stats.checksum_errors, 0, "{layout:?} {again:?}");
+        verify(&e, vol, &model);
+        // The repaired parity really protects: lose the member holding LBA 100.
+        let (_, m, _, _) = locate_block(&e, vol, 100);
+        f[m].vanish();
+        verify(&e, vol, &model);
+    }
+}

@@ -62,6 +62,36 @@ impl StripeShape {
     }
 }
 
+/// What a scrub of some rows found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ScrubStats {
+    pub rows: u64,
+    /// Data blocks whose checksum did not match.
+    pub checksum_errors: u64,
+    /// Rows whose parity did not match their data.
+    pub parity_mismatches: u64,
+    /// Data blocks rebuilt from parity and written back.
+    pub blocks_repaired: u64,
+    /// Parity blocks recomputed and written back.
+    pub parity_repaired: u64,
+    /// Parity mismatches with no block known bad (nothing rewritten).
+    pub unresolved: u64,
+    /// Bad blocks that could not be rebuilt.
+    pub unrecoverable: u64,
+}
+
+impl ScrubStats {
+    pub fn add(&mut self, o: &ScrubStats) {
+        self.rows += o.rows;
+        self.checksum_errors += o.checksum_errors;
+        self.parity_mismatches += o.parity_mismatches;
+        self.blocks_repaired += o.blocks_repaired;
+        self.parity_repaired += o.parity_repaired;
+        self.unresolved += o.unresolved;
+        self.unrecoverable += o.unrecoverable;
+    }
+}
+
 /// Health of one member.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemberState {
@@ -295,6 +325,126 @@ impl Striped {
             row += rows;
         }
         Ok(written)
+    }
+
+    /// Scrubs rows `0..rows` of stripe `s`: reads every member, checks the data
+    /// blocks with `check(block, bytes)` (their checksums: `Some(true)` good,
+    /// `Some(false)` bad, `None` unknown) and the parity against the data, and
+    /// repairs in place what parity and checksums allow.
+    pub fn scrub_rows(
+        &self,
+        s: u64,
+        rows: u64,
+        check: &dyn Fn(u64, &[u8]) -> Option<bool>,
+    ) -> ScrubStats {
+        let sh = self.shape;
+        let (n, k) = (sh.members(), sh.data);
+        let mut st = ScrubStats::default();
+        const BATCH: u64 = 64;
+        let mut row0 = 0;
+        while row0 < rows.min(sh.chunk_blocks) {
+            let nr = BATCH.min(rows.min(sh.chunk_blocks) - row0) as usize;
+            let len = nr * BLOCK;
+            let off = sh.member_offset(s, row0);
+            let _g = self.stripe_locks[(s as usize) % STRIPE_LOCKS]
+                .lock()
+                .unwrap();
+            let mut cols: Vec<Vec<u8>> = vec![vec![0u8; len]; n];
+            let mut readable = vec![false; n];
+            for (j, col) in cols.iter_mut().enumerate() {
+                let m = sh.member(s, j);
+                if self.current(m, s) {
+                    match self.member(m).read_at(col, off) {
+                        Ok(()) => readable[j] = true,
+                        Err(_) => self.note_read_error(m, s),
+                    }
+                }
+            }
+            // Parity recomputed from the data as read.
+            let mut computed: Vec<Vec<u8>> = vec![vec![0u8; len]; sh.parity];
+            if sh.parity > 0 {
+                let refs: Vec<&[u8]> = cols[..k].iter().map(|c| &c[..]).collect();
+                let (p, q) = computed.split_at_mut(1);
+                encode(&refs, &mut p[0], q.first_mut().map(|q| &mut q[..]));
+            }
+            for r in 0..nr {
+                st.rows += 1;
+                let blk = |c: &Vec<u8>| c[r * BLOCK..(r + 1) * BLOCK].to_vec();
+                let mut verdict = vec![None; k];
+                let mut bad = vec![false; n];
+                for j in 0..k {
+                    if !readable[j] {
+                        bad[j] = true;
+                        continue;
+                    }
+                    let b = (row0 + r as u64) * k as u64 + j as u64;
+                    verdict[j] = check(b, &cols[j][r * BLOCK..(r + 1) * BLOCK]);
+                    if verdict[j] == Some(false) {
+                        st.checksum_errors += 1;
+                        bad[j] = true;
+                    }
+                }
+                for (pj, c) in computed.iter().enumerate() {
+                    let j = k + pj;
+                    if !readable[j] {
+                        bad[j] = true;
+                    } else if !bad[..k].iter().any(|&x| x)
+                        && cols[j][r * BLOCK..(r + 1) * BLOCK] != c[r * BLOCK..(r + 1) * BLOCK]
+                    {
+                        st.parity_mismatches += 1;
+                        // Bad parity if every data block is known good; otherwise
+                        // the culprit is unknown.
+                        if verdict.iter().all(|v| *v == Some(true)) {
+                            bad[j] = true;
+                        } else {
+                            st.unresolved += 1;
+                        }
+                    }
+                }
+                let lost = bad.iter().filter(|&&b| b).count();
+                let to_fix: Vec<usize> = (0..n)
+                    .filter(|&j| bad[j] && self.current(sh.member(s, j), s))
+                    .collect();
+                if to_fix.is_empty() {
+                    continue;
+                }
+                if lost > sh.parity {
+                    st.unrecoverable += to_fix.iter().filter(|&&j| j < k).count() as u64;
+                    continue;
+                }
+                let mut row: Vec<Vec<u8>> = cols.iter().map(blk).collect();
+                let mut refs: Vec<&mut [u8]> = row.iter_mut().map(|b| &mut b[..]).collect();
+                if reconstruct(&mut refs, sh.parity, &bad).is_err() {
+                    st.unrecoverable += 1;
+                    continue;
+                }
+                for &j in &to_fix {
+                    if j < k {
+                        let b = (row0 + r as u64) * k as u64 + j as u64;
+                        if check(b, &row[j]) == Some(false) {
+                            st.unrecoverable += 1;
+                            continue;
+                        }
+                    }
+                    let m = sh.member(s, j);
+                    if self
+                        .member(m)
+                        .write_at(&row[j], off + (r * BLOCK) as u64)
+                        .is_ok()
+                    {
+                        if j < k {
+                            st.blocks_repaired += 1;
+                        } else {
+                            st.parity_repaired += 1;
+                        }
+                    } else {
+                        self.fail_member(m);
+                    }
+                }
+            }
+            row0 += nr as u64;
+        }
+        st
     }
 
     pub fn member_states(&self) -> Vec<MemberState> {

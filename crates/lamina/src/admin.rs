@@ -8,6 +8,7 @@
 //! {"op":"volume-delete","name":"v"}                -> {"ok":true}
 //! {"op":"checkpoint"}                              -> {"ok":true}
 //! {"op":"member-fail","index":2}                   -> {"ok":true}
+//! {"op":"scrub"}                    -> {"progress":[d,t]}... {"ok":true,"scrub":{...}}
 //! {"op":"member-replace","index":2,"path":"/x","size":N,"force":false,"rate":N}
 //!                                                  -> {"ok":true} (rebuild runs on)
 //! anything else                                    -> {"ok":false,"error":"..."}
@@ -112,6 +113,17 @@ pub fn serve(listener: UnixListener, rt: Runtime) {
                 return;
             }
             let reply = match serde_json::from_str::<Value>(&line) {
+                Ok(req) if req.get("op").and_then(|v| v.as_str()) == Some("scrub") => {
+                    // Streams {"progress":[done,total]} lines, then the report.
+                    let mut w = &conn;
+                    let r = lamina_core::scrub::scrub(&rt.shared, &mut |d, t| {
+                        let _ = writeln!(w, "{}", json!({"progress": [d, t]}));
+                    });
+                    match r {
+                        Ok(r) => json!({"ok": true, "scrub": scrub_json(&r)}),
+                        Err(e) => json!({"ok": false, "error": e.to_string()}),
+                    }
+                }
                 Ok(req) => handle(&rt, &req),
                 Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
             };
@@ -119,6 +131,56 @@ pub fn serve(listener: UnixListener, rt: Runtime) {
             let _ = writeln!(w, "{reply}");
         });
     }
+}
+
+pub fn scrub_json(r: &lamina_core::scrub::ScrubReport) -> Value {
+    json!({
+        "segments": r.segments,
+        "units": r.units,
+        "blocks_checked": r.blocks_checked,
+        "rows_checked": r.stats.rows,
+        "checksum_errors": r.stats.checksum_errors,
+        "parity_mismatches": r.stats.parity_mismatches,
+        "blocks_repaired": r.stats.blocks_repaired,
+        "parity_repaired": r.stats.parity_repaired,
+        "unresolved": r.stats.unresolved,
+        "unrecoverable": r.stats.unrecoverable,
+    })
+}
+
+/// Sends a request whose answer is preceded by progress lines
+/// (`{"progress":[done,total]}`), calling `progress` for each. `Ok(None)` when no
+/// server answers.
+pub fn request_with_progress(
+    socket: &Path,
+    req: &Value,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Option<Value>> {
+    let Ok(conn) = UnixStream::connect(socket) else {
+        return Ok(None);
+    };
+    conn.set_read_timeout(Some(Duration::from_secs(600)))?;
+    let mut w = &conn;
+    writeln!(w, "{req}")?;
+    for line in BufReader::new(&conn).lines() {
+        let line = line.with_context(|| format!("no answer on {}", socket.display()))?;
+        let v: Value = serde_json::from_str(&line)
+            .with_context(|| format!("bad answer on {}", socket.display()))?;
+        if let Some(p) = v.get("progress").and_then(|p| p.as_array()) {
+            progress(p[0].as_u64().unwrap_or(0), p[1].as_u64().unwrap_or(1));
+            continue;
+        }
+        if v.get("ok").and_then(|b| b.as_bool()) != Some(true) {
+            bail!(
+                "{}",
+                v.get("error")
+                    .and_then(|e| e.as_str())
+                    .unwrap_or("request failed")
+            );
+        }
+        return Ok(Some(v));
+    }
+    bail!("the server closed {} without an answer", socket.display())
 }
 
 /// Sends one request to a running server. `Ok(None)` when no server answers.
