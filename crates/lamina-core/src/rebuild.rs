@@ -27,6 +27,9 @@ pub struct RebuildOptions {
     pub record_every: Duration,
     /// Stop after this many stripes, unfinished (tests of resumption).
     pub max_stripes: Option<u64>,
+    /// Rebuild every stripe, free or not, as a RAID without a log would (for
+    /// comparison benchmarks).
+    pub all_stripes: bool,
 }
 
 impl Default for RebuildOptions {
@@ -35,6 +38,7 @@ impl Default for RebuildOptions {
             rate_bytes_per_s: None,
             record_every: Duration::from_secs(2),
             max_stripes: None,
+            all_stripes: false,
         }
     }
 }
@@ -98,7 +102,7 @@ pub fn rebuild(
                 "member {index} failed during its rebuild (stripe {s})"
             )));
         }
-        if !shared.segment_free(s as u32) {
+        if opts.all_stripes || !shared.segment_free(s as u32) {
             let n = st
                 .rebuild_stripe(index, s)
                 .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;

@@ -31,6 +31,8 @@ pub struct MemberStatus {
     /// "ok", "failed" or "rebuilding".
     pub state: String,
     pub bytes_written: u64,
+    /// Bytes read from the member (striped layouts; since the array was opened).
+    pub bytes_read: u64,
     /// Reads of this member that failed (and were rebuilt from parity).
     pub read_errors: u64,
     /// While rebuilding: the fraction of stripes done.
@@ -180,6 +182,7 @@ impl Engine {
                     }
                     .into(),
                     bytes_written: m.bytes_written,
+                    bytes_read: m.bytes_read,
                     read_errors: m.read_errors,
                     rebuild_progress: m
                         .rebuild_cursor
@@ -194,6 +197,7 @@ impl Engine {
                     name: d.describe(),
                     state: "ok".into(),
                     bytes_written: self.device_blocks.get(i).copied().unwrap_or(0) * bs,
+                    bytes_read: 0,
                     read_errors: 0,
                     rebuild_progress: None,
                 })

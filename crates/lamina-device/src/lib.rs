@@ -20,6 +20,7 @@ pub mod fault;
 pub mod file;
 pub mod mem;
 pub mod parity;
+pub mod raid5;
 pub mod sparse;
 pub mod striped;
 

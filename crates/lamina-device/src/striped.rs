@@ -102,6 +102,7 @@ pub struct MemberState {
     /// Reads of this member that failed and were rebuilt from parity.
     pub read_errors: u64,
     pub bytes_written: u64,
+    pub bytes_read: u64,
 }
 
 /// Locks that keep a rebuild of rows and a write of the same rows apart.
@@ -123,6 +124,7 @@ pub struct Striped {
     failed: Vec<AtomicBool>,
     read_errors: Vec<AtomicU64>,
     written: Vec<AtomicU64>,
+    read_bytes: Vec<AtomicU64>,
     /// Bumped whenever a member fails, so the owner can notice and record it.
     failures: AtomicU64,
     /// Blocks rebuilt from parity for readers.
@@ -184,6 +186,7 @@ impl Striped {
                 .collect(),
             read_errors: (0..n).map(|_| AtomicU64::new(0)).collect(),
             written: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            read_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
             members: members.into_iter().map(RwLock::new).collect(),
             shape,
             failures: AtomicU64::new(0),
@@ -296,7 +299,7 @@ impl Striped {
                 for (jj, col) in cols.iter_mut().enumerate() {
                     let m = sh.member(s, jj);
                     if m != i && self.current(m, s) {
-                        match self.member(m).read_at(col, off) {
+                        match self.member_read(m, col, off) {
                             Ok(()) => have[jj] = true,
                             Err(_) => {
                                 self.note_read_error(m, s);
@@ -354,7 +357,7 @@ impl Striped {
             for (j, col) in cols.iter_mut().enumerate() {
                 let m = sh.member(s, j);
                 if self.current(m, s) {
-                    match self.member(m).read_at(col, off) {
+                    match self.member_read(m, col, off) {
                         Ok(()) => readable[j] = true,
                         Err(_) => self.note_read_error(m, s),
                     }
@@ -455,6 +458,7 @@ impl Striped {
                 failed: self.is_failed(i),
                 read_errors: self.read_errors[i].load(Ordering::Relaxed),
                 bytes_written: self.written[i].load(Ordering::Relaxed),
+                bytes_read: self.read_bytes[i].load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -539,6 +543,11 @@ impl Striped {
     }
 
     /// Writes `buf` to `member` at `off`; on failure marks it failed.
+    fn member_read(&self, member: usize, buf: &mut [u8], off: u64) -> Result<(), DeviceError> {
+        self.read_bytes[member].fetch_add(buf.len() as u64, Ordering::Relaxed);
+        self.member(member).read_at(buf, off)
+    }
+
     fn member_write(&self, member: usize, buf: &[u8], off: u64) {
         if self.is_failed(member) {
             return;
@@ -569,7 +578,7 @@ impl Striped {
             }
             let m = sh.member(s, j);
             if self.current(m, s) {
-                match self.member(m).read_at(cols[j], off) {
+                match self.member_read(m, cols[j], off) {
                     Ok(()) => have[j] = true,
                     Err(_) => {
                         self.note_read_error(m, s);
@@ -638,7 +647,7 @@ impl BlockDevice for Striped {
                 if !self.current(m, s) {
                     return false;
                 }
-                match self.member(m).read_at(col, sh.member_offset(s, first)) {
+                match self.member_read(m, col, sh.member_offset(s, first)) {
                     Ok(()) => {
                         scatter(col, buf);
                         true

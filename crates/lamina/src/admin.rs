@@ -260,6 +260,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                         name: m["name"].as_str().unwrap_or("").into(),
                         state: m["state"].as_str().unwrap_or("").into(),
                         bytes_written: m["bytes_written"].as_u64().unwrap_or(0),
+                        bytes_read: m["bytes_read"].as_u64().unwrap_or(0),
                         read_errors: m["read_errors"].as_u64().unwrap_or(0),
                         rebuild_progress: m["rebuild_progress"].as_f64(),
                     })

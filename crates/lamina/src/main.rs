@@ -4,6 +4,7 @@
 #![recursion_limit = "256"]
 
 mod admin;
+mod bench;
 mod config;
 mod output;
 mod rebuild;
@@ -67,6 +68,9 @@ enum Cmd {
     /// Replay a workload or block trace through the engine, without data.
     #[command(long_about = sim::SIM_ABOUT)]
     Sim(sim::SimArgs),
+    /// Yardsticks for the benchmarks (a RAID-5 with read-modify-write).
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
 }
 
 const SERVE_ABOUT: &str = "\
@@ -170,9 +174,16 @@ struct ArrayReplaceArgs {
     /// Return once the rebuild has started (server only).
     #[arg(long)]
     no_wait: bool,
+    /// Rebuild every stripe, also the free ones, as a RAID that does not know
+    /// what is in use must (offline only; for comparisons).
+    #[arg(long)]
+    whole_device: bool,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+    /// Print the rebuild's report as JSON (offline rebuilds).
+    #[arg(long)]
+    json: bool,
 }
 
 const ARRAY_CREATE_ABOUT: &str = "\
@@ -265,6 +276,7 @@ fn main() {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Status(a) => status(a),
         Cmd::Sim(a) => sim::run(a),
+        Cmd::Bench(b) => bench::run(b),
     };
     if let Err(e) = result {
         eprintln!("lamina: error: {e:#}");
@@ -328,6 +340,9 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
         );
         pb
     };
+    if a.whole_device && running {
+        bail!("--whole-device runs offline only; stop the server first");
+    }
     if running && admin::request(&admin_socket(&dir)?, &req)?.is_some() {
         rebuild::update_config(&dir, &old_name, &path)?;
         println!(
@@ -368,7 +383,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
         rebuild::replace(&rt, a.old, dev)?;
         rebuild::update_config(&dir, &old_name, &path)?;
         let pb = bar(a.quiet);
-        let r = rebuild::run(&rt, a.old, rate, &mut |d, t| {
+        let r = rebuild::run(&rt, a.old, rate, a.whole_device, &mut |d, t| {
             pb.set_position(d * 100 / t.max(1));
         })?;
         pb.finish();
@@ -376,6 +391,20 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     })();
     rt.shutdown()?;
     let r = result?;
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "member": a.old,
+                "seconds": r.elapsed.as_secs_f64(),
+                "stripes_visited": r.stripes_visited,
+                "stripes_rebuilt": r.stripes_rebuilt,
+                "bytes_written": r.bytes_written,
+                "whole_device_bytes": r.whole_device_bytes,
+            })
+        );
+        return Ok(());
+    }
     println!(
         "member {} rebuilt in {:.1}s: {} of {} stripes held data; wrote {} (a whole-device rebuild writes {})",
         a.old,

@@ -21,6 +21,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
                 "name": m.name,
                 "state": m.state,
                 "bytes_written": m.bytes_written,
+                "bytes_read": m.bytes_read,
                 "read_errors": m.read_errors,
                 "rebuild_progress": m.rebuild_progress,
             })).collect::<Vec<_>>(),

@@ -62,11 +62,13 @@ pub fn run(
     rt: &Runtime,
     index: usize,
     rate: Option<u64>,
+    all_stripes: bool,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<RebuildReport> {
     let call = |r: Request| rt.call(r).map(|_| ());
     let opts = RebuildOptions {
         rate_bytes_per_s: rate,
+        all_stripes,
         ..Default::default()
     };
     Ok(rebuild(&rt.shared, index, &call, &opts, progress)?)
@@ -86,7 +88,7 @@ pub fn spawn(rt: &Runtime, index: usize, rate: Option<u64>) {
         .name(format!("lamina-rebuild{index}"))
         .spawn(move || {
             tracing::info!("rebuilding member {index}");
-            match run(&rt, index, rate, &mut |_, _| {}) {
+            match run(&rt, index, rate, false, &mut |_, _| {}) {
                 Ok(r) => tracing::info!(
                     "member {index} rebuilt in {:.1}s: {} of {} stripes held data, {} bytes written (a whole-device rebuild writes {})",
                     r.elapsed.as_secs_f64(),

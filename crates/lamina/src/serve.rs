@@ -150,7 +150,7 @@ fn serve_metrics(listener: TcpListener, rt: Runtime) {
 
 /// Blocks SIGINT and SIGTERM in this thread (and threads spawned after), so that
 /// `wait_for_signal` receives them.
-fn block_signals() -> libc::sigset_t {
+pub(crate) fn block_signals() -> libc::sigset_t {
     // SAFETY: plain libc signal mask manipulation on a local set.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -162,7 +162,7 @@ fn block_signals() -> libc::sigset_t {
     }
 }
 
-fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+pub(crate) fn wait_for_signal(set: &libc::sigset_t) -> i32 {
     let mut sig = 0;
     // SAFETY: waits for one of the blocked signals.
     unsafe { libc::sigwait(set, &mut sig) };

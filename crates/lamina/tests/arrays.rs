@@ -305,3 +305,40 @@ fn scrub_finds_and_repairs_silent_corruption() {
     assert_eq!(export_digest(&t, &s.uri("v"), "out.img"), want);
     s.stop();
 }
+
+/// The RAID-5 yardstick of bench/said5.sh serves correct data and counts 2 reads and
+/// 2 writes per 4 KiB write.
+#[test]
+fn raid5_rmw_yardstick_is_correct_and_counts_its_io() {
+    if !need("arrays::raid5_rmw", &["fio"], false) {
+        return;
+    }
+    let t = TempDir::new("arr-rmw");
+    let sock = t.join("r.sock");
+    let mut args: Vec<String> = vec!["bench".into(), "raid5-rmw".into()];
+    for i in 0..4 {
+        args.push("--device".into());
+        args.push(format!("{}:16M", t.join(&format!("r{i}.img")).display()));
+    }
+    args.extend(["--unix".into(), sock.to_str().unwrap().into()]);
+    let child = Command::new(lamina_bin())
+        .args(&args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !sock.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(20));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = t.join("fio.json");
+    let uri = format!("nbd+unix:///raid5?socket={}", sock.display());
+    fio_finish(fio_start(&uri, 8 << 20, 1, &out), &out, 8 << 20);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let user = j["user_bytes_written"].as_u64().unwrap();
+    assert!(user >= 8 << 20, "{j}");
+    assert_eq!(j["device_bytes_written"].as_u64().unwrap(), 2 * user, "{j}");
+}
