@@ -2349,7 +2349,9 @@ impl Engine {
             .classifier_factory
             .as_ref()
             .and_then(|f| f(&cname, name, blocks))
-            .or_else(|| crate::placement::classifier_by_name(&cname, blocks))
+            .or_else(|| {
+                crate::placement::classifier_for(&cname, blocks, self.geo.data_blocks_per_segment())
+            })
             .unwrap_or_else(|| Box::new(crate::placement::NoClassifier));
         let policy = policy_by_name(&pname).unwrap_or_else(|| Box::new(crate::gc::Greedy));
         (classifier, policy)

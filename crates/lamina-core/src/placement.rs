@@ -318,8 +318,9 @@ pub struct Lamina {
     bin_base: f64,
     window: u64,
     window_len: u64,
-    /// GC places by the larger of prediction and age (else prediction alone).
-    by_age: bool,
+    /// GC places by the larger of prediction and `age_factor` x age (0: prediction
+    /// alone).
+    age_factor: f64,
 }
 
 /// Estimate bins per octave, bins of finite estimates, and the bin of blocks written
@@ -353,7 +354,7 @@ impl Lamina {
             bin_base: blocks / 65536.0,
             window: 0,
             window_len: ((blocks / 64.0) as u64).max(1024),
-            by_age: true,
+            age_factor: 1.0,
         }
     }
     fn class_of(&self, interval: f64) -> u8 {
@@ -448,7 +449,7 @@ impl Classifier for Lamina {
     fn classify_gc(&mut self, lba: u64, now: u64, _from: u8) -> u8 {
         let age = (now + 1).saturating_sub(self.last.get(lba)) as f64;
         let p = self.predict(lba, self.bin(lba));
-        self.classes + self.class_of(if self.by_age { p.max(age) } else { p })
+        self.classes + self.class_of(p.max(age * self.age_factor))
     }
     fn bytes_per_block(&self) -> usize {
         12
@@ -459,13 +460,38 @@ impl Classifier for Lamina {
 /// and is built by the simulator).
 pub const CLASSIFIER_NAMES: &[&str] = &["none", "frequency", "sepbit", "lamina"];
 
-/// Builds a classifier by name for a volume of `blocks` blocks.
+/// Builds a classifier by name for a volume of `blocks` blocks (segment size
+/// unknown; see [`classifier_for`]).
 pub fn classifier_by_name(name: &str, blocks: u64) -> Option<Box<dyn Classifier>> {
+    classifier_for(name, blocks, 0)
+}
+
+/// Octaves of predicted lifetime that Lamina's classes span together.
+const LAMINA_SPAN_OCTAVES: f64 = 6.0;
+
+/// Builds a classifier by name for a volume of `blocks` blocks on segments of
+/// `segment_blocks` data blocks (0: unknown).
+pub fn classifier_for(name: &str, blocks: u64, segment_blocks: u64) -> Option<Box<dyn Classifier>> {
     Some(match name {
         "none" => Box::new(NoClassifier),
         "frequency" => Box::new(Frequency::new((blocks / 4).max(1024), 6)),
         "sepbit" => Box::new(SepBit::default()),
-        "lamina" => Box::new(Lamina::new(blocks, 6, 1.0, 0.25)),
+        "lamina" => {
+            // Every class keeps a user and a GC segment open, and open segments hold
+            // space GC cannot collect: with large segments (few per volume) fewer,
+            // wider classes pay off. One class per 16 segments of the volume, 3 to
+            // 6 of them, spanning the same 6 octaves.
+            let classes = match segment_blocks {
+                0 => 6,
+                s => (blocks / s / 16).clamp(3, 6) as u8,
+            };
+            Box::new(Lamina::new(
+                blocks,
+                classes,
+                LAMINA_SPAN_OCTAVES / classes as f64,
+                0.25,
+            ))
+        }
         n if n.starts_with("lamina:") => {
             // lamina:CLASSES:WIDTH:BETA, for experiments.
             let mut it = n[7..].split(':');
@@ -475,7 +501,7 @@ pub fn classifier_by_name(name: &str, blocks: u64) -> Option<Box<dyn Classifier>
             let beta = next("0.25")?;
             let by_age = next("1")?;
             let mut l = Lamina::new(blocks, classes as u8, width, beta as f32);
-            l.by_age = by_age > 0.0;
+            l.age_factor = by_age;
             Box::new(l)
         }
         _ => return None,
@@ -530,6 +556,24 @@ mod tests {
 
     /// Uniform traffic carries no heat to separate: most of it shares one class
     /// (splitting it would only slow the filling of each segment).
+    #[test]
+    fn lamina_uses_fewer_wider_classes_when_segments_are_few() {
+        let n = |segs: u64| {
+            classifier_for("lamina", segs * 1000, 1000)
+                .unwrap()
+                .user_classes()
+        };
+        assert_eq!(n(1024), 6);
+        assert_eq!(n(64), 4);
+        assert_eq!(n(10), 3);
+        assert_eq!(
+            classifier_by_name("lamina", 1 << 20)
+                .unwrap()
+                .user_classes(),
+            6
+        );
+    }
+
     #[test]
     fn lamina_keeps_uniform_traffic_mostly_in_one_class() {
         let blocks = 1 << 16;
