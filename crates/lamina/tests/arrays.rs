@@ -342,3 +342,82 @@ fn raid5_rmw_yardstick_is_correct_and_counts_its_io() {
     assert!(user >= 8 << 20, "{j}");
     assert_eq!(j["device_bytes_written"].as_u64().unwrap(), 2 * user, "{j}");
 }
+
+/// A member that starts failing every I/O mid-run (nbdkit's error filter behind
+/// nbdfuse): the array fails it by itself and fio, writing and verifying, sees no
+/// error at all.
+#[test]
+fn said5_member_returning_eio_is_failed_automatically_under_fio() {
+    if !need(
+        "arrays::said5_member_returning_eio",
+        &["fio", "nbdkit", "nbdfuse", "fusermount3"],
+        true,
+    ) {
+        return;
+    }
+    let t = TempDir::new("arr-eio");
+    let mut guard = Guard::new();
+    let trigger = t.join("fail-now");
+    let error_file = format!("error-file={}", trigger.display());
+    let (kit, fuse, flaky) = nbdkit_as_file(
+        &t,
+        &[
+            "--filter=error",
+            "memory",
+            "48M",
+            "error=EIO",
+            "error-rate=100%",
+            &error_file,
+        ],
+    );
+    guard.children.push(kit);
+    guard.children.push(fuse);
+    guard.mounts.push(t.join("fuse"));
+    let dir = t.join("arr");
+    let files: Vec<String> = (0..3)
+        .map(|i| format!("{}:48M", t.join(&format!("d{i}.img")).display()))
+        .collect();
+    lamina(&[
+        "array",
+        "create",
+        dir.to_str().unwrap(),
+        "--layout",
+        "said5",
+        "--device",
+        &files[0],
+        "--device",
+        &files[1],
+        "--device",
+        flaky.to_str().unwrap(),
+        "--device",
+        &files[2],
+        "--segment-size",
+        "1M",
+        "--write-unit",
+        "256K",
+    ]);
+    let usable = status_json(&dir)["usable_bytes"].as_u64().unwrap();
+    let vol = usable * 8 / 10 / (1 << 20) * (1 << 20);
+    create_volume(&dir, "v", &vol.to_string());
+    let s = Server::start(&dir);
+    let out = t.join("fio.json");
+    let fio = fio_start(&s.uri("v"), vol, 2, &out);
+    wait_written(&dir, vol / 2);
+    std::fs::write(&trigger, b"").unwrap();
+    fio_finish(fio, &out, vol);
+    let st = status_json(&dir);
+    let failed: Vec<&serde_json::Value> = st["array"]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["state"] == "failed")
+        .collect();
+    assert_eq!(failed.len(), 1, "exactly the flaky member failed: {st}");
+    assert!(failed[0]["name"].as_str().unwrap().contains("fuse"), "{st}");
+    assert_eq!(st["array"]["redundancy_left"], 0, "{st}");
+    assert!(
+        st["failed"].is_null(),
+        "the array itself still serves: {st}"
+    );
+    s.stop();
+}
