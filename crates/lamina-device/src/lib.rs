@@ -18,11 +18,13 @@
 pub mod crash;
 pub mod fault;
 pub mod file;
+pub mod flash;
 pub mod mem;
 pub mod parity;
 pub mod raid5;
 pub mod sparse;
 pub mod striped;
+pub mod zoned;
 
 use std::io;
 
