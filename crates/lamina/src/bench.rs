@@ -54,6 +54,9 @@ pub enum BenchCmd {
         /// FTL indirection unit.
         #[arg(long, default_value = "4K")]
         iu: String,
+        /// Where the 4 KiB writes go: uniform, zipf:THETA, hotcold:H/C (as `lamina sim`).
+        #[arg(long, default_value = "uniform")]
+        workload: String,
         #[arg(long)]
         json: bool,
     },
@@ -106,8 +109,19 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             overprovision,
             cell,
             iu,
+            workload,
             json,
-        } => return endurance(&capacity, passes, overprovision, &cell, &iu, json),
+        } => {
+            return endurance(
+                &capacity,
+                passes,
+                overprovision,
+                &cell,
+                &iu,
+                &workload,
+                json,
+            )
+        }
     };
     let mut members: Vec<Arc<dyn BlockDevice>> = Vec::new();
     for d in &devices {
@@ -170,65 +184,73 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
     Ok(())
 }
 
-/// xorshift64: the random LBAs of the endurance runs (seeded, reproducible).
-fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
+/// The 4 KiB writes of an endurance run over `blocks` blocks after a sequential
+/// fill: `passes x blocks` of them, placed by `pattern` (seeded, reproducible).
+fn writes(pattern: &str, blocks: u64, passes: u32) -> Result<impl Iterator<Item = u64>> {
+    use lamina_sim::workload::{Pattern, Synthetic, Workload};
+    let p = Pattern::parse(pattern).map_err(anyhow::Error::msg)?;
+    let mut w = Synthetic::new(p, blocks, passes as u64 * blocks, 42, false);
+    Ok(std::iter::from_fn(move || w.next_op().map(|o| o.lba)))
 }
 
+/// A raw run: the SSD filled over `blocks`, then the workload's writes over them;
+/// returns (NAND bytes per host byte, erases) of the writes after the fill.
+fn raw_run(
+    cfg: &lamina_device::flash::FlashConfig,
+    blocks: u64,
+    workload: &str,
+    passes: u32,
+) -> Result<(f64, u64)> {
+    use lamina_device::flash::{Flash, FlashOp};
+    let bs = 4096;
+    let raw = Flash::new(
+        Arc::new(lamina_device::sparse::SparseDevice::new("raw", cfg.capacity_bytes)),
+        cfg.clone(),
+    )?;
+    let put = |b: u64| raw.submit(FlashOp::Write { offset: b * bs, len: bs }, 0);
+    (0..blocks).for_each(|b| {
+        put(b);
+    });
+    let a = raw.stats();
+    for b in writes(workload, blocks, passes)? {
+        put(b);
+    }
+    let z = raw.stats();
+    let wa = (z.nand_bytes_programmed - a.nand_bytes_programmed) as f64
+        / (z.host_bytes_written - a.host_bytes_written) as f64;
+    Ok((wa, z.erases - a.erases))
+}
+
+#[allow(clippy::too_many_arguments)]
 fn endurance(
     capacity: &str,
     passes: u32,
     op: f64,
     cell: &str,
     iu: &str,
+    workload: &str,
     json_out: bool,
 ) -> Result<()> {
-    use lamina_device::flash::{Cell, Flash, FlashConfig, FlashOp};
+    use lamina_core::{Engine, Request, Token};
+    use lamina_device::flash::{Cell, Flash, FlashConfig};
     use lamina_device::mem::MemDevice;
     let capacity = parse_size(capacity).map_err(anyhow::Error::msg)?;
+    let iu = parse_size(iu).map_err(anyhow::Error::msg)?;
     let cfg = FlashConfig {
         capacity_bytes: capacity,
-        iu_bytes: parse_size(iu).map_err(anyhow::Error::msg)?,
+        iu_bytes: iu,
+        // Large-unit drives have pages at least as large as their unit.
+        page_bytes: iu.max(16 << 10),
         cell: Cell::parse(cell).ok_or_else(|| anyhow::anyhow!("unknown cell type {cell:?}"))?,
         ..Default::default()
     };
     cfg.validate().map_err(anyhow::Error::msg)?;
     let bs = 4096u64;
-    // Raw: the host writes 4 KiB blocks at random over the whole device.
-    let raw = Flash::new(
-        Arc::new(lamina_device::sparse::SparseDevice::new("raw", capacity)),
-        cfg.clone(),
-    )?;
-    let blocks = capacity / bs;
-    let mut x = 0x9e3779b97f4a7c15u64;
-    for b in 0..blocks {
-        raw.submit(
-            FlashOp::Write {
-                offset: b * bs,
-                len: bs,
-            },
-            0,
-        );
-    }
-    for _ in 0..passes as u64 * blocks {
-        raw.submit(
-            FlashOp::Write {
-                offset: (next(&mut x) % blocks) * bs,
-                len: bs,
-            },
-            0,
-        );
-    }
-    let r = raw.stats();
+    // Raw: the host writes 4 KiB blocks over the whole device.
+    let (wa_raw, erases_raw) = raw_run(&cfg, capacity / bs, workload, passes)?;
     // Lamina: an array on the same kind of SSD, a volume filling its usable space,
-    // the same writes through the engine.
-    let ssd = Arc::new(Flash::new(
-        Arc::new(MemDevice::new("ssd", capacity)),
-        cfg.clone(),
-    )?);
+    // the same kind of writes through the engine.
+    let ssd = Arc::new(Flash::new(Arc::new(MemDevice::new("ssd", capacity)), cfg.clone())?);
     let devs: Vec<Arc<dyn BlockDevice>> = vec![ssd.clone()];
     let params = lamina_core::FormatParams {
         name: "endurance".into(),
@@ -240,139 +262,100 @@ fn endurance(
     lamina_core::format(&devs, &params, [1; 16], &[[2; 16]], 0)?;
     let (mut e, _) = lamina_core::open(devs, Default::default(), lamina_core::OpenMode::ReadWrite)?;
     let vol_blocks = e.status().usable_bytes / bs;
-    let call = |e: &mut lamina_core::Engine, req: lamina_core::Request| -> Result<()> {
-        let t = lamina_core::Token { conn: 1, handle: 1 };
+    let call = |e: &mut Engine, req: Request| -> Result<()> {
+        let t = Token { conn: 1, handle: 1 };
         e.submit(t, req);
         let mut out = Vec::new();
         loop {
             lamina_core::run_inline(e);
             e.drain_replies(&mut out);
-            if let Some(rep) = out.iter().position(|r| r.token == t) {
-                return Ok(out.swap_remove(rep).result?);
+            if let Some(r) = out.iter().position(|r| r.token == t) {
+                return Ok(out.swap_remove(r).result?);
             }
             e.tick(u64::MAX / 2);
         }
     };
     call(
         &mut e,
-        lamina_core::Request::CreateVolume {
+        Request::CreateVolume {
             name: "v".into(),
             size_bytes: vol_blocks * bs,
         },
     )?;
     let vol = e.shared().volume("v").unwrap().id;
     let mut replies = Vec::new();
-    let mut write = |e: &mut lamina_core::Engine, lba: u64, i: u64| {
-        e.submit(
-            lamina_core::Token { conn: 2, handle: i },
-            lamina_core::Request::Write {
-                volume: vol,
-                offset: lba * bs,
-                data: vec![(i % 251) as u8; bs as usize],
-                fua: false,
-            },
-        );
-        if i % 64 == 63 {
+    let mut i = 0u64;
+    let mut write = |e: &mut Engine, lba: u64| {
+        let data = vec![(i % 251) as u8; bs as usize];
+        let req = Request::Write { volume: vol, offset: lba * bs, data, fua: false };
+        e.submit(Token { conn: 2, handle: i }, req);
+        i += 1;
+        if i % 64 == 0 {
             lamina_core::run_inline(e);
             e.drain_replies(&mut replies);
             replies.clear();
         }
     };
-    let mut i = 0;
     for b in 0..vol_blocks {
-        write(&mut e, b, i);
-        i += 1;
+        write(&mut e, b);
     }
     let filled = ssd.stats();
-    for _ in 0..passes as u64 * vol_blocks {
-        write(&mut e, next(&mut x) % vol_blocks, i);
-        i += 1;
+    for b in writes(workload, vol_blocks, passes)? {
+        write(&mut e, b);
     }
-    call(&mut e, lamina_core::Request::Flush)?;
+    call(&mut e, Request::Flush)?;
     let l = ssd.stats();
     let host = e.status();
-    // Raw again, but written only over Lamina's user capacity: the same spare space
-    // left to the drive's own FTL (a fair peer for the spare Lamina keeps).
-    let raw2 = Flash::new(
-        Arc::new(lamina_device::sparse::SparseDevice::new("raw2", capacity)),
-        cfg.clone(),
-    )?;
-    for b in 0..vol_blocks {
-        raw2.submit(
-            FlashOp::Write {
-                offset: b * bs,
-                len: bs,
-            },
-            0,
-        );
-    }
-    let r2a = raw2.stats();
-    for _ in 0..passes as u64 * vol_blocks {
-        raw2.submit(
-            FlashOp::Write {
-                offset: (next(&mut x) % vol_blocks) * bs,
-                len: bs,
-            },
-            0,
-        );
-    }
-    let r2 = raw2.stats();
-    let wa_raw2 = (r2.nand_bytes_programmed - r2a.nand_bytes_programmed) as f64
-        / (r2.host_bytes_written - r2a.host_bytes_written) as f64;
-    let erases_raw2 = r2.erases - r2a.erases;
-    let nand_raw = r.nand_bytes_programmed as f64;
-    let user_raw = r.host_bytes_written as f64;
-    let nand_l = (l.nand_bytes_programmed - filled.nand_bytes_programmed) as f64;
+    // Raw again, written only over Lamina's user capacity: the same spare space left
+    // to the drive's own FTL (a fair peer for the spare Lamina keeps).
+    let (wa_raw2, erases_raw2) = raw_run(&cfg, vol_blocks, workload, passes)?;
     let user_l = (passes as u64 * vol_blocks * bs) as f64;
-    let erases_raw = r.erases;
+    let nand_l = (l.nand_bytes_programmed - filled.nand_bytes_programmed) as f64;
+    let wa_l = nand_l / user_l;
+    let dev_wa = nand_l / (l.host_bytes_written - filled.host_bytes_written).max(1) as f64;
     let erases_l = l.erases - filled.erases;
+    let per_gib = |erases: u64, user: f64| erases as f64 / (user / (1u64 << 30) as f64);
+    let user_raw = (passes as u64 * capacity) as f64;
     let rows = serde_json::json!({
         "capacity_bytes": capacity,
         "passes": passes,
         "cell": cell,
-        "iu_bytes": cfg.iu_bytes,
-        "raw": {"user_bytes_written": user_raw, "nand_bytes_programmed": nand_raw,
-                 "erases": erases_raw, "write_amplification": nand_raw / user_raw},
-        "lamina": {"user_capacity_bytes": vol_blocks * bs, "user_bytes_written": user_l,
-                   "nand_bytes_programmed": nand_l, "erases": erases_l,
-                   "host_write_amplification": host.write_amplification,
-                   "device_write_amplification": (l.nand_bytes_programmed - filled.nand_bytes_programmed) as f64
-                        / (l.host_bytes_written - filled.host_bytes_written).max(1) as f64,
-                   "write_amplification": nand_l / user_l},
+        "workload": workload,
+        "iu_bytes": iu,
+        "raw": {"write_amplification": wa_raw, "erases": erases_raw},
         "raw_same_capacity": {"write_amplification": wa_raw2, "erases": erases_raw2},
-        "wear_ratio_raw_over_lamina": (nand_raw / user_raw) / (nand_l / user_l),
+        "lamina": {"user_capacity_bytes": vol_blocks * bs,
+                   "write_amplification": wa_l, "erases": erases_l,
+                   "host_write_amplification": host.write_amplification,
+                   "device_write_amplification": dev_wa},
+        "wear_ratio_raw_over_lamina": wa_raw / wa_l,
     });
     if json_out {
         println!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
-        println!("| | user capacity | NAND bytes per user byte | erases per GiB written |");
-        println!("|---|---:|---:|---:|");
-        println!(
-            "| raw SSD, 4 KiB random | {} | {:.2} | {:.0} |",
-            crate::size::human(capacity),
-            nand_raw / user_raw,
-            erases_raw as f64 / (user_raw / (1u64 << 30) as f64)
-        );
-        println!(
-            "| raw SSD, 4 KiB random over the same capacity as Lamina | {} | {:.2} | {:.0} |",
-            crate::size::human(vol_blocks * bs),
-            wa_raw2,
-            erases_raw2 as f64 / (user_l / (1u64 << 30) as f64)
-        );
-        println!(
-            "| Lamina on the SSD | {} | {:.2} | {:.0} |",
-            crate::size::human(vol_blocks * bs),
-            nand_l / user_l,
-            erases_l as f64 / (user_l / (1u64 << 30) as f64)
-        );
-        println!(
-            "\nLamina: {:.1}x less NAND wear per user byte (host WA {:.2} x device WA {:.2})",
-            rows["wear_ratio_raw_over_lamina"].as_f64().unwrap(),
-            host.write_amplification.unwrap_or(0.0),
-            rows["lamina"]["device_write_amplification"]
-                .as_f64()
-                .unwrap()
-        );
+        return Ok(());
     }
+    let human = crate::size::human;
+    println!("| | user capacity | NAND bytes per user byte | erases per GiB written |");
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| raw SSD | {} | {wa_raw:.2} | {:.0} |",
+        human(capacity),
+        per_gib(erases_raw, user_raw)
+    );
+    println!(
+        "| raw SSD, written over the same capacity as Lamina | {} | {wa_raw2:.2} | {:.0} |",
+        human(vol_blocks * bs),
+        per_gib(erases_raw2, user_l)
+    );
+    println!(
+        "| Lamina on the SSD | {} | {wa_l:.2} | {:.0} |",
+        human(vol_blocks * bs),
+        per_gib(erases_l, user_l)
+    );
+    println!(
+        "\nLamina: {:.1}x less NAND wear per user byte than the raw SSD (host WA {:.2} x device WA {dev_wa:.2})",
+        wa_raw / wa_l,
+        host.write_amplification.unwrap_or(0.0)
+    );
     Ok(())
 }
