@@ -321,6 +321,9 @@ pub struct Lamina {
     /// GC places by the larger of prediction and `age_factor` x age (0: prediction
     /// alone).
     age_factor: f64,
+    /// The measured rates show no skew (see `end_window`).
+    flat: bool,
+    blocks: f64,
 }
 
 /// Estimate bins per octave, bins of finite estimates, and the bin of blocks written
@@ -355,6 +358,8 @@ impl Lamina {
             window: 0,
             window_len: ((blocks / 64.0) as u64).max(1024),
             age_factor: 1.0,
+            flat: false,
+            blocks,
         }
     }
     fn class_of(&self, interval: f64) -> u8 {
@@ -402,6 +407,17 @@ impl Lamina {
             self.exits[b] = 0;
         }
         self.window = 0;
+        // Flat: every measured bin that holds a noticeable share of the blocks
+        // predicts the same class as uniform traffic would. Then age predicts
+        // nothing either, and GC does not split by it.
+        let total: i64 = self.count.iter().map(|c| (*c).max(0)).sum();
+        let bulk = self.class_of(self.blocks);
+        self.flat = total > 0
+            && (0..=BINS).all(|b| {
+                self.count[b] * 1000 < total
+                    || self.rate[b] <= 0.0
+                    || self.class_of(1.0 / self.rate[b]) == bulk
+            });
     }
 }
 
@@ -449,7 +465,12 @@ impl Classifier for Lamina {
     fn classify_gc(&mut self, lba: u64, now: u64, _from: u8) -> u8 {
         let age = (now + 1).saturating_sub(self.last.get(lba)) as f64;
         let p = self.predict(lba, self.bin(lba));
-        self.classes + self.class_of(p.max(age * self.age_factor))
+        let age = if self.flat {
+            0.0
+        } else {
+            age * self.age_factor
+        };
+        self.classes + self.class_of(p.max(age))
     }
     fn bytes_per_block(&self) -> usize {
         12
@@ -556,6 +577,42 @@ mod tests {
 
     /// Uniform traffic carries no heat to separate: most of it shares one class
     /// (splitting it would only slow the filling of each segment).
+    /// Uniform traffic measures flat: GC then ignores age (it predicts nothing
+    /// there); skewed traffic does not.
+    #[test]
+    fn lamina_sees_when_traffic_is_flat() {
+        // Large enough that every bin's measured rate is close to the truth.
+        let blocks = 1 << 18;
+        let mut flat = Lamina::new(blocks, 6, 1.0, 0.25);
+        let mut x = 0x1234_5678u64;
+        for t in 0..blocks * 12 {
+            flat.classify_user(rng(&mut x) % blocks, t);
+        }
+        assert!(flat.flat, "uniform traffic is flat");
+        let young = flat.classify_gc(1, blocks * 12, 0);
+        // Old or young, a GC'd block lands in the same class.
+        let mut oldest = 0;
+        let mut when = u64::MAX;
+        for lba in 0..blocks {
+            let w = flat.last.get(lba);
+            if w != 0 && w < when {
+                when = w;
+                oldest = lba;
+            }
+        }
+        assert_eq!(flat.classify_gc(oldest, blocks * 12, 0), young);
+        let mut skew = Lamina::new(blocks, 6, 1.0, 0.25);
+        for t in 0..blocks * 12 {
+            let lba = if rng(&mut x) % 10 < 9 {
+                rng(&mut x) % (blocks / 10)
+            } else {
+                rng(&mut x) % blocks
+            };
+            skew.classify_user(lba, t);
+        }
+        assert!(!skew.flat, "90/10 traffic is not flat");
+    }
+
     #[test]
     fn lamina_uses_fewer_wider_classes_when_segments_are_few() {
         let n = |segs: u64| {

@@ -204,10 +204,21 @@ fn raw_run(
     use lamina_device::flash::{Flash, FlashOp};
     let bs = 4096;
     let raw = Flash::new(
-        Arc::new(lamina_device::sparse::SparseDevice::new("raw", cfg.capacity_bytes)),
+        Arc::new(lamina_device::sparse::SparseDevice::new(
+            "raw",
+            cfg.capacity_bytes,
+        )),
         cfg.clone(),
     )?;
-    let put = |b: u64| raw.submit(FlashOp::Write { offset: b * bs, len: bs }, 0);
+    let put = |b: u64| {
+        raw.submit(
+            FlashOp::Write {
+                offset: b * bs,
+                len: bs,
+            },
+            0,
+        )
+    };
     (0..blocks).for_each(|b| {
         put(b);
     });
@@ -250,7 +261,10 @@ fn endurance(
     let (wa_raw, erases_raw) = raw_run(&cfg, capacity / bs, workload, passes)?;
     // Lamina: an array on the same kind of SSD, a volume filling its usable space,
     // the same kind of writes through the engine.
-    let ssd = Arc::new(Flash::new(Arc::new(MemDevice::new("ssd", capacity)), cfg.clone())?);
+    let ssd = Arc::new(Flash::new(
+        Arc::new(MemDevice::new("ssd", capacity)),
+        cfg.clone(),
+    )?);
     let devs: Vec<Arc<dyn BlockDevice>> = vec![ssd.clone()];
     let params = lamina_core::FormatParams {
         name: "endurance".into(),
@@ -287,7 +301,12 @@ fn endurance(
     let mut i = 0u64;
     let mut write = |e: &mut Engine, lba: u64| {
         let data = vec![(i % 251) as u8; bs as usize];
-        let req = Request::Write { volume: vol, offset: lba * bs, data, fua: false };
+        let req = Request::Write {
+            volume: vol,
+            offset: lba * bs,
+            data,
+            fua: false,
+        };
         e.submit(Token { conn: 2, handle: i }, req);
         i += 1;
         if i % 64 == 0 {

@@ -53,7 +53,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Create arrays.
+    /// Create arrays, fail and replace members, scrub.
     #[command(subcommand)]
     Array(ArrayCmd),
     /// Create, list and delete volumes.
@@ -68,7 +68,7 @@ enum Cmd {
     /// Replay a workload or block trace through the engine, without data.
     #[command(long_about = sim::SIM_ABOUT)]
     Sim(sim::SimArgs),
-    /// Yardsticks for the benchmarks (a RAID-5 with read-modify-write).
+    /// Benchmark yardsticks and reproductions (RAID-5 read-modify-write, SSD endurance).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
 }
