@@ -309,7 +309,7 @@ fn endurance(
         };
         e.submit(Token { conn: 2, handle: i }, req);
         i += 1;
-        if i % 64 == 0 {
+        if i.is_multiple_of(64) {
             lamina_core::run_inline(e);
             e.drain_replies(&mut replies);
             replies.clear();
