@@ -21,6 +21,7 @@ pub mod file;
 pub mod flash;
 pub mod mem;
 pub mod parity;
+pub mod probe;
 pub mod raid5;
 pub mod sparse;
 pub mod striped;

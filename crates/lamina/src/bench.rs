@@ -378,3 +378,97 @@ fn endurance(
     );
     Ok(())
 }
+
+/// `lamina probe --emulate SPEC`: the sketcher against an emulated SSD whose
+/// geometry is known, printing its verdicts with the evidence.
+pub fn probe_emulated(spec: &str, json_out: bool) -> Result<()> {
+    use lamina_device::flash::{Cell, Flash, FlashConfig};
+    use lamina_device::probe::{probe, EmulatedTarget};
+    let mut cfg = FlashConfig {
+        capacity_bytes: 256 << 20,
+        pages_per_block: 64,
+        ..Default::default()
+    };
+    for kv in spec.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let size = || parse_size(v).map_err(anyhow::Error::msg);
+        let num = || {
+            v.parse::<u32>()
+                .with_context(|| format!("{k}={v}: not a number"))
+        };
+        match k {
+            "slc" | "mlc" | "tlc" | "qlc" => cfg.cell = Cell::parse(k).unwrap(),
+            "capacity" => cfg.capacity_bytes = size()?,
+            "iu" => {
+                cfg.iu_bytes = size()?;
+                cfg.page_bytes = cfg.page_bytes.max(cfg.iu_bytes);
+            }
+            "page" => cfg.page_bytes = size()?,
+            "pages-per-block" => cfg.pages_per_block = num()? as u64,
+            "channels" => cfg.channels = num()?,
+            "dies" => cfg.dies_per_channel = num()?,
+            _ => anyhow::bail!("unknown emulator setting {k:?} (cell type, capacity, iu, page, pages-per-block, channels, dies)"),
+        }
+    }
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    let f = Flash::new(
+        Arc::new(lamina_device::sparse::SparseDevice::new(
+            "probe",
+            cfg.capacity_bytes,
+        )),
+        cfg.clone(),
+    )?;
+    let r = probe(&mut EmulatedTarget { flash: &f, now: 0 });
+    let truth_units = cfg.channels * cfg.dies_per_channel * cfg.planes_per_die;
+    if json_out {
+        println!(
+            "{}",
+            serde_json::json!({
+                "indirection_unit_bytes": r.iu_bytes,
+                "parallel_units": r.parallel_units,
+                "mapping": r.mapping,
+                "write_order_ratio": r.write_order_ratio,
+                "gc_cliff_bytes": r.gc_cliff_bytes,
+                "recommended_write_unit_bytes": r.recommended_write_unit,
+                "recommended_segment_bytes": r.recommended_segment,
+                "recommended_queue_depth": r.recommended_queue_depth,
+                "truth": {"indirection_unit_bytes": cfg.iu_bytes, "parallel_units": truth_units},
+            })
+        );
+        return Ok(());
+    }
+    let human = crate::size::human;
+    println!(
+        "indirection unit: {}  (emulated: {})",
+        human(r.iu_bytes),
+        human(cfg.iu_bytes)
+    );
+    for (s, us) in &r.iu_evidence {
+        println!("    random writes of {:>9}: {us:8.1} us per KiB", human(*s));
+    }
+    println!(
+        "parallel units: {}  (emulated: {truth_units})",
+        r.parallel_units
+    );
+    for (k, tp) in &r.parallel_evidence {
+        println!("    4 KiB random reads at queue depth {k:>2}: {tp:7.1} per ms");
+    }
+    println!(
+        "mapping: {}  (reading back in write order takes {:.2}x the time of LBA order)",
+        r.mapping, r.write_order_ratio
+    );
+    match r.gc_cliff_bytes {
+        Some(b) => println!(
+            "GC cliff: after {} of random writes the latency triples",
+            human(b)
+        ),
+        None => println!("GC cliff: none seen"),
+    }
+    println!(
+        "recommended: write unit {}, segment {}, queue depth {}",
+        human(r.recommended_write_unit),
+        human(r.recommended_segment),
+        r.recommended_queue_depth
+    );
+    Ok(())
+}

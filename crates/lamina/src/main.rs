@@ -68,9 +68,37 @@ enum Cmd {
     /// Replay a workload or block trace through the engine, without data.
     #[command(long_about = sim::SIM_ABOUT)]
     Sim(sim::SimArgs),
+    /// Sketch an SSD's geometry from the timing of I/O patterns (emulated drives).
+    #[command(long_about = PROBE_ABOUT)]
+    Probe(ProbeArgs),
     /// Benchmark yardsticks and reproductions (RAID-5 read-modify-write, SSD endurance).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+}
+
+const PROBE_ABOUT: &str = "\
+Run black-box I/O patterns (after the SSD sketcher of the Hystor paper) and report,
+with the measurements behind each verdict: the indirection unit (random writes of
+growing size: below the unit each costs a read-modify-write), the number of parallel
+units (random reads at growing queue depth), whether the drive places data by write
+order or by LBA (a region written in random order read back both ways), and the GC
+cliff (sustained random writes); then a write unit, segment size and queue depth for
+Lamina. Writes over the whole device.
+
+Only emulated drives for now (--emulate), whose true geometry is printed beside the
+verdicts: probing a real device needs direct I/O timing that is not built yet.
+
+EXAMPLE
+    lamina probe --emulate tlc,capacity=1G,iu=16K,channels=4,dies=2";
+
+#[derive(clap::Args)]
+struct ProbeArgs {
+    /// The emulated SSD: cell type and settings, comma-separated (capacity, iu,
+    /// page, pages-per-block, channels, dies).
+    #[arg(long, value_name = "SPEC", default_value = "tlc")]
+    emulate: String,
+    #[arg(long)]
+    json: bool,
 }
 
 const SERVE_ABOUT: &str = "\
@@ -277,6 +305,7 @@ fn main() {
         Cmd::Status(a) => status(a),
         Cmd::Sim(a) => sim::run(a),
         Cmd::Bench(b) => bench::run(b),
+        Cmd::Probe(a) => bench::probe_emulated(&a.emulate, a.json),
     };
     if let Err(e) = result {
         eprintln!("lamina: error: {e:#}");
