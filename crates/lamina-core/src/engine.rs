@@ -153,8 +153,13 @@ pub enum Request {
         uuid: [u8; 16],
     },
     /// Record the rebuild of member `index`: stripes below `cursor` are done
-    /// (`None`: all; the member is active again). Replies once durable.
-    RebuildProgress { index: usize, cursor: Option<u64> },
+    /// (`None`: all; the member is active again). Replies once durable. Refused if
+    /// the slot was replaced since the rebuild began (`generation` differs).
+    RebuildProgress {
+        index: usize,
+        cursor: Option<u64>,
+        generation: u64,
+    },
 }
 
 /// A device handed to the engine (for [`Request::ReplaceMember`]).
@@ -567,6 +572,10 @@ pub struct Engine {
 pub type ClassifierFactory =
     Box<dyn Fn(&str, &str, u64) -> Option<Box<dyn crate::placement::Classifier>> + Send>;
 
+/// Allocation picks among this many segments at the head of the free queue (JBOD
+/// wear levelling); recovery's walk of the free queue allows for the skips.
+pub const ALLOC_WINDOW: usize = 32;
+
 /// Free segments below which user streams may not open a new segment; the rest is
 /// kept for garbage collection and the metadata stream so they can always progress.
 pub(crate) const USER_FLOOR_SEGMENTS: usize = 4;
@@ -892,7 +901,12 @@ impl Engine {
                     ))),
                     None,
                 ),
-                Some(st) if !st.is_failed(index) && st.redundancy_left() <= 0 => self.reply(
+                Some(st)
+                    if !st.is_failed(index)
+                        && st.rebuild_cursor(index).is_none()
+                        && st.redundancy_left() <= 0 =>
+                {
+                    self.reply(
                     token,
                     Err(EngineError::Invalid(format!(
                         "failing member {index} would leave data unrecoverable ({} members failed, the layout tolerates {})",
@@ -900,7 +914,8 @@ impl Engine {
                         self.geo.parity
                     ))),
                     None,
-                ),
+                    );
+                }
                 Some(st) => {
                     st.fail_member(index);
                     self.await_superblock(token);
@@ -917,8 +932,27 @@ impl Engine {
                     Err(e) => self.reply(token, Err(e), None),
                 }
             }
-            Request::RebuildProgress { index, cursor } => {
-                if let (Some(st), Some(e)) = (self.shared.striped.clone(), self.sb.devices.get_mut(index)) {
+            Request::RebuildProgress {
+                index,
+                cursor,
+                generation,
+            } if self.shared.striped.as_ref().is_some_and(|st| {
+                index >= self.geo.members || st.slot_generation(index) != generation
+            }) =>
+            {
+                let _ = cursor;
+                self.reply(
+                    token,
+                    Err(EngineError::Invalid(format!(
+                        "rebuild of member {index} is stale: the slot was replaced"
+                    ))),
+                    None,
+                );
+            }
+            Request::RebuildProgress { index, cursor, .. } => {
+                if let (Some(st), Some(e)) =
+                    (self.shared.striped.clone(), self.sb.devices.get_mut(index))
+                {
                     if e.state == crate::recovery::MEMBER_REBUILDING && !st.is_failed(index) {
                         match cursor {
                             Some(c) => e.rebuild_cursor = c as u32,
@@ -1587,7 +1621,7 @@ impl Engine {
             if self.geo.layout == lamina_format::superblock::Layout::Jbod && self.geo.members > 1 {
                 // Wear levelling across JBOD members: among the next free segments,
                 // take one on the member with the least written per byte of capacity.
-                let i = (0..self.free.len().min(32)).min_by(|&a, &b| {
+                let i = (0..self.free.len().min(ALLOC_WINDOW)).min_by(|&a, &b| {
                     let wa = self.member_wear(self.geo.locate(SegmentId(self.free[a]), 0).0);
                     let wb = self.member_wear(self.geo.locate(SegmentId(self.free[b]), 0).0);
                     wa.total_cmp(&wb)
@@ -2382,6 +2416,9 @@ impl Engine {
                 devices[i].sync()?;
             }
         }
+        // Synchronous and complete: what it recorded is durable.
+        self.failures_durable = self.failures_recorded;
+        self.sb_durable_gen = self.sb.generation;
         Ok(())
     }
 

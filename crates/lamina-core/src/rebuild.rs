@@ -84,16 +84,34 @@ pub fn rebuild(
     let Some(from) = st.rebuild_cursor(index) else {
         return Ok(report);
     };
+    // The device this rebuild is for: a later replace of the slot ends it.
+    let generation = st.slot_generation(index);
+    let replaced = || {
+        EngineError::Io(format!(
+            "member {index} was replaced during its rebuild; the new rebuild takes over"
+        ))
+    };
+    // Progress is recorded only once what it covers is durable on the new member.
+    let record = |cursor: Option<u64>| -> Result<(), EngineError> {
+        st.member(index)
+            .sync()
+            .map_err(|e| EngineError::Io(format!("rebuild of member {index}: {e}")))?;
+        call(Request::RebuildProgress {
+            index,
+            cursor,
+            generation,
+        })
+    };
     let mut last_record = Instant::now();
     for s in from..stripes {
+        if st.slot_generation(index) != generation {
+            return Err(replaced());
+        }
         if opts
             .max_stripes
             .is_some_and(|m| report.stripes_visited >= m)
         {
-            call(Request::RebuildProgress {
-                index,
-                cursor: Some(s),
-            })?;
+            record(Some(s))?;
             report.elapsed = t0.elapsed();
             return Ok(report);
         }
@@ -117,20 +135,16 @@ pub fn rebuild(
         }
         report.stripes_visited += 1;
         report.whole_device_bytes += chunk_bytes;
-        st.set_rebuild_cursor(index, Some(s + 1));
+        if !st.set_rebuild_cursor_if(index, generation, Some(s + 1)) {
+            return Err(replaced());
+        }
         progress(s + 1, stripes);
         if last_record.elapsed() >= opts.record_every {
-            call(Request::RebuildProgress {
-                index,
-                cursor: Some(s + 1),
-            })?;
+            record(Some(s + 1))?;
             last_record = Instant::now();
         }
     }
-    call(Request::RebuildProgress {
-        index,
-        cursor: None,
-    })?;
+    record(None)?;
     report.elapsed = t0.elapsed();
     report.finished = true;
     Ok(report)

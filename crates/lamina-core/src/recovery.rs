@@ -747,6 +747,9 @@ pub fn open_unfinished(
                 report.warnings.push(format!("{e}: member {i} failed"));
                 st.fail_member(i);
             }
+            // A device that is not a member any more (unreadable, replaced): it is
+            // already out of the array.
+            (Some(_), None) => report.warnings.push(format!("{e} (not in use)")),
             _ => return Err(e.into()),
         }
     }
@@ -897,7 +900,9 @@ pub fn open_unfinished(
     }
     // Only stream heads (and the metadata stream's reserved successor) can have been
     // allocated and still be empty; a margin covers streams of volumes created after C.
-    let k_stop = meta.streams.len() + 3 + 8;
+    // Allocation may take any of the first `ALLOC_WINDOW` free segments (JBOD wear
+    // levelling), so that many may be skipped before one that was used.
+    let k_stop = meta.streams.len() + 3 + 8 + crate::engine::ALLOC_WINDOW;
     let mut empties = 0usize;
     let mut releases: BinaryHeap<Reverse<(u64, usize, u32, u64)>> = BinaryHeap::new();
     let mut released: HashSet<(u32, u64)> = HashSet::new();

@@ -141,6 +141,9 @@ pub fn reconstruct(
             tolerated: parity,
         });
     }
+    if lost_idx.is_empty() {
+        return Ok(());
+    }
     let lost_data: Vec<usize> = lost_idx.iter().copied().filter(|&i| i < k).collect();
     let len = members[0].len();
     match lost_data.len() {

@@ -120,6 +120,9 @@ pub struct Striped {
     stripe_locks: Vec<Mutex<()>>,
     /// Per member: a rebuild thread owns it.
     rebuild_claimed: Vec<AtomicBool>,
+    /// Per member slot: bumped by every `replace`, so that a rebuild of an earlier
+    /// device in the slot can tell and stop.
+    slot_gen: Vec<AtomicU64>,
     shape: StripeShape,
     failed: Vec<AtomicBool>,
     read_errors: Vec<AtomicU64>,
@@ -181,6 +184,7 @@ impl Striped {
             rebuilt_below: (0..n).map(|_| AtomicU64::new(NOT_REBUILDING)).collect(),
             stripe_locks: (0..STRIPE_LOCKS).map(|_| Mutex::new(())).collect(),
             rebuild_claimed: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            slot_gen: (0..n).map(|_| AtomicU64::new(0)).collect(),
             failed: (0..n)
                 .map(|i| AtomicBool::new(failed.get(i).copied().unwrap_or(false)))
                 .collect(),
@@ -234,10 +238,15 @@ impl Striped {
                 ),
             });
         }
-        *self.members[i].write().unwrap() = dev;
+        // Under the slot's lock, so that a rebuild of the previous device cannot
+        // move the cursor of this one (see `set_rebuild_cursor_if`).
+        let mut slot = self.members[i].write().unwrap();
+        *slot = dev;
+        self.slot_gen[i].fetch_add(1, Ordering::SeqCst);
         self.read_errors[i].store(0, Ordering::Relaxed);
         self.rebuilt_below[i].store(from, Ordering::Release);
         self.failed[i].store(false, Ordering::SeqCst);
+        drop(slot);
         Ok(())
     }
 
@@ -266,6 +275,29 @@ impl Striped {
 
     pub fn release_rebuild(&self, i: usize) {
         self.rebuild_claimed[i].store(false, Ordering::SeqCst);
+    }
+
+    /// [`Striped::set_rebuild_cursor`] if slot `i` still holds generation `gen`;
+    /// false (and nothing changed) if it was replaced since.
+    pub fn set_rebuild_cursor_if(&self, i: usize, gen: u64, cursor: Option<u64>) -> bool {
+        let _g = self.members[i].write().unwrap();
+        if self.slot_generation(i) != gen {
+            return false;
+        }
+        self.set_rebuild_cursor(i, cursor);
+        true
+    }
+
+    /// Generation of member slot `i` (changes with every `replace`).
+    pub fn slot_generation(&self, i: usize) -> u64 {
+        self.slot_gen[i].load(Ordering::SeqCst)
+    }
+
+    /// Members that are failed or still being rebuilt: neither adds redundancy.
+    pub fn unavailable_count(&self) -> usize {
+        (0..self.members.len())
+            .filter(|&i| self.is_failed(i) || self.rebuild_cursor(i).is_some())
+            .count()
     }
 
     /// Marks stripes below `cursor` of member `i` current (a rebuild resumed, or
@@ -421,14 +453,16 @@ impl Striped {
                     st.unrecoverable += 1;
                     continue;
                 }
+                // Every rebuilt data block must pass its checksum before anything
+                // of the row (data or parity computed from it) is written back.
+                let bad_rebuild = to_fix.iter().any(|&j| {
+                    j < k && check((row0 + r as u64) * k as u64 + j as u64, &row[j]) == Some(false)
+                });
+                if bad_rebuild {
+                    st.unrecoverable += 1;
+                    continue;
+                }
                 for &j in &to_fix {
-                    if j < k {
-                        let b = (row0 + r as u64) * k as u64 + j as u64;
-                        if check(b, &row[j]) == Some(false) {
-                            st.unrecoverable += 1;
-                            continue;
-                        }
-                    }
                     let m = sh.member(s, j);
                     if self
                         .member(m)
@@ -476,7 +510,7 @@ impl Striped {
     /// Failures still tolerated: parity members minus failed members (negative when
     /// data is lost).
     pub fn redundancy_left(&self) -> isize {
-        self.shape.parity as isize - self.failed_count() as isize
+        self.shape.parity as isize - self.unavailable_count() as isize
     }
 
     /// Counter of failures so far (changes when a member fails).
@@ -503,9 +537,10 @@ impl Striped {
             offset,
             len: 0,
             source: std::io::Error::other(format!(
-                "{} of {} members failed; the layout tolerates {}",
+                "{} of {} members failed ({} more being rebuilt); the layout tolerates {}",
                 self.failed_count(),
                 self.members.len(),
+                self.unavailable_count() - self.failed_count(),
                 self.shape.parity
             )),
         }
@@ -692,7 +727,9 @@ impl BlockDevice for Striped {
                 )),
             });
         }
-        if self.failed_count() > sh.parity {
+        // A member being rebuilt cannot stand in for a failed one in the stripes
+        // not yet rebuilt: count it too.
+        if self.unavailable_count() > sh.parity {
             return Err(self.too_many_failed("write", offset));
         }
         let rows = (blocks / k) as usize;
@@ -722,7 +759,7 @@ impl BlockDevice for Striped {
                 self.member_write(sh.member(s, j), col, off);
             }
         });
-        if self.failed_count() > sh.parity {
+        if self.unavailable_count() > sh.parity {
             return Err(self.too_many_failed("write", offset));
         }
         Ok(())
@@ -939,6 +976,16 @@ mod tests {
             a.fail_member(y % n);
             read_all(&a, &img);
         }
+    }
+
+    #[test]
+    fn said0_retries_a_transient_read_error() {
+        let (a, f) = array(3, 0);
+        let img = fill(&a);
+        let sh = a.shape();
+        f[1].fail(FaultOp::Read, 0, u64::MAX, 1);
+        read_all(&a, &img);
+        let _ = sh;
     }
 
     #[test]

@@ -75,18 +75,25 @@ pub fn run(
 }
 
 /// Rebuilds member `index` on a thread of its own (in the server), logging the
-/// outcome; does nothing if a rebuild of it is already running.
+/// outcome; waits for a rebuild of the slot that is still running to end first.
 pub fn spawn(rt: &Runtime, index: usize, rate: Option<u64>) {
     let Some(st) = rt.shared.striped.clone() else {
         return;
     };
-    if !st.claim_rebuild(index) {
-        return;
-    }
     let rt = rt.clone();
     std::thread::Builder::new()
         .name(format!("lamina-rebuild{index}"))
         .spawn(move || {
+            // A rebuild of a device this slot held before may still be winding
+            // down (it stops at its next stripe): wait for it.
+            let t0 = std::time::Instant::now();
+            while !st.claim_rebuild(index) {
+                if t0.elapsed() > std::time::Duration::from_secs(600) {
+                    tracing::error!("member {index}: another rebuild holds the slot; giving up");
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             tracing::info!("rebuilding member {index}");
             match run(&rt, index, rate, false, &mut |_, _| {}) {
                 Ok(r) => tracing::info!(
