@@ -407,13 +407,29 @@ impl Counters {
 /// What an I/O tag stands for.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Purpose {
-    UnitWrite { buf: u32, ticket: u64 },
-    SummaryWrite { seg: u32, ticket: u64 },
+    UnitWrite {
+        buf: u32,
+        ticket: u64,
+    },
+    SummaryWrite {
+        seg: u32,
+        ticket: u64,
+    },
     Sync,
-    GcRead { batch_index: u32 },
+    GcRead {
+        batch_index: u32,
+    },
     GcMeta,
-    SuperblockWrite { ticket: u64, device: usize },
-    SuperblockSync { device: usize },
+    /// `gen`: the member slot's generation when the operation was queued.
+    SuperblockWrite {
+        ticket: u64,
+        device: usize,
+        gen: u64,
+    },
+    SuperblockSync {
+        device: usize,
+        gen: u64,
+    },
 }
 
 /// Monotonic tickets for writes, so a sync can wait for "every write issued so far".
@@ -1033,16 +1049,20 @@ impl Engine {
             }
             Purpose::GcRead { batch_index } => self.gc_read_done(batch_index, c),
             Purpose::GcMeta => self.gc_meta_done(c),
-            Purpose::SuperblockWrite { ticket, device } => {
+            Purpose::SuperblockWrite {
+                ticket,
+                device,
+                gen,
+            } => {
                 self.tickets.complete(ticket);
                 if let Err(e) = c.result {
-                    self.sb_member_error(device, "superblock write", e);
+                    self.sb_member_error(device, gen, "superblock write", e);
                 }
                 self.sb_step_done();
             }
-            Purpose::SuperblockSync { device } => {
+            Purpose::SuperblockSync { device, gen } => {
                 if let Err(e) = c.result {
-                    self.sb_member_error(device, "superblock sync", e);
+                    self.sb_member_error(device, gen, "superblock sync", e);
                 }
                 self.sb_step_done();
             }
@@ -2171,6 +2191,14 @@ impl Engine {
         self.device_blocks[dev] += blocks as u64;
     }
 
+    /// Generation of member slot `d` (0 for JBOD).
+    fn slot_gen(&self, d: usize) -> u64 {
+        self.shared
+            .striped
+            .as_ref()
+            .map_or(0, |st| st.slot_generation(d))
+    }
+
     /// Members the superblock goes to: all but the failed ones.
     fn sb_members(&self) -> Vec<usize> {
         (0..self.geo.members)
@@ -2203,8 +2231,12 @@ impl Engine {
 
     /// A superblock write or sync to member `d` failed: striped layouts go on
     /// without the member while redundancy remains.
-    fn sb_member_error(&mut self, d: usize, what: &str, e: lamina_device::DeviceError) {
+    fn sb_member_error(&mut self, d: usize, gen: u64, what: &str, e: lamina_device::DeviceError) {
         match &self.shared.striped {
+            // The slot was replaced since: the error was the old device's.
+            Some(st) if st.slot_generation(d) != gen => {
+                tracing::warn!("{what} to the replaced member {d} failed: {e}");
+            }
             Some(st) => {
                 st.fail_member(d);
                 tracing::error!("{what} failed: {e}; member {d} is now failed");
@@ -2227,7 +2259,11 @@ impl Engine {
             self.counters.meta_blocks += 1;
             self.counters.media_blocks += 1;
             self.submit_io(
-                Purpose::SuperblockWrite { ticket, device: d },
+                Purpose::SuperblockWrite {
+                    ticket,
+                    device: d,
+                    gen: self.slot_gen(d),
+                },
                 d,
                 SUPERBLOCK_OFFSETS[self.sb_seq.copy],
                 IoKind::WriteOwned { data },
@@ -2256,7 +2292,13 @@ impl Engine {
             let members = self.sb_members();
             self.sb_seq.remaining = members.len();
             for d in members {
-                self.submit_io(Purpose::SuperblockSync { device: d }, d, 0, IoKind::Sync);
+                let gen = self.slot_gen(d);
+                self.submit_io(
+                    Purpose::SuperblockSync { device: d, gen },
+                    d,
+                    0,
+                    IoKind::Sync,
+                );
             }
         }
     }

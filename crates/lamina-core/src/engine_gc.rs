@@ -86,10 +86,12 @@ impl Engine {
                 }
             }
         }
-        // Free ones need nothing; open ones are closed so that they can be moved.
-        self.gc
-            .repair
-            .retain(|&s| self.segs[s as usize].state != SegState::Free);
+        // Free ones need nothing, metadata and excluded ones are not GC's to move;
+        // open ones are closed so that they can be moved.
+        self.gc.repair.retain(|&s| {
+            let sg = &self.segs[s as usize];
+            sg.state != SegState::Free && sg.kind != StreamKind::Meta && !sg.gc_exclude
+        });
         for k in 0..self.gc.repair.len() {
             let seg = self.gc.repair[k];
             if let Some(s) = self.streams.iter().position(|st| st.seg == Some(seg)) {
