@@ -19,6 +19,9 @@ pub struct ScrubReport {
     pub segments: u64,
     pub units: u64,
     pub blocks_checked: u64,
+    /// Segments whose unit headers end before their summary says the units do: a
+    /// damaged header hides the units after it (reported, not repaired).
+    pub damaged_headers: u64,
     pub stats: ScrubStats,
 }
 
@@ -34,7 +37,8 @@ enum Expect {
 }
 
 /// What each block of a segment should hold, the end of its units, and their count.
-fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64), EngineError> {
+#[allow(clippy::type_complexity)]
+fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64, bool), EngineError> {
     let geo = &shared.geo;
     let h = geo.header_blocks as u32;
     let incarnation = shared.incarnation(SegmentId(seg));
@@ -70,7 +74,18 @@ fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64), Engin
         units += 1;
         offset += u.total_blocks();
     }
-    Ok((crcs, offset, units))
+    // A closed segment's summary says where its units end; a walk that stops short
+    // met a damaged header.
+    let mut sum = vec![0u8; geo.summary_blocks as usize * BLOCK_SIZE];
+    let (dev, off) = geo.locate(SegmentId(seg), geo.data_end);
+    if shared.devices[dev].read_at(&mut sum, off).is_ok() {
+        if let Ok(h) = lamina_format::summary::SummaryHeader::decode(&sum) {
+            if h.segment == seg && h.incarnation == incarnation && offset < h.data_end {
+                return Ok((crcs, offset, units, true));
+            }
+        }
+    }
+    Ok((crcs, offset, units, false))
 }
 
 /// Scrubs every segment in use; `progress(done, total)` after each segment.
@@ -84,7 +99,10 @@ pub fn scrub(
     for seg in 0..geo.segment_count {
         let _pin = shared.pin_segment(SegmentId(seg));
         if !shared.segment_free(seg) {
-            let (crcs, end, units) = unit_crcs(shared, seg)?;
+            let (crcs, end, units, damaged) = unit_crcs(shared, seg)?;
+            if damaged {
+                report.damaged_headers += 1;
+            }
             if end > 0 {
                 report.segments += 1;
                 report.units += units;

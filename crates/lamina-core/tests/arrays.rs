@@ -589,3 +589,29 @@ fn rebuilding_members_and_stale_rebuilds_are_handled() {
     assert!(r.finished);
     verify(&e, vol, &model);
 }
+
+/// A damaged unit header hides the units after it from scrub: it says so.
+#[test]
+fn scrub_reports_a_damaged_unit_header() {
+    let f = members(1, 16);
+    format_devices(&as_devs(&f), &params(Layout::Jbod));
+    let mut e = open_rw(&as_devs(&f), small_config());
+    let vol = create_volume(&mut e, "v", 1 << 20);
+    for lba in 0..200u64 {
+        write_block(&mut e, vol, lba, 1, false).unwrap();
+    }
+    call(&mut e, Request::Flush).result.unwrap();
+    let clean = lamina_core::scrub::scrub(e.shared(), &mut |_, _| {}).unwrap();
+    assert_eq!(clean.damaged_headers, 0, "{clean:?}");
+    // The first unit header of the (closed) segment holding LBA 0.
+    let v = e.shared().volume_by_id(vol).unwrap();
+    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(0)) else {
+        panic!("lba 0 not on a device");
+    };
+    let geo = e.shared().geo.clone();
+    let seg = pba.0 / geo.segment_blocks;
+    let (_, off) = geo.locate(lamina_core::SegmentId(seg), 0);
+    f[0].write_at(&[0x77; BS], off).unwrap();
+    let r = lamina_core::scrub::scrub(e.shared(), &mut |_, _| {}).unwrap();
+    assert_eq!(r.damaged_headers, 1, "{r:?}");
+}

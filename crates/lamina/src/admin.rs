@@ -145,6 +145,7 @@ pub fn scrub_json(r: &lamina_core::scrub::ScrubReport) -> Value {
         "parity_repaired": r.stats.parity_repaired,
         "unresolved": r.stats.unresolved,
         "unrecoverable": r.stats.unrecoverable,
+        "damaged_unit_headers": r.damaged_headers,
     })
 }
 

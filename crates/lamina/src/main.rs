@@ -169,7 +169,8 @@ Runs inside the server when it is up (clients keep working), else here.
 
 EXIT STATUS
     0  nothing wrong, or everything found was repaired
-    2  damage remains (unrecoverable blocks, or parity mismatches with no culprit)";
+    2  damage remains (unrecoverable blocks, parity mismatches with no culprit, or
+       unit headers damaged so that the units after them cannot be checked)";
 
 const ARRAY_REPLACE_ABOUT: &str = "\
 Put a new device in the place of failed member N of a striped array (said5,
@@ -487,16 +488,17 @@ fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
             n("rows_checked")
         );
         println!(
-            "  checksum errors {}, parity mismatches {}\n  repaired: {} data blocks, {} parity blocks\n  unresolved {}, unrecoverable {}",
+            "  checksum errors {}, parity mismatches {}\n  repaired: {} data blocks, {} parity blocks\n  unresolved {}, unrecoverable {}, damaged unit headers {}",
             n("checksum_errors"),
             n("parity_mismatches"),
             n("blocks_repaired"),
             n("parity_repaired"),
             n("unresolved"),
-            n("unrecoverable")
+            n("unrecoverable"),
+            n("damaged_unit_headers")
         );
     }
-    if n("unrecoverable") > 0 || n("unresolved") > 0 {
+    if n("unrecoverable") > 0 || n("unresolved") > 0 || n("damaged_unit_headers") > 0 {
         std::process::exit(2);
     }
     Ok(())
