@@ -22,6 +22,9 @@ pub struct ScrubReport {
     /// Segments whose unit headers end before their summary says the units do: a
     /// damaged header hides the units after it (reported, not repaired).
     pub damaged_headers: u64,
+    /// Damaged unit headers read correctly by leaving one member out (their
+    /// blocks are then repaired like data blocks).
+    pub headers_found_by_parity: u64,
     pub stats: ScrubStats,
 }
 
@@ -37,34 +40,77 @@ enum Expect {
 }
 
 /// What each block of a segment should hold, the end of its units, and their count.
+/// The unit header at `offset` of `seg`, if one that belongs there decodes.
+fn header_at(
+    shared: &Shared,
+    seg: u32,
+    offset: u32,
+    hdr: &mut [u8],
+    without: Option<usize>,
+) -> Option<UnitHeader> {
+    let geo = &shared.geo;
+    let (dev, off) = geo.locate(SegmentId(seg), offset);
+    let read = match (without, &shared.striped) {
+        (Some(m), Some(st)) => st.read_without(hdr, off, m),
+        _ => shared.devices[dev].read_at(hdr, off),
+    };
+    read.ok()?;
+    let u = UnitHeader::decode(hdr).ok()?;
+    let ok = u.segment == seg
+        && u.offset == offset
+        && u.incarnation == shared.incarnation(SegmentId(seg))
+        && u.array_id == geo.array_id
+        && offset + u.total_blocks() <= geo.data_end;
+    ok.then_some(u)
+}
+
+/// What each block of a segment should hold, the end of its units, their count,
+/// whether a damaged header hid units, and how many damaged headers were found
+/// good again by leaving one member out (their blocks are then expected by CRC,
+/// so that scrub rewrites them).
 #[allow(clippy::type_complexity)]
-fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64, bool), EngineError> {
+fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64, bool, u64), EngineError> {
     let geo = &shared.geo;
     let h = geo.header_blocks as u32;
     let incarnation = shared.incarnation(SegmentId(seg));
     let mut crcs = vec![Expect::Unknown; geo.data_end as usize];
     let mut hdr = vec![0u8; h as usize * BLOCK_SIZE];
+    // A closed segment's summary says where its units end.
+    let mut summary_end = None;
+    let mut sum = vec![0u8; geo.summary_blocks as usize * BLOCK_SIZE];
+    let (dev, off) = geo.locate(SegmentId(seg), geo.data_end);
+    if shared.devices[dev].read_at(&mut sum, off).is_ok() {
+        if let Ok(s) = lamina_format::summary::SummaryHeader::decode(&sum) {
+            if s.segment == seg && s.incarnation == incarnation {
+                summary_end = Some(s.data_end);
+            }
+        }
+    }
+    let members = shared.striped.as_ref().map_or(0, |st| st.shape().members());
     let mut offset = 0;
     let mut units = 0;
+    let mut rebuilt = 0;
     while offset + h <= geo.data_end {
-        let (dev, off) = geo.locate(SegmentId(seg), offset);
-        if shared.devices[dev].read_at(&mut hdr, off).is_err() {
-            break;
+        let mut found = header_at(shared, seg, offset, &mut hdr, None).map(|u| (u, false));
+        // Units should go on here: a damaged header? Try each member left out.
+        if found.is_none() && summary_end.is_some_and(|e| offset < e) {
+            found = (0..members)
+                .find_map(|m| header_at(shared, seg, offset, &mut hdr, Some(m)))
+                .map(|u| (u, true));
         }
-        let Ok(u) = UnitHeader::decode(&hdr) else {
+        let Some((u, was_rebuilt)) = found else {
             break;
         };
-        if u.segment != seg
-            || u.offset != offset
-            || u.incarnation != incarnation
-            || u.array_id != geo.array_id
-            || offset + u.total_blocks() > geo.data_end
-        {
-            break;
+        for (i, b) in (offset..offset + h).enumerate() {
+            crcs[b as usize] = if was_rebuilt {
+                Expect::Crc(lamina_format::crc32c(
+                    &hdr[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
+                ))
+            } else {
+                Expect::Good
+            };
         }
-        for b in offset..offset + h {
-            crcs[b as usize] = Expect::Good;
-        }
+        rebuilt += was_rebuilt as u64;
         for i in 0..u.data_blocks as usize {
             let r = record_at(&hdr, i);
             if kind::is_data_bearing(r.kind) {
@@ -74,18 +120,8 @@ fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64, bool),
         units += 1;
         offset += u.total_blocks();
     }
-    // A closed segment's summary says where its units end; a walk that stops short
-    // met a damaged header.
-    let mut sum = vec![0u8; geo.summary_blocks as usize * BLOCK_SIZE];
-    let (dev, off) = geo.locate(SegmentId(seg), geo.data_end);
-    if shared.devices[dev].read_at(&mut sum, off).is_ok() {
-        if let Ok(h) = lamina_format::summary::SummaryHeader::decode(&sum) {
-            if h.segment == seg && h.incarnation == incarnation && offset < h.data_end {
-                return Ok((crcs, offset, units, true));
-            }
-        }
-    }
-    Ok((crcs, offset, units, false))
+    let damaged = summary_end.is_some_and(|e| offset < e);
+    Ok((crcs, offset, units, damaged, rebuilt))
 }
 
 /// Scrubs every segment in use; `progress(done, total)` after each segment.
@@ -99,10 +135,11 @@ pub fn scrub(
     for seg in 0..geo.segment_count {
         let _pin = shared.pin_segment(SegmentId(seg));
         if !shared.segment_free(seg) {
-            let (crcs, end, units, damaged) = unit_crcs(shared, seg)?;
+            let (crcs, end, units, damaged, rebuilt) = unit_crcs(shared, seg)?;
             if damaged {
                 report.damaged_headers += 1;
             }
+            report.headers_found_by_parity += rebuilt;
             if end > 0 {
                 report.segments += 1;
                 report.units += units;

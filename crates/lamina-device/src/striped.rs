@@ -484,6 +484,85 @@ impl Striped {
         st
     }
 
+    /// Reads as if member `member` were lost: its share is rebuilt from the others
+    /// (scrub uses it to find which member holds a damaged block).
+    pub fn read_without(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        member: usize,
+    ) -> Result<(), DeviceError> {
+        self.read_inner(buf, offset, Some(member))
+    }
+
+    /// Reads, rebuilding from parity what member `exclude` holds (and whatever
+    /// cannot be read).
+    fn read_inner(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        exclude: Option<usize>,
+    ) -> Result<(), DeviceError> {
+        let (s, b, blocks) = self.split("read", offset, buf.len())?;
+        let sh = self.shape;
+        let k = sh.data as u64;
+        // Column by column: the blocks of one column are consecutive on its member.
+        for c in 0..sh.data {
+            // Rows r with b <= r k + c < b + blocks.
+            let c64 = c as u64;
+            let end = b + blocks;
+            let first = if b > c64 { (b - c64).div_ceil(k) } else { 0 };
+            let last = if end > c64 {
+                (end - c64).div_ceil(k)
+            } else {
+                0
+            };
+            if last <= first {
+                continue;
+            }
+            let rows = (last - first) as usize;
+            let m = sh.member(s, c);
+            let scatter = |col: &[u8], buf: &mut [u8]| {
+                for r in 0..rows {
+                    let vb = (first + r as u64) * k + c as u64 - b;
+                    let d = vb as usize * BLOCK;
+                    buf[d..d + BLOCK].copy_from_slice(&col[r * BLOCK..(r + 1) * BLOCK]);
+                }
+            };
+            let ok = with_scratch(rows * BLOCK, |col| {
+                if !self.current(m, s) || exclude == Some(m) {
+                    return false;
+                }
+                match self.member_read(m, col, sh.member_offset(s, first)) {
+                    Ok(()) => {
+                        scatter(col, buf);
+                        true
+                    }
+                    Err(_) => {
+                        self.note_read_error(m, s);
+                        false
+                    }
+                }
+            });
+            if ok {
+                continue;
+            }
+            // Rebuild the column from the rest of the rows.
+            let n = sh.members();
+            let len = rows * BLOCK;
+            with_scratch(n * len, |all| -> Result<(), DeviceError> {
+                let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
+                let mut have = vec![false; n];
+                self.rebuild_rows(s, first, &mut cols, &mut have, exclude)?;
+                scatter(cols[c], buf);
+                Ok(())
+            })?;
+            self.rebuilt_blocks
+                .fetch_add(rows as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     pub fn member_states(&self) -> Vec<MemberState> {
         (0..self.members.len())
             .map(|i| MemberState {
@@ -604,6 +683,7 @@ impl Striped {
         row: u64,
         cols: &mut [&mut [u8]],
         have: &mut [bool],
+        exclude: Option<usize>,
     ) -> Result<(), DeviceError> {
         let sh = &self.shape;
         let off = sh.member_offset(s, row);
@@ -612,7 +692,7 @@ impl Striped {
                 continue;
             }
             let m = sh.member(s, j);
-            if self.current(m, s) {
+            if self.current(m, s) && exclude != Some(m) {
                 match self.member_read(m, cols[j], off) {
                     Ok(()) => have[j] = true,
                     Err(_) => {
@@ -652,64 +732,7 @@ impl BlockDevice for Striped {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
-        let (s, b, blocks) = self.split("read", offset, buf.len())?;
-        let sh = self.shape;
-        let k = sh.data as u64;
-        // Column by column: the blocks of one column are consecutive on its member.
-        for c in 0..sh.data {
-            // Rows r with b <= r k + c < b + blocks.
-            let c64 = c as u64;
-            let end = b + blocks;
-            let first = if b > c64 { (b - c64).div_ceil(k) } else { 0 };
-            let last = if end > c64 {
-                (end - c64).div_ceil(k)
-            } else {
-                0
-            };
-            if last <= first {
-                continue;
-            }
-            let rows = (last - first) as usize;
-            let m = sh.member(s, c);
-            let scatter = |col: &[u8], buf: &mut [u8]| {
-                for r in 0..rows {
-                    let vb = (first + r as u64) * k + c as u64 - b;
-                    let d = vb as usize * BLOCK;
-                    buf[d..d + BLOCK].copy_from_slice(&col[r * BLOCK..(r + 1) * BLOCK]);
-                }
-            };
-            let ok = with_scratch(rows * BLOCK, |col| {
-                if !self.current(m, s) {
-                    return false;
-                }
-                match self.member_read(m, col, sh.member_offset(s, first)) {
-                    Ok(()) => {
-                        scatter(col, buf);
-                        true
-                    }
-                    Err(_) => {
-                        self.note_read_error(m, s);
-                        false
-                    }
-                }
-            });
-            if ok {
-                continue;
-            }
-            // Rebuild the column from the rest of the rows.
-            let n = sh.members();
-            let len = rows * BLOCK;
-            with_scratch(n * len, |all| -> Result<(), DeviceError> {
-                let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
-                let mut have = vec![false; n];
-                self.rebuild_rows(s, first, &mut cols, &mut have)?;
-                scatter(cols[c], buf);
-                Ok(())
-            })?;
-            self.rebuilt_blocks
-                .fetch_add(rows as u64, Ordering::Relaxed);
-        }
-        Ok(())
+        self.read_inner(buf, offset, None)
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {

@@ -146,6 +146,7 @@ pub fn scrub_json(r: &lamina_core::scrub::ScrubReport) -> Value {
         "unresolved": r.stats.unresolved,
         "unrecoverable": r.stats.unrecoverable,
         "damaged_unit_headers": r.damaged_headers,
+        "unit_headers_rebuilt": r.headers_found_by_parity,
     })
 }
 

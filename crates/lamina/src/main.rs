@@ -488,9 +488,10 @@ fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
             n("rows_checked")
         );
         println!(
-            "  checksum errors {}, parity mismatches {}\n  repaired: {} data blocks, {} parity blocks\n  unresolved {}, unrecoverable {}, damaged unit headers {}",
+            "  checksum errors {}, parity mismatches {}, unit headers found by parity {}\n  repaired: {} data blocks, {} parity blocks\n  unresolved {}, unrecoverable {}, damaged unit headers {}",
             n("checksum_errors"),
             n("parity_mismatches"),
+            n("unit_headers_rebuilt"),
             n("blocks_repaired"),
             n("parity_repaired"),
             n("unresolved"),
