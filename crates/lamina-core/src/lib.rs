@@ -26,7 +26,7 @@ pub mod types;
 pub use engine::{Engine, EngineConfig, NewDevice, Reply, Request, Token};
 pub use error::EngineError;
 pub use recovery::{
-    format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,
+    call_inline, format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,
     RECOVERY_TOKEN,
 };
 pub use shared::{Shared, VolumeShared};

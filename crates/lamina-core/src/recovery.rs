@@ -1290,6 +1290,31 @@ pub fn open(
     Ok((engine, report))
 }
 
+/// Submits `req` and drives the engine inline until its reply arrives: device
+/// operations run synchronously, and between rounds the clock is moved far ahead so
+/// that timers (idle seals, background flushes) fire. `None` if no reply came within
+/// `rounds` rounds.
+pub fn call_inline(
+    engine: &mut Engine,
+    token: Token,
+    req: crate::engine::Request,
+    rounds: usize,
+) -> Option<crate::engine::Reply> {
+    engine.submit(token, req);
+    let mut replies = Vec::new();
+    for round in 0..rounds {
+        if round > 0 {
+            engine.tick(u64::MAX / 2);
+        }
+        run_inline(engine);
+        engine.drain_replies(&mut replies);
+        if let Some(i) = replies.iter().position(|r| r.token == token) {
+            return Some(replies.swap_remove(i));
+        }
+    }
+    None
+}
+
 /// Executes the engine's device operations synchronously until none are left.
 pub fn run_inline(engine: &mut Engine) {
     let shared = engine.shared().clone();

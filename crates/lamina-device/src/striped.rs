@@ -326,30 +326,9 @@ impl Striped {
             with_scratch(n * len, |all| -> Result<(), DeviceError> {
                 let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
                 let mut have = vec![false; n];
-                // The rebuilt member counts as lost for this row.
+                // The rebuilt member counts as lost for these rows.
+                self.rebuild_rows(s, row, &mut cols, &mut have, Some(i))?;
                 let off = sh.member_offset(s, row);
-                for (jj, col) in cols.iter_mut().enumerate() {
-                    let m = sh.member(s, jj);
-                    if m != i && self.current(m, s) {
-                        match self.member_read(m, col, off) {
-                            Ok(()) => have[jj] = true,
-                            Err(_) => {
-                                self.note_read_error(m, s);
-                            }
-                        }
-                    }
-                }
-                let lost: Vec<bool> = have.iter().map(|h| !h).collect();
-                reconstruct(&mut cols, sh.parity, &lost).map_err(|e| DeviceError::Io {
-                    device: self.describe(),
-                    op: "rebuild",
-                    offset: off,
-                    len,
-                    source: std::io::Error::other(format!(
-                        "stripe {s}: {} members unreadable, the layout tolerates {}",
-                        e.lost, e.tolerated
-                    )),
-                })?;
                 self.member(i)
                     .write_at(cols[j], off)
                     .inspect_err(|_| self.fail_member(i))?;

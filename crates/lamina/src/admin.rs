@@ -187,28 +187,7 @@ pub fn request_with_progress(
 
 /// Sends one request to a running server. `Ok(None)` when no server answers.
 pub fn request(socket: &Path, req: &Value) -> Result<Option<Value>> {
-    let conn = match UnixStream::connect(socket) {
-        Ok(c) => c,
-        Err(_) => return Ok(None),
-    };
-    conn.set_read_timeout(Some(Duration::from_secs(600)))?;
-    let mut w = &conn;
-    writeln!(w, "{req}")?;
-    let mut line = String::new();
-    BufReader::new(&conn)
-        .read_line(&mut line)
-        .with_context(|| format!("no answer on {}", socket.display()))?;
-    let v: Value = serde_json::from_str(&line)
-        .with_context(|| format!("bad answer on {}", socket.display()))?;
-    if v.get("ok").and_then(|b| b.as_bool()) != Some(true) {
-        bail!(
-            "{}",
-            v.get("error")
-                .and_then(|e| e.as_str())
-                .unwrap_or("request failed")
-        );
-    }
-    Ok(Some(v))
+    request_with_progress(socket, req, &mut |_, _| {})
 }
 
 /// Turns the JSON status back into a report, for the human renderer.

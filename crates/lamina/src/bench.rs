@@ -278,16 +278,9 @@ fn endurance(
     let vol_blocks = e.status().usable_bytes / bs;
     let call = |e: &mut Engine, req: Request| -> Result<()> {
         let t = Token { conn: 1, handle: 1 };
-        e.submit(t, req);
-        let mut out = Vec::new();
-        loop {
-            lamina_core::run_inline(e);
-            e.drain_replies(&mut out);
-            if let Some(r) = out.iter().position(|r| r.token == t) {
-                return Ok(out.swap_remove(r).result?);
-            }
-            e.tick(u64::MAX / 2);
-        }
+        let r = lamina_core::call_inline(e, t, req, 100_000)
+            .ok_or_else(|| anyhow::anyhow!("the engine did not answer"))?;
+        Ok(r.result?)
     };
     call(
         &mut e,

@@ -701,11 +701,7 @@ fn offline(dir: &Path, req: Request) -> Result<()> {
         "cannot open the array (if `lamina serve` is running, its admin socket did not answer)",
     )?;
     let token = lamina_core::Token { conn: 0, handle: 1 };
-    engine.submit(token, req);
-    lamina_core::run_inline(&mut engine);
-    let mut replies = Vec::new();
-    engine.drain_replies(&mut replies);
-    match replies.into_iter().find(|r| r.token == token) {
+    match lamina_core::call_inline(&mut engine, token, req, 1) {
         Some(r) => r.result.map_err(Into::into),
         None => bail!("request did not complete"),
     }

@@ -5,8 +5,7 @@
 
 use lamina_core::io::{execute, IoOp};
 use lamina_core::{
-    format, open, run_inline, Engine, EngineConfig, FormatParams, OpenMode, Reply, Request, Token,
-    VolumeId,
+    format, open, Engine, EngineConfig, FormatParams, OpenMode, Reply, Request, Token, VolumeId,
 };
 use lamina_device::BlockDevice;
 use std::sync::Arc;
@@ -50,18 +49,7 @@ pub fn open_rw(devs: &[Arc<dyn BlockDevice>], cfg: EngineConfig) -> Engine {
 
 /// Submits a request and runs the engine until its reply arrives (all I/O inline).
 pub fn call(e: &mut Engine, req: Request) -> Reply {
-    let token = Token { conn: 7, handle: 1 };
-    e.submit(token, req);
-    let mut replies = Vec::new();
-    for _ in 0..100_000 {
-        run_inline(e);
-        e.drain_replies(&mut replies);
-        if let Some(i) = replies.iter().position(|r| r.token == token) {
-            return replies.swap_remove(i);
-        }
-        e.tick(u64::MAX / 2);
-    }
-    panic!("no reply");
+    lamina_core::call_inline(e, Token { conn: 7, handle: 1 }, req, 100_000).expect("no reply")
 }
 
 pub fn create_volume(e: &mut Engine, name: &str, size: u64) -> VolumeId {
