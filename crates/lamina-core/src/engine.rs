@@ -415,6 +415,11 @@ pub(crate) enum Purpose {
         seg: u32,
         ticket: u64,
     },
+    /// A zone finished at a segment's write pointer (zoned devices).
+    ZoneFinish {
+        seg: u32,
+        ticket: u64,
+    },
     Sync,
     GcRead {
         batch_index: u32,
@@ -516,6 +521,13 @@ pub(crate) struct Blocked;
 pub struct Engine {
     pub(crate) shared: Arc<Shared>,
     pub(crate) geo: Geometry,
+    /// Zoned devices: segments are zones, reset before reuse and filled (or
+    /// finished) when closed.
+    pub(crate) zoned: bool,
+    /// Most zones the devices let be written at once (0: no limit), and how many
+    /// segments are open or closing now (each holds a zone open until it is full).
+    pub(crate) zone_limit: u32,
+    pub(crate) zones_active: u32,
     pub(crate) cfg: EngineConfig,
     pub(crate) sb: Superblock,
     /// CRC-32C of a zero block (the pad blocks of striped layouts).
@@ -623,7 +635,18 @@ impl Engine {
         })?;
         let nbufs = shared.buffers.count();
         let usable_blocks = Self::compute_usable(&geo, &sb);
+        let zone_layout = geo
+            .data_devices()
+            .map(|d| shared.devices[d].zone_layout())
+            .collect::<Option<Vec<_>>>();
+        let zone_limit = zone_layout
+            .as_ref()
+            .and_then(|ls| ls.iter().map(|l| l.open_limit()).filter(|&l| l > 0).min())
+            .unwrap_or(0);
         let mut e = Engine {
+            zoned: zone_layout.is_some(),
+            zone_limit,
+            zones_active: 0,
             shared,
             cfg,
             sb,
@@ -1039,7 +1062,19 @@ impl Engine {
                 if let Err(e) = c.result {
                     self.fail(format!("summary write failed: {e}"));
                 }
+                // The summary fills the segment's zone.
+                self.zone_done();
                 self.segment_write_done(seg);
+            }
+            Purpose::ZoneFinish { seg, ticket } => {
+                self.tickets.complete(ticket);
+                if let Err(e) = c.result {
+                    self.fail(format!("zone finish of segment {seg} failed: {e}"));
+                }
+                self.zone_done();
+                if self.segs[seg as usize].state == SegState::Closing {
+                    self.segment_write_done(seg);
+                }
             }
             Purpose::Sync => {
                 if let Err(e) = c.result {
@@ -1574,6 +1609,11 @@ impl Engine {
 
     /// Opens a fresh segment for stream `s` from the free queue.
     pub(crate) fn open_segment(&mut self, s: usize) -> Result<(), Blocked> {
+        // Zoned devices: a new zone only while the device's open limit allows (a
+        // closing segment frees its zone when its last write lands).
+        if self.zone_limit > 0 && self.zones_active >= self.zone_limit {
+            return Err(Blocked);
+        }
         let kind = self.streams[s].kind;
         let seg = if kind == StreamKind::Meta {
             // The metadata stream always knows its next segment, so a reader of a
@@ -1632,7 +1672,18 @@ impl Engine {
         st.seg = Some(seg);
         st.write_ptr = 0;
         st.summary.clear();
+        if self.zoned {
+            self.zones_active += 1;
+        }
         Ok(())
+    }
+
+    /// A segment's zone became full (or was never written): it no longer counts
+    /// against the open limit.
+    fn zone_done(&mut self) {
+        if self.zoned {
+            self.zones_active = self.zones_active.saturating_sub(1);
+        }
     }
 
     /// Takes the next segment of the free queue, waiting out any last readers.
@@ -1653,6 +1704,16 @@ impl Engine {
         self.shared.set_segment_free(seg, false);
         while self.shared.segment_pinned(SegmentId(seg)) {
             std::thread::yield_now();
+        }
+        if self.zoned {
+            // The zone still holds the segment's previous incarnation (or what a
+            // crashed run left): rewind it before the first write. No write of
+            // the old incarnation is in flight (it was released) and no reader
+            // holds it (pins were waited out above).
+            let (dev, off) = self.geo.locate(SegmentId(seg), 0);
+            if let Err(e) = self.shared.devices[dev].reset_zone(off) {
+                self.fail(format!("zone reset of segment {seg} failed: {e}"));
+            }
         }
         Some(seg)
     }
@@ -1815,6 +1876,9 @@ impl Engine {
         let Some(seg) = self.streams[s].seg.take() else {
             return;
         };
+        if self.zoned && self.finish_zone_early(s, seg) {
+            return;
+        }
         let st = &mut self.streams[s];
         if st.kind == StreamKind::Meta {
             // Metadata segments have no summary; they live until a later checkpoint
@@ -1839,16 +1903,8 @@ impl Engine {
             close_version,
         }
         .seal_into(&mut buf);
-        sg.state = SegState::Closing;
-        sg.has_summary = true;
-        sg.close_version = close_version;
-        sg.closed = self
-            .volumes
-            .get(sg.volume as usize)
-            .and_then(|v| v.as_ref())
-            .map_or(0, |v| v.user_blocks);
-        sg.writes_inflight += 1;
-        let volume = sg.volume;
+        self.mark_closing(seg, true, close_version);
+        let volume = self.segs[seg as usize].volume;
         self.counters.media_blocks += sb_blocks as u64;
         if let Some(v) = self.volumes[volume as usize].as_mut() {
             v.media_blocks += sb_blocks as u64;
@@ -1866,6 +1922,57 @@ impl Engine {
         let mut records = records;
         records.clear();
         self.streams[s].summary = records;
+    }
+
+    /// Segment `seg` is closing: its last write (summary or zone finish) is queued.
+    fn mark_closing(&mut self, seg: u32, has_summary: bool, close_version: u64) {
+        let closed = self
+            .volumes
+            .get(self.segs[seg as usize].volume as usize)
+            .and_then(|v| v.as_ref())
+            .map_or(0, |v| v.user_blocks);
+        let sg = &mut self.segs[seg as usize];
+        sg.state = SegState::Closing;
+        sg.has_summary = has_summary;
+        sg.close_version = close_version;
+        sg.closed = closed;
+        sg.writes_inflight += 1;
+    }
+
+    /// Zoned devices: a segment closed before its data area is full (or a
+    /// metadata segment, which has no summary) cannot take its summary at the
+    /// tail, as that would skip part of the zone: its zone is finished where the
+    /// segment's last unit ends, and GC reads its unit headers instead of a
+    /// summary (as for segments a crash left open). True when that was done.
+    fn finish_zone_early(&mut self, s: usize, seg: u32) -> bool {
+        let st = &mut self.streams[s];
+        let meta = st.kind == StreamKind::Meta;
+        let wp = self.segs[seg as usize].write_ptr;
+        if !meta && wp == self.geo.data_end {
+            return false;
+        }
+        st.summary.clear();
+        if wp == 0 {
+            // Nothing written: the zone is still empty.
+            self.zone_done();
+            if !meta {
+                self.segs[seg as usize].state = SegState::Closed;
+                self.segment_emptied(seg);
+            }
+            return true;
+        }
+        let ticket = self.issue_ticket();
+        if !meta {
+            self.mark_closing(seg, false, self.next_version - 1);
+        }
+        let (dev, off) = self.geo.locate(SegmentId(seg), wp);
+        self.submit_io(
+            Purpose::ZoneFinish { seg, ticket },
+            dev,
+            off,
+            IoKind::FinishZone,
+        );
+        true
     }
 
     /// A unit write completed: its blocks are now readable from the device.
@@ -2076,6 +2183,11 @@ impl Engine {
                 "only striped arrays (said0/5/6) replace members".into(),
             ));
         };
+        if self.zoned {
+            return Err(EngineError::Invalid(
+                "replacing a member of a zoned array is not supported yet (a rebuild would have to rewrite each zone from its start while the stripe may still be written)".into(),
+            ));
+        }
         if index >= self.geo.members {
             return Err(EngineError::Invalid(format!(
                 "no member {index}: the array has members 0 to {}",
@@ -2343,6 +2455,26 @@ impl Engine {
                 "volume ids of this array are exhausted (65535 volumes created)".into(),
             ));
         }
+        let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64);
+        if self.zone_limit > 0 {
+            // Every stream may hold a zone open; with the metadata stream they must
+            // fit the devices' open-zone limit.
+            let need = (placement.0.user_classes() + placement.0.gc_classes()) as usize;
+            let used: usize = self
+                .volumes
+                .iter()
+                .flatten()
+                .filter(|v| v.deleting.is_none())
+                .map(|v| v.streams.len())
+                .sum();
+            if 1 + used + need > self.zone_limit as usize {
+                return Err(EngineError::Invalid(format!(
+                    "the devices let {} zones be open at once; the metadata stream and the volumes' {used} streams hold {}, and volume {name:?} needs {need} more (fewer heat classes: classifier = \"none\" needs 2)",
+                    self.zone_limit,
+                    1 + used
+                )));
+            }
+        }
         self.counters.next_volume_id = next + 1;
         let created = self.take_version();
         let publish_at = self.ckpt.target_generation();
@@ -2353,7 +2485,7 @@ impl Engine {
             map: self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
             deleted: AtomicBool::new(false),
         });
-        let vol = self.attach_volume(shared, created, false);
+        let vol = self.attach_volume_with(shared, created, false, placement);
         vol.publish_at = publish_at;
         Ok(())
     }
@@ -2366,12 +2498,23 @@ impl Engine {
         created_version: u64,
         publish: bool,
     ) -> &mut Vol {
+        let placement = self.placement_for(&shared.name, shared.blocks());
+        self.attach_volume_with(shared, created_version, publish, placement)
+    }
+
+    /// [`Engine::attach_volume`] with the volume's classifier and victim policy.
+    fn attach_volume_with(
+        &mut self,
+        shared: Arc<VolumeShared>,
+        created_version: u64,
+        publish: bool,
+        (classifier, policy): (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>),
+    ) -> &mut Vol {
         let id = shared.id;
         if publish {
             self.shared.set_volume(shared.clone());
         }
         self.counters.next_volume_id = self.counters.next_volume_id.max(id.0 as u64 + 1);
-        let (classifier, policy) = self.placement_for(&shared.name, shared.blocks());
         let user_classes = classifier.user_classes();
         let total = user_classes + classifier.gc_classes();
         let mut streams = Vec::with_capacity(total as usize);

@@ -18,6 +18,9 @@ pub enum IoKind {
     Read { buf: Vec<u8> },
     /// Make completed writes durable.
     Sync,
+    /// Finish the zone at `offset` once the writes before it have landed (zoned
+    /// devices).
+    FinishZone,
 }
 
 pub struct IoOp {
@@ -47,6 +50,7 @@ pub fn execute(shared: &Shared, op: IoOp) -> IoCompletion {
         IoKind::WriteOwned { data } => (dev.write_at(&data, op.offset), Some(data)),
         IoKind::Read { mut buf } => (dev.read_at(&mut buf, op.offset), Some(buf)),
         IoKind::Sync => (dev.sync(), None),
+        IoKind::FinishZone => (dev.finish_zone(op.offset), None),
     };
     IoCompletion {
         tag: op.tag,

@@ -22,6 +22,7 @@ use crate::io::execute;
 use crate::map::{encode_device, BAD, UNMAPPED};
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use lamina_device::zoned::{ZoneCond, ZoneType};
 use lamina_device::BlockDevice;
 use lamina_format::checkpoint::{
     CheckpointHeader, CheckpointMeta, SegmentState, MAP_ENTRIES_PER_PAGE,
@@ -134,12 +135,27 @@ pub fn format(
             devices.len()
         ));
     }
+    let devices: Vec<Arc<dyn BlockDevice>> = devices
+        .iter()
+        .map(|d| lamina_device::zonehost::host(d.clone()))
+        .collect();
+    let devices = &devices[..];
+    let mut params = params.clone();
+    // Zoned devices: a segment (a striped layout's chunk) is one zone, and the
+    // superblocks live in the conventional zones before the first sequential one.
+    let zones = zoned_layout(devices)?;
+    let data_offset = match zones {
+        Some(l) => {
+            params.segment_blocks = (l.zone_bytes / BLOCK_SIZE_U64) as u32;
+            l.conventional_bytes
+        }
+        None => DEFAULT_DATA_OFFSET,
+    };
     // Striped layouts: the segment size given is each member's chunk; a segment
     // (stripe) holds k chunks of data, and write units are whole rows of k blocks.
     let striped = params.layout != Layout::Jbod;
     let k = (devices.len() - parity) as u32;
     let chunk_blocks = params.segment_blocks;
-    let mut params = params.clone();
     if striped {
         params.segment_blocks = chunk_blocks
             .checked_mul(k)
@@ -194,7 +210,7 @@ pub fn format(
     // decides how many stripes there are.
     let stripes = devices
         .iter()
-        .map(|d| Geometry::segments_on_device(d.size_bytes(), DEFAULT_DATA_OFFSET, chunk_blocks))
+        .map(|d| Geometry::segments_on_device(d.size_bytes(), data_offset, chunk_blocks))
         .min()
         .unwrap_or(0);
     for (i, d) in devices.iter().enumerate() {
@@ -202,7 +218,7 @@ pub fn format(
         let segs = if striped {
             stripes
         } else {
-            Geometry::segments_on_device(size, DEFAULT_DATA_OFFSET, params.segment_blocks)
+            Geometry::segments_on_device(size, data_offset, params.segment_blocks)
         };
         if segs == 0 {
             return invalid(format!(
@@ -246,12 +262,23 @@ pub fn format(
         segment_blocks: params.segment_blocks,
         write_unit_blocks: params.write_unit_blocks,
         overprovision_ppm: (params.overprovision * 1e6).round() as u32,
-        data_offset: DEFAULT_DATA_OFFSET,
+        data_offset,
         created_unix,
         version_reserved: 1,
         checkpoint: None,
         devices: entries,
     };
+    if zones.is_some() {
+        // Start from empty zones: whatever an earlier user left would hold zones
+        // open against the device's limits.
+        for d in devices {
+            for z in d.report_zones()? {
+                if z.ty == ZoneType::SequentialRequired && z.cond != ZoneCond::Empty {
+                    d.reset_zone(z.start)?;
+                }
+            }
+        }
+    }
     for off in SUPERBLOCK_OFFSETS {
         for (i, d) in devices.iter().enumerate() {
             let mut s = sb.clone();
@@ -263,6 +290,53 @@ pub fn format(
         }
     }
     Ok(sb)
+}
+
+/// The zone layout shared by the devices of a new array, if they are zoned; an
+/// error says why a set of devices cannot make one.
+fn zoned_layout(
+    devices: &[Arc<dyn BlockDevice>],
+) -> Result<Option<lamina_device::ZoneLayout>, EngineError> {
+    let invalid = |m: String| Err(EngineError::Invalid(m));
+    let layouts: Vec<_> = devices.iter().map(|d| d.zone_layout()).collect();
+    let Some(first) = layouts.iter().flatten().next().copied() else {
+        return Ok(None);
+    };
+    for (d, l) in devices.iter().zip(&layouts) {
+        let Some(l) = l else {
+            return invalid(format!(
+                "{} is not zoned but other devices are: an array is all zoned or not at all",
+                d.describe()
+            ));
+        };
+        if l.zone_bytes != first.zone_bytes || l.conventional_bytes != first.conventional_bytes {
+            return invalid(format!(
+                "{} has zones of {} bytes after {} conventional bytes, unlike {} ({} after {}): zoned members must match",
+                d.describe(),
+                l.zone_bytes,
+                l.conventional_bytes,
+                devices[0].describe(),
+                first.zone_bytes,
+                first.conventional_bytes
+            ));
+        }
+        if l.conventional_bytes < DEFAULT_DATA_OFFSET {
+            return invalid(format!(
+                "{} has {} bytes of conventional zones; Lamina rewrites its superblocks in place in the first {} bytes, which must be conventional",
+                d.describe(),
+                l.conventional_bytes,
+                DEFAULT_DATA_OFFSET
+            ));
+        }
+        if l.open_limit() != 0 && l.open_limit() < 4 {
+            return invalid(format!(
+                "{} lets only {} zones be open at once; Lamina needs at least 4 (metadata, one user and one GC stream, and one closing)",
+                d.describe(),
+                l.open_limit()
+            ));
+        }
+    }
+    Ok(Some(first))
 }
 
 /// Reads and cross-checks the superblocks of all devices; returns the newest and
@@ -441,7 +515,10 @@ fn data_path(
 > {
     use lamina_device::striped::{StripeShape, Striped};
     if sb.layout == Layout::Jbod {
-        return Ok((members, None));
+        return Ok((
+            members.into_iter().map(plug).collect::<Result<_, _>>()?,
+            None,
+        ));
     }
     let failed: Vec<bool> = sb
         .devices
@@ -497,8 +574,17 @@ fn data_path(
             }) as Arc<dyn BlockDevice>
         })
         .collect();
-    devices.push(striped.clone());
+    devices.push(plug(striped.clone())?);
     Ok((devices, Some(striped)))
+}
+
+/// A device the engine writes segments to, behind a zone write plug if it is
+/// zoned (see [`lamina_device::zonehost::Plug`]).
+fn plug(dev: Arc<dyn BlockDevice>) -> Result<Arc<dyn BlockDevice>, EngineError> {
+    if dev.zone_layout().is_none() {
+        return Ok(dev);
+    }
+    Ok(Arc::new(lamina_device::zonehost::Plug::new(dev)?))
 }
 
 /// One unit found by the walk.
@@ -724,6 +810,10 @@ pub fn open_unfinished(
     mode: OpenMode,
 ) -> Result<(Engine, RecoveryReport), EngineError> {
     let mut report = RecoveryReport::default();
+    let devices: Vec<Arc<dyn BlockDevice>> = devices
+        .into_iter()
+        .map(lamina_device::zonehost::host)
+        .collect();
     // What a killed process left in the page cache is not yet durable; make it so
     // before building on it. A member that cannot sync is failed (striped layouts
     // run without it; JBOD cannot).
@@ -1248,6 +1338,9 @@ pub fn open_unfinished(
         vol.live_blocks = live;
         engine.live_blocks += live;
     }
+    if mode == OpenMode::ReadWrite && engine.zoned {
+        reconcile_zones(&engine)?;
+    }
     if mode == OpenMode::ReadWrite {
         // Persist the new version lease before any version from it is used.
         engine.write_superblock_sync()?;
@@ -1258,6 +1351,46 @@ pub fn open_unfinished(
         tracing::warn!("{w}");
     }
     Ok((engine, report))
+}
+
+/// Zoned devices: closes what a crash left open, from the write pointers the
+/// devices report (never from memory). Every zone still open or closed (a
+/// segment without its summary yet, or a stream head a crashed run had just
+/// started) is finished where its write pointer stands: recovery never continues
+/// a segment, so nothing more is written there, and the zone stops counting
+/// against the device's open limit. Contents are kept: a free segment's zone is
+/// reset only when the segment is reused, as a conventional device's segment is
+/// only overwritten then (a crash before the post-recovery checkpoint may need
+/// the previous checkpoint's segments).
+fn reconcile_zones(engine: &Engine) -> Result<(), EngineError> {
+    let geo = &engine.geo;
+    let shared = &engine.shared;
+    let mut reports = std::collections::HashMap::new();
+    for d in geo.data_devices() {
+        let zones: std::collections::HashMap<u64, lamina_device::zoned::Zone> = shared.devices[d]
+            .report_zones()?
+            .into_iter()
+            .filter(|z| z.ty == ZoneType::SequentialRequired)
+            .map(|z| (z.start, z))
+            .collect();
+        reports.insert(d, zones);
+    }
+    for i in 0..engine.segs.len() {
+        let (d, off) = geo.locate(SegmentId(i as u32), 0);
+        let Some(z) = reports.get(&d).and_then(|r| r.get(&off)) else {
+            return Err(EngineError::Invalid(format!(
+                "segment {i} does not start a zone of {} (offset {off})",
+                shared.devices[d].describe()
+            )));
+        };
+        if matches!(
+            z.cond,
+            ZoneCond::ImplicitOpen | ZoneCond::ExplicitOpen | ZoneCond::Closed
+        ) {
+            shared.devices[d].finish_zone(z.wp)?;
+        }
+    }
+    Ok(())
 }
 
 /// Token of the post-recovery checkpoint submitted by [`open_unfinished`].

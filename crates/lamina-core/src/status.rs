@@ -74,6 +74,10 @@ pub struct StatusReport {
     pub blocks_rebuilt_from_parity: u64,
     /// Segments moved by GC because a member failed a read in them.
     pub segments_repaired: u64,
+    /// Zoned devices: zones held open by the engine (open or closing segments),
+    /// and the most the devices allow (0: no limit). `None` for other devices.
+    pub zones_open: Option<u64>,
+    pub zone_open_limit: u64,
     pub segment_size_bytes: u64,
     pub write_unit_bytes: u64,
     pub overprovision: f64,
@@ -245,6 +249,8 @@ impl Engine {
             wear_spread: spread,
             pad_bytes_written: c.pad_blocks * bs,
             segments_repaired: self.gc.repaired,
+            zones_open: self.zoned.then_some(self.zones_active as u64),
+            zone_open_limit: self.zone_limit as u64,
             blocks_rebuilt_from_parity: self
                 .shared
                 .striped

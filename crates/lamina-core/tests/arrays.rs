@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use lamina_core::{format, open, FormatParams, OpenMode, Request, VolumeId};
+use lamina_core::{format, open, OpenMode, Request, VolumeId};
 use lamina_device::fault::FaultDevice;
 use lamina_device::mem::MemDevice;
 use lamina_device::BlockDevice;
@@ -25,19 +25,6 @@ fn members(n: usize, segments: u64) -> Vec<Arc<FaultDevice>> {
         .collect()
 }
 
-fn as_devs(f: &[Arc<FaultDevice>]) -> Vec<Arc<dyn BlockDevice>> {
-    f.iter()
-        .map(|d| d.clone() as Arc<dyn BlockDevice>)
-        .collect()
-}
-
-fn params(layout: Layout) -> FormatParams {
-    FormatParams {
-        layout,
-        ..small_params()
-    }
-}
-
 /// Random overwrites of `blocks` blocks with periodic flushes, checked against a
 /// model; calls `at(i)` before write `i` so that tests can break members.
 fn run(
@@ -50,32 +37,22 @@ fn run(
     mut at: impl FnMut(u64),
 ) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    for i in 0..writes {
+    overwrite(e, vol, model, writes, 97, |i| {
         at(i);
-        let lba = rng.gen_range(0..blocks);
-        let gen = model.get(&lba).copied().unwrap_or(0) + 1;
-        write_block(e, vol, lba, gen, false).unwrap_or_else(|err| panic!("write {i}: {err}"));
-        model.insert(lba, gen);
-        if i % 97 == 0 {
-            call(e, Request::Flush).result.expect("flush");
-        }
-    }
-    call(e, Request::Flush).result.expect("flush");
+        rng.gen_range(0..blocks)
+    });
 }
 
 fn verify(e: &lamina_core::Engine, vol: VolumeId, model: &HashMap<u64, u64>) {
-    for (&lba, &gen) in model {
-        let b = read_block(e, vol, lba);
-        assert_eq!(decode_pattern(lba, &b).ok(), Some(gen), "lba {lba}");
-    }
+    verify_model(e, vol, model)
 }
 
 /// Loses `lose` members (vanished) part way through a run that keeps GC busy,
 /// verifies, restarts and verifies again.
 fn survive(layout: Layout, n: usize, lose: &[usize]) {
     let f = members(n, 24);
-    format_devices(&as_devs(&f), &params(layout));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(layout));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let blocks = (e.status().usable_bytes / BS as u64) * 8 / 10;
     let vol = create_volume(&mut e, "v", blocks * BS as u64);
     let mut model = HashMap::new();
@@ -104,7 +81,7 @@ fn survive(layout: Layout, n: usize, lose: &[usize]) {
     for &m in lose {
         f[m].heal();
     }
-    let mut e = open_rw(&as_devs(&f), small_config());
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let st = e.shared().striped.clone().unwrap();
     for &m in lose {
         assert!(st.is_failed(m), "member {m} still failed after restart");
@@ -136,15 +113,15 @@ fn said6_serves_through_two_lost_members() {
 fn said0_and_said5_round_trip_without_failures() {
     for (layout, n) in [(Layout::Said0, 3), (Layout::Said5, 3), (Layout::Said6, 5)] {
         let f = members(n, 16);
-        format_devices(&as_devs(&f), &params(layout));
-        let mut e = open_rw(&as_devs(&f), small_config());
+        format_devices(&dyn_devs(&f), &layout_params(layout));
+        let mut e = open_rw(&dyn_devs(&f), small_config());
         let blocks = (e.status().usable_bytes / BS as u64) * 8 / 10;
         let vol = create_volume(&mut e, "v", blocks * BS as u64);
         let mut model = HashMap::new();
         run(&mut e, vol, &mut model, blocks, blocks * 3, 3, |_| {});
         verify(&e, vol, &model);
         drop(e);
-        let e = open_rw(&as_devs(&f), small_config());
+        let e = open_rw(&dyn_devs(&f), small_config());
         verify(&e, vol, &model);
     }
 }
@@ -152,8 +129,8 @@ fn said0_and_said5_round_trip_without_failures() {
 #[test]
 fn flushed_partial_rows_are_padded_not_rewritten() {
     let f = members(4, 16);
-    format_devices(&as_devs(&f), &params(Layout::Said5));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Said5));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let vol = create_volume(&mut e, "v", 1 << 20);
     let mut model = HashMap::new();
     for lba in 0..50u64 {
@@ -178,7 +155,7 @@ fn layouts_refuse_too_few_devices() {
     for (layout, n, need) in [(Layout::Said5, 2, 3), (Layout::Said6, 3, 4)] {
         let f = members(n, 16);
         let uuids: Vec<[u8; 16]> = (0..n).map(|i| [i as u8 + 1; 16]).collect();
-        let err = format(&as_devs(&f), &params(layout), [1; 16], &uuids, 0).unwrap_err();
+        let err = format(&dyn_devs(&f), &layout_params(layout), [1; 16], &uuids, 0).unwrap_err();
         assert!(
             err.to_string()
                 .contains(&format!("at least {need} devices")),
@@ -194,8 +171,8 @@ fn layouts_refuse_too_few_devices() {
 #[test]
 fn losing_more_than_the_parity_stops_writes_but_keeps_reads() {
     let f = members(4, 16);
-    format_devices(&as_devs(&f), &params(Layout::Said5));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Said5));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let vol = create_volume(&mut e, "v", 2 << 20);
     let mut model = HashMap::new();
     run(&mut e, vol, &mut model, 256, 600, 4, |_| {});
@@ -226,7 +203,7 @@ fn losing_more_than_the_parity_stops_writes_but_keeps_reads() {
     assert!(ok > 0, "some blocks still readable");
     drop(e);
     // Read-write open refuses; the message says why.
-    let err = match open(as_devs(&f), small_config(), OpenMode::ReadWrite) {
+    let err = match open(dyn_devs(&f), small_config(), OpenMode::ReadWrite) {
         Ok(_) => panic!("opened with two SAID5 members gone"),
         Err(e) => e,
     };
@@ -271,8 +248,8 @@ fn replace(e: &mut lamina_core::Engine, index: usize, size: u64) -> Arc<FaultDev
 #[test]
 fn replaced_member_is_rebuilt_from_live_stripes_only_and_resumes() {
     let mut f = members(4, 48);
-    format_devices(&as_devs(&f), &params(Layout::Said5));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Said5));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     // Half full: the rebuild should move about half of what a whole-device copy
     // would.
     let blocks = (e.status().usable_bytes / BS as u64) / 2;
@@ -313,7 +290,7 @@ fn replaced_member_is_rebuilt_from_live_stripes_only_and_resumes() {
     assert!(!part.finished);
     drop(e);
     f[1] = new;
-    let mut e = open_rw(&as_devs(&f), small_config());
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let st = e.shared().striped.clone().unwrap();
     eprintln!("{:?}", e.superblock().devices);
     assert_eq!(
@@ -339,7 +316,7 @@ fn replaced_member_is_rebuilt_from_live_stripes_only_and_resumes() {
     f[3].heal();
     // And after a restart the member is active.
     drop(e);
-    let e = open_rw(&as_devs(&f), small_config());
+    let e = open_rw(&dyn_devs(&f), small_config());
     assert_eq!(e.status().members[1].state, "ok");
     f[0].vanish();
     verify(&e, vol, &model);
@@ -365,8 +342,8 @@ fn members_wear_evenly_and_the_counts_persist() {
                 ))))
             })
             .collect();
-        format_devices(&as_devs(&f), &params(layout));
-        let mut e = open_rw(&as_devs(&f), small_config());
+        format_devices(&dyn_devs(&f), &layout_params(layout));
+        let mut e = open_rw(&dyn_devs(&f), small_config());
         let blocks = (e.status().usable_bytes / BS as u64) * 7 / 10;
         let vol = create_volume(&mut e, "v", blocks * BS as u64);
         let mut model = HashMap::new();
@@ -382,7 +359,7 @@ fn members_wear_evenly_and_the_counts_persist() {
         );
         call(&mut e, Request::Checkpoint).result.unwrap();
         drop(e);
-        let e = open_rw(&as_devs(&f), small_config());
+        let e = open_rw(&dyn_devs(&f), small_config());
         let again: Vec<u64> = e.status().members.iter().map(|m| m.bytes_written).collect();
         for (a, b) in written.iter().zip(&again) {
             assert!(
@@ -399,8 +376,8 @@ fn members_wear_evenly_and_the_counts_persist() {
 fn read_errors_are_served_from_parity_and_moved_away() {
     use lamina_device::fault::FaultOp;
     let f = members(4, 24);
-    format_devices(&as_devs(&f), &params(Layout::Said5));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Said5));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let vol = create_volume(&mut e, "v", 1 << 20);
     let mut model = HashMap::new();
     run(&mut e, vol, &mut model, 256, 256, 9, |_| {});
@@ -471,8 +448,8 @@ fn locate_block(e: &lamina_core::Engine, vol: VolumeId, lba: u64) -> (u64, usize
 fn scrub_repairs_corrupt_data_and_parity() {
     for (layout, n) in [(Layout::Said5, 4), (Layout::Said6, 5)] {
         let f = members(n, 16);
-        format_devices(&as_devs(&f), &params(layout));
-        let mut e = open_rw(&as_devs(&f), small_config());
+        format_devices(&dyn_devs(&f), &layout_params(layout));
+        let mut e = open_rw(&dyn_devs(&f), small_config());
         let vol = create_volume(&mut e, "v", 1 << 20);
         let mut model = HashMap::new();
         for lba in 0..200u64 {
@@ -522,8 +499,8 @@ fn jbod_wear_levelled_allocation_recovers_after_a_crash() {
             device_bytes(48),
         )))),
     ];
-    format_devices(&as_devs(&f), &params(Layout::Jbod));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let vol = create_volume(&mut e, "v", 2 << 20);
     let mut model = HashMap::new();
     run(&mut e, vol, &mut model, 512, 600, 21, |_| {});
@@ -536,7 +513,7 @@ fn jbod_wear_levelled_allocation_recovers_after_a_crash() {
         "both members used: {members:?}"
     );
     drop(e); // no clean shutdown: a crash after the last acknowledged flush
-    let e = open_rw(&as_devs(&f), small_config());
+    let e = open_rw(&dyn_devs(&f), small_config());
     verify(&e, vol, &model);
 }
 
@@ -546,8 +523,8 @@ fn jbod_wear_levelled_allocation_recovers_after_a_crash() {
 #[test]
 fn rebuilding_members_and_stale_rebuilds_are_handled() {
     let f = members(4, 16);
-    format_devices(&as_devs(&f), &params(Layout::Said5));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Said5));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let vol = create_volume(&mut e, "v", 1 << 20);
     let mut model = HashMap::new();
     run(&mut e, vol, &mut model, 200, 400, 23, |_| {});
@@ -594,8 +571,8 @@ fn rebuilding_members_and_stale_rebuilds_are_handled() {
 #[test]
 fn scrub_reports_a_damaged_unit_header() {
     let f = members(1, 16);
-    format_devices(&as_devs(&f), &params(Layout::Jbod));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let vol = create_volume(&mut e, "v", 1 << 20);
     for lba in 0..200u64 {
         write_block(&mut e, vol, lba, 1, false).unwrap();
@@ -621,8 +598,8 @@ fn scrub_reports_a_damaged_unit_header() {
 #[test]
 fn scrub_repairs_a_damaged_unit_header_from_parity() {
     let f = members(4, 16);
-    format_devices(&as_devs(&f), &params(Layout::Said5));
-    let mut e = open_rw(&as_devs(&f), small_config());
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Said5));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
     let vol = create_volume(&mut e, "v", 1 << 20);
     let mut model = HashMap::new();
     for lba in 0..250u64 {

@@ -26,6 +26,7 @@ pub mod raid5;
 pub mod sparse;
 pub mod striped;
 pub mod zoned;
+pub mod zonehost;
 
 use std::io;
 
@@ -76,6 +77,71 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError>;
     /// Makes every completed write durable.
     fn sync(&self) -> Result<(), DeviceError>;
+    /// How the device is zoned; `None` for a device that takes writes anywhere.
+    fn zone_layout(&self) -> Option<ZoneLayout> {
+        None
+    }
+    /// Every zone (conventional ones included) with its condition and write
+    /// pointer, as the device reports them.
+    fn report_zones(&self) -> Result<Vec<zoned::Zone>, DeviceError> {
+        Err(not_zoned(self, "report zones", 0))
+    }
+    /// Resets the sequential zone holding `offset`: empty, write pointer at its start.
+    fn reset_zone(&self, offset: u64) -> Result<(), DeviceError> {
+        Err(not_zoned(self, "reset zone", offset))
+    }
+    /// Finishes the sequential zone holding `offset`: full, whatever was written.
+    /// A host-side write plug ([`zonehost::Plug`]) first waits until the writes
+    /// below `offset` in that zone have completed.
+    fn finish_zone(&self, offset: u64) -> Result<(), DeviceError> {
+        Err(not_zoned(self, "finish zone", offset))
+    }
+}
+
+/// The zones of a zoned device as its user sees them: conventional zones first
+/// (writable anywhere), then `zones` sequential-write-required zones of
+/// `zone_bytes` each, of which the first `zone_capacity` bytes are writable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZoneLayout {
+    pub conventional_bytes: u64,
+    pub zone_bytes: u64,
+    pub zone_capacity: u64,
+    pub zones: u64,
+    /// Open and active zone limits (0: none).
+    pub max_open: u32,
+    pub max_active: u32,
+}
+
+impl ZoneLayout {
+    /// Most zones that may be written at once: the tighter of the two limits
+    /// (0: no limit). Lamina never closes a zone explicitly, so every zone it has
+    /// written and not filled is both open and active.
+    pub fn open_limit(&self) -> u32 {
+        match (self.max_open, self.max_active) {
+            (0, a) => a,
+            (o, 0) => o,
+            (o, a) => o.min(a),
+        }
+    }
+    /// The sequential zone holding `offset`, if any.
+    pub fn zone_of(&self, offset: u64) -> Option<u64> {
+        let z = offset.checked_sub(self.conventional_bytes)? / self.zone_bytes;
+        (z < self.zones).then_some(z)
+    }
+    /// Byte offset where sequential zone `z` starts.
+    pub fn zone_start(&self, z: u64) -> u64 {
+        self.conventional_bytes + z * self.zone_bytes
+    }
+}
+
+fn not_zoned(device: &(impl BlockDevice + ?Sized), op: &'static str, offset: u64) -> DeviceError {
+    DeviceError::Io {
+        device: device.describe(),
+        op,
+        offset,
+        len: 0,
+        source: io::Error::new(io::ErrorKind::Unsupported, "not a zoned device"),
+    }
 }
 
 /// Checks that `[offset, offset+len)` lies within a device of `size` bytes.

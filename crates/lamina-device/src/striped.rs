@@ -354,6 +354,7 @@ impl Striped {
         let sh = self.shape;
         let (n, k) = (sh.members(), sh.data);
         let mut st = ScrubStats::default();
+        let zoned = self.zone_layout().is_some();
         const BATCH: u64 = 64;
         let mut row0 = 0;
         while row0 < rows.min(sh.chunk_blocks) {
@@ -439,6 +440,17 @@ impl Striped {
                 });
                 if bad_rebuild {
                     st.unrecoverable += 1;
+                    continue;
+                }
+                if zoned {
+                    // A zone cannot be rewritten in place: the stripe goes to the
+                    // repair list, and GC moves its live blocks (rebuilt from parity
+                    // as reads of them are) to a new segment.
+                    st.unresolved += 1;
+                    let mut rep = self.repairs.lock().unwrap();
+                    if !rep.contains(&s) {
+                        rep.push(s);
+                    }
                     continue;
                 }
                 for &j in &to_fix {
@@ -586,6 +598,25 @@ impl Striped {
         if !self.failed[i].swap(true, Ordering::SeqCst) {
             self.failures.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    /// Runs a zone operation on every available member; a member that fails it is
+    /// failed, as for a write error.
+    fn each_member_zone(
+        &self,
+        op: &'static str,
+        offset: u64,
+        f: impl Fn(&dyn BlockDevice) -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        for i in 0..self.members.len() {
+            if !self.is_failed(i) && f(&*self.member(i)).is_err() {
+                self.fail_member(i);
+            }
+        }
+        if self.unavailable_count() > self.shape.parity {
+            return Err(self.too_many_failed(op, offset));
+        }
+        Ok(())
     }
 
     fn too_many_failed(&self, op: &'static str, offset: u64) -> DeviceError {
@@ -777,6 +808,108 @@ impl BlockDevice for Striped {
             return Err(self.too_many_failed("sync", 0));
         }
         Ok(())
+    }
+
+    /// Zoned members: stripe `s` is zone `s` of every member (each member's chunk
+    /// is one of its zones), so the striped device has one zone per stripe.
+    fn zone_layout(&self) -> Option<crate::ZoneLayout> {
+        let sh = self.shape;
+        let mut limit = 0u32;
+        let mut any = false;
+        for i in (0..self.members.len()).filter(|&i| !self.is_failed(i)) {
+            let l = self.member(i).zone_layout()?;
+            if l.conventional_bytes != sh.data_offset
+                || l.zone_capacity != sh.chunk_blocks * BLOCK_U64
+            {
+                return None;
+            }
+            any = true;
+            limit = match (limit, l.open_limit()) {
+                (0, b) => b,
+                (a, 0) => a,
+                (a, b) => a.min(b),
+            };
+        }
+        any.then(|| crate::ZoneLayout {
+            conventional_bytes: sh.data_offset,
+            zone_bytes: sh.stripe_blocks() * BLOCK_U64,
+            zone_capacity: sh.stripe_blocks() * BLOCK_U64,
+            zones: sh.stripes,
+            max_open: limit,
+            max_active: limit,
+        })
+    }
+
+    /// A stripe's zone is empty (or full) when every available member's is; its
+    /// write pointer is the lowest of the members' rows.
+    fn report_zones(&self) -> Result<Vec<crate::zoned::Zone>, DeviceError> {
+        use crate::zoned::{Zone, ZoneCond, ZoneType};
+        let sh = self.shape;
+        let zb = sh.stripe_blocks() * BLOCK_U64;
+        let mut zones: Vec<Zone> = (0..sh.stripes)
+            .map(|s| Zone {
+                start: sh.data_offset + s * zb,
+                len: zb,
+                capacity: zb,
+                wp: u64::MAX,
+                cond: ZoneCond::Empty,
+                ty: ZoneType::SequentialRequired,
+            })
+            .collect();
+        let mut all_full = vec![true; zones.len()];
+        for i in (0..self.members.len()).filter(|&i| !self.is_failed(i)) {
+            let seq = self
+                .member(i)
+                .report_zones()?
+                .into_iter()
+                .filter(|z| z.ty == ZoneType::SequentialRequired);
+            for (s, mz) in seq.enumerate().take(zones.len()) {
+                let rows = (mz.wp - mz.start) / BLOCK_U64;
+                let z = &mut zones[s];
+                z.wp = z.wp.min(z.start + rows * sh.data as u64 * BLOCK_U64);
+                if mz.cond != ZoneCond::Empty {
+                    z.cond = ZoneCond::Closed;
+                }
+                all_full[s] &= mz.cond == ZoneCond::Full;
+                if matches!(mz.cond, ZoneCond::Offline | ZoneCond::ReadOnly) {
+                    z.cond = mz.cond;
+                }
+            }
+        }
+        for (z, full) in zones.iter_mut().zip(all_full) {
+            if full {
+                z.cond = ZoneCond::Full;
+            }
+            if z.wp == u64::MAX {
+                z.wp = z.start;
+            }
+        }
+        let mut all = vec![Zone {
+            start: 0,
+            len: sh.data_offset,
+            capacity: sh.data_offset,
+            wp: 0,
+            cond: ZoneCond::NotWritePointer,
+            ty: ZoneType::Conventional,
+        }];
+        all.extend(zones);
+        Ok(all)
+    }
+
+    fn reset_zone(&self, offset: u64) -> Result<(), DeviceError> {
+        let (s, _, _) = self.split("reset zone", offset, 0)?;
+        self.each_member_zone("reset zone", offset, |m| {
+            m.reset_zone(self.shape.member_offset(s, 0))
+        })
+    }
+
+    /// Finishes each member's zone at the row holding `offset`.
+    fn finish_zone(&self, offset: u64) -> Result<(), DeviceError> {
+        let (s, b, _) = self.split("finish zone", offset, 0)?;
+        let row = b / self.shape.data as u64;
+        self.each_member_zone("finish zone", offset, |m| {
+            m.finish_zone(self.shape.member_offset(s, row))
+        })
     }
 }
 

@@ -22,7 +22,10 @@
 //! a seek and half a rotation; transfer runs at a bandwidth that falls linearly from
 //! the outer zones (`outer_mb_s`) to the inner ones (half of it).
 
-use crate::{check_range, BlockDevice, DeviceError};
+use crate::{check_range, BlockDevice, DeviceError, ZoneLayout};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,6 +135,8 @@ struct State {
     zones: Vec<Zone>,
     clock: u64,
     head: u64,
+    /// The zone state file of a persistent device.
+    file: Option<std::fs::File>,
 }
 
 pub struct ZonedDevice {
@@ -139,6 +144,113 @@ pub struct ZonedDevice {
     cfg: ZonedConfig,
     st: Mutex<State>,
     name: String,
+    /// Writes refused for breaking a zone rule (a host bug if ever non-zero).
+    rejected: AtomicU64,
+    /// Zones whose persisted state failed its checksum (taken offline at open).
+    damaged: Vec<usize>,
+}
+
+/// The zone state file of a file-backed emulated zoned device: `DATA.zones`.
+///
+/// Layout (little-endian): a 64-byte header, magic `LMZONES1`, version u32,
+/// zone size u64, zone capacity u64, conventional zones u32, max open u32, max
+/// active u32, seek us u32, rpm u32, outer MB/s u32, zone count u64, CRC-32C of
+/// bytes 0..60 at 60; then one 16-byte record per zone: write pointer u64,
+/// condition u8, 3 zero bytes, CRC-32C of the zone index (u64) and bytes 0..12.
+pub fn state_path(data: &Path) -> PathBuf {
+    let mut p = data.as_os_str().to_owned();
+    p.push(".zones");
+    PathBuf::from(p)
+}
+
+const STATE_MAGIC: &[u8; 8] = b"LMZONES1";
+const STATE_VERSION: u32 = 1;
+const STATE_HEADER: u64 = 64;
+const STATE_RECORD: u64 = 16;
+
+fn cond_code(c: ZoneCond) -> u8 {
+    match c {
+        ZoneCond::NotWritePointer => 0,
+        ZoneCond::Empty => 1,
+        ZoneCond::ImplicitOpen => 2,
+        ZoneCond::ExplicitOpen => 3,
+        ZoneCond::Closed => 4,
+        ZoneCond::Full => 5,
+        ZoneCond::ReadOnly => 6,
+        ZoneCond::Offline => 7,
+    }
+}
+
+fn code_cond(c: u8) -> Option<ZoneCond> {
+    Some(match c {
+        0 => ZoneCond::NotWritePointer,
+        1 => ZoneCond::Empty,
+        2 => ZoneCond::ImplicitOpen,
+        3 => ZoneCond::ExplicitOpen,
+        4 => ZoneCond::Closed,
+        5 => ZoneCond::Full,
+        6 => ZoneCond::ReadOnly,
+        7 => ZoneCond::Offline,
+        _ => return None,
+    })
+}
+
+fn record(i: usize, z: &Zone) -> [u8; 16] {
+    let mut r = [0u8; 16];
+    r[..8].copy_from_slice(&z.wp.to_le_bytes());
+    r[8] = cond_code(z.cond);
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&(i as u64).to_le_bytes()), &r[..12]);
+    r[12..].copy_from_slice(&crc.to_le_bytes());
+    r
+}
+
+fn header(cfg: &ZonedConfig, zones: u64) -> [u8; 64] {
+    let mut h = [0u8; 64];
+    h[..8].copy_from_slice(STATE_MAGIC);
+    let mut at = 8;
+    let mut put = |b: &[u8]| {
+        h[at..at + b.len()].copy_from_slice(b);
+        at += b.len();
+    };
+    put(&STATE_VERSION.to_le_bytes());
+    put(&cfg.zone_bytes.to_le_bytes());
+    put(&cfg.zone_capacity_bytes.to_le_bytes());
+    put(&cfg.conventional_zones.to_le_bytes());
+    put(&cfg.max_open.to_le_bytes());
+    put(&cfg.max_active.to_le_bytes());
+    put(&(cfg.seek_us as u32).to_le_bytes());
+    put(&(cfg.rpm as u32).to_le_bytes());
+    put(&(cfg.outer_mb_s as u32).to_le_bytes());
+    put(&zones.to_le_bytes());
+    let crc = crc32c::crc32c(&h[..60]);
+    h[60..].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+fn parse_header(h: &[u8; 64]) -> Result<(ZonedConfig, u64), String> {
+    if &h[..8] != STATE_MAGIC {
+        return Err("not a zone state file (bad magic)".into());
+    }
+    let crc = u32::from_le_bytes(h[60..64].try_into().unwrap());
+    if crc32c::crc32c(&h[..60]) != crc {
+        return Err("zone state header checksum mismatch".into());
+    }
+    let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().unwrap());
+    let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap());
+    if u32_at(8) != STATE_VERSION {
+        return Err(format!("zone state version {} not supported", u32_at(8)));
+    }
+    let cfg = ZonedConfig {
+        zone_bytes: u64_at(12),
+        zone_capacity_bytes: u64_at(20),
+        conventional_zones: u32_at(28),
+        max_open: u32_at(32),
+        max_active: u32_at(36),
+        seek_us: u32_at(40) as u64,
+        rpm: u32_at(44) as u64,
+        outer_mb_s: u32_at(48) as u64,
+    };
+    Ok((cfg, u64_at(52)))
 }
 
 impl ZonedDevice {
@@ -182,12 +294,134 @@ impl ZonedDevice {
                 zones,
                 clock: 0,
                 head: 0,
+                file: None,
             }),
             name,
+            rejected: AtomicU64::new(0),
+            damaged: Vec::new(),
         })
     }
 
-    pub fn report_zones(&self) -> Vec<Zone> {
+    /// A new emulated zoned device over `inner` whose zone state persists in
+    /// `state` (see [`state_path`]), so that it survives the process.
+    pub fn create_persistent(
+        inner: Arc<dyn BlockDevice>,
+        cfg: ZonedConfig,
+        state: &Path,
+    ) -> Result<Self, DeviceError> {
+        let mut d = Self::new(inner, cfg)?;
+        let io = |source| DeviceError::Io {
+            device: state.display().to_string(),
+            op: "create zone state",
+            offset: 0,
+            len: 0,
+            source,
+        };
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(state)
+            .map_err(io)?;
+        let zones = d.zones();
+        let mut img = header(&d.cfg, zones.len() as u64).to_vec();
+        for (i, z) in zones.iter().enumerate() {
+            img.extend_from_slice(&record(i, z));
+        }
+        f.write_all_at(&img, 0).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        d.st.get_mut().unwrap().file = Some(f);
+        Ok(d)
+    }
+
+    /// Opens an emulated zoned device whose configuration and zone state are in
+    /// `state`. A zone whose record fails its checksum is taken offline (its data
+    /// is never served) and listed by [`ZonedDevice::damaged_zones`].
+    pub fn open_persistent(inner: Arc<dyn BlockDevice>, state: &Path) -> Result<Self, DeviceError> {
+        let bad = |detail: String| DeviceError::Open {
+            device: state.display().to_string(),
+            detail,
+        };
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(state)
+            .map_err(|e| bad(e.to_string()))?;
+        let mut h = [0u8; 64];
+        f.read_exact_at(&mut h, 0)
+            .map_err(|e| bad(format!("cannot read the header: {e}")))?;
+        let (cfg, n) = parse_header(&h).map_err(bad)?;
+        let mut d = Self::new(inner, cfg)?;
+        let st = d.st.get_mut().unwrap();
+        if st.zones.len() as u64 != n {
+            return Err(bad(format!(
+                "records {n} zones but the device holds {}",
+                st.zones.len()
+            )));
+        }
+        let mut recs = vec![0u8; (n * STATE_RECORD) as usize];
+        f.read_exact_at(&mut recs, STATE_HEADER)
+            .map_err(|e| bad(format!("cannot read the zone records: {e}")))?;
+        for (i, r) in recs.chunks(16).enumerate() {
+            let z = &mut st.zones[i];
+            let crc = u32::from_le_bytes(r[12..16].try_into().unwrap());
+            let want = crc32c::crc32c_append(crc32c::crc32c(&(i as u64).to_le_bytes()), &r[..12]);
+            let wp = u64::from_le_bytes(r[..8].try_into().unwrap());
+            match code_cond(r[8]) {
+                Some(c) if crc == want && wp >= z.start && wp <= z.start + z.capacity => {
+                    z.wp = wp;
+                    z.cond = c;
+                }
+                _ => {
+                    z.cond = ZoneCond::Offline;
+                    d.damaged.push(i);
+                }
+            }
+        }
+        st.file = Some(f);
+        Ok(d)
+    }
+
+    /// Zones taken offline at open because their persisted state was damaged.
+    pub fn damaged_zones(&self) -> &[usize] {
+        &self.damaged
+    }
+
+    /// Writes refused because they broke a zone rule.
+    pub fn rejected_writes(&self) -> u64 {
+        self.rejected.load(Ordering::Relaxed)
+    }
+
+    fn reject(&self, e: DeviceError) -> DeviceError {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+        e
+    }
+
+    /// Persists zone `i`'s state (persistent devices).
+    fn persist(&self, st: &State, i: usize) -> Result<(), DeviceError> {
+        if let Some(f) = &st.file {
+            f.write_all_at(
+                &record(i, &st.zones[i]),
+                STATE_HEADER + i as u64 * STATE_RECORD,
+            )
+            .map_err(|source| DeviceError::Io {
+                device: self.name.clone(),
+                op: "zone state write",
+                offset: i as u64,
+                len: 16,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The configuration the device was built with.
+    pub fn config(&self) -> &ZonedConfig {
+        &self.cfg
+    }
+
+    pub fn zones(&self) -> Vec<Zone> {
         self.st.lock().unwrap().zones.clone()
     }
 
@@ -271,17 +505,17 @@ impl ZonedDevice {
     }
 
     /// Resets zone `i`: empty, write pointer at its start.
-    pub fn reset_zone(&self, i: usize) -> Result<(), DeviceError> {
+    pub fn reset(&self, i: usize) -> Result<(), DeviceError> {
         let mut st = self.st.lock().unwrap();
         self.check_zone(&st, i, "reset")?;
         let z = &mut st.zones[i];
         z.wp = z.start;
         z.cond = ZoneCond::Empty;
-        Ok(())
+        self.persist(&st, i)
     }
 
     /// Finishes zone `i`: full, whatever was written.
-    pub fn finish_zone(&self, i: usize) -> Result<(), DeviceError> {
+    pub fn finish(&self, i: usize) -> Result<(), DeviceError> {
         let mut st = self.st.lock().unwrap();
         self.check_zone(&st, i, "finish")?;
         if st.zones[i].cond == ZoneCond::Empty {
@@ -291,11 +525,11 @@ impl ZonedDevice {
         let z = &mut st.zones[i];
         z.wp = z.start + z.capacity;
         z.cond = ZoneCond::Full;
-        Ok(())
+        self.persist(&st, i)
     }
 
     /// Opens zone `i` explicitly.
-    pub fn open_zone(&self, i: usize) -> Result<(), DeviceError> {
+    pub fn open(&self, i: usize) -> Result<(), DeviceError> {
         let mut st = self.st.lock().unwrap();
         self.check_zone(&st, i, "open")?;
         match st.zones[i].cond {
@@ -313,11 +547,11 @@ impl ZonedDevice {
             _ => self.may_open(&st.zones, i, "open")?,
         }
         st.zones[i].cond = ZoneCond::ExplicitOpen;
-        Ok(())
+        self.persist(&st, i)
     }
 
     /// Closes zone `i` (it stays active if written, else returns to empty).
-    pub fn close_zone(&self, i: usize) -> Result<(), DeviceError> {
+    pub fn close(&self, i: usize) -> Result<(), DeviceError> {
         let mut st = self.st.lock().unwrap();
         self.check_zone(&st, i, "close")?;
         let z = &mut st.zones[i];
@@ -328,12 +562,95 @@ impl ZonedDevice {
                 ZoneCond::Closed
             };
         }
-        Ok(())
+        self.persist(&st, i)
     }
 
     /// Puts zone `i` in a failed condition (tests of how the host copes).
     pub fn set_condition(&self, i: usize, cond: ZoneCond) {
-        self.st.lock().unwrap().zones[i].cond = cond;
+        let mut st = self.st.lock().unwrap();
+        st.zones[i].cond = cond;
+        let _ = self.persist(&st, i);
+    }
+
+    /// The zone index holding byte `offset`, for the trait's offset-based calls.
+    fn zone_at(&self, op: &'static str, offset: u64) -> Result<usize, DeviceError> {
+        if offset >= self.size_bytes() {
+            return Err(err(
+                &self.name,
+                op,
+                offset,
+                libc::EINVAL,
+                format!("offset {offset} is past the last zone"),
+            ));
+        }
+        Ok(self.zone_index(offset))
+    }
+
+    /// Checks a write of `len` bytes at `offset` against the zone rules; returns
+    /// the zone.
+    fn check_write(&self, st: &State, offset: u64, len: u64) -> Result<usize, DeviceError> {
+        let i = self.zone_index(offset);
+        let z = st.zones[i];
+        if offset + len > z.start + z.len {
+            return Err(err(
+                &self.name,
+                "write",
+                offset,
+                libc::EIO,
+                format!("write of {len} bytes at {offset} crosses the end of zone {i}"),
+            ));
+        }
+        if z.ty == ZoneType::SequentialRequired {
+            match z.cond {
+                ZoneCond::Full => {
+                    return Err(err(
+                        &self.name,
+                        "write",
+                        offset,
+                        libc::EIO,
+                        format!("zone {i} is full"),
+                    ))
+                }
+                ZoneCond::ReadOnly | ZoneCond::Offline => {
+                    return Err(err(
+                        &self.name,
+                        "write",
+                        offset,
+                        libc::EIO,
+                        format!("zone {i} is {:?}", z.cond),
+                    ))
+                }
+                _ => {}
+            }
+            if offset != z.wp {
+                return Err(err(
+                    &self.name,
+                    "write",
+                    offset,
+                    libc::EIO,
+                    format!(
+                        "unaligned write: zone {i} write pointer is at {}, not {offset}",
+                        z.wp
+                    ),
+                ));
+            }
+            if offset + len > z.start + z.capacity {
+                return Err(err(
+                    &self.name,
+                    "write",
+                    offset,
+                    libc::ENOSPC,
+                    format!(
+                        "write of {len} bytes passes zone {i}'s capacity of {}",
+                        z.capacity
+                    ),
+                ));
+            }
+            if matches!(z.cond, ZoneCond::Empty | ZoneCond::Closed) {
+                self.may_open(&st.zones, i, "write")?;
+            }
+        }
+        Ok(i)
     }
 
     /// ZNS zone append: writes `buf` at zone `i`'s write pointer; returns where.
@@ -400,67 +717,9 @@ impl BlockDevice for ZonedDevice {
         check_range(self, "write", offset, buf.len())?;
         let len = buf.len() as u64;
         let mut st = self.st.lock().unwrap();
-        let i = self.zone_index(offset);
-        let z = st.zones[i];
-        if offset + len > z.start + z.len {
-            return Err(err(
-                &self.name,
-                "write",
-                offset,
-                libc::EIO,
-                format!("write of {len} bytes at {offset} crosses the end of zone {i}"),
-            ));
-        }
-        if z.ty == ZoneType::SequentialRequired {
-            match z.cond {
-                ZoneCond::Full => {
-                    return Err(err(
-                        &self.name,
-                        "write",
-                        offset,
-                        libc::EIO,
-                        format!("zone {i} is full"),
-                    ))
-                }
-                ZoneCond::ReadOnly | ZoneCond::Offline => {
-                    return Err(err(
-                        &self.name,
-                        "write",
-                        offset,
-                        libc::EIO,
-                        format!("zone {i} is {:?}", z.cond),
-                    ))
-                }
-                _ => {}
-            }
-            if offset != z.wp {
-                return Err(err(
-                    &self.name,
-                    "write",
-                    offset,
-                    libc::EIO,
-                    format!(
-                        "unaligned write: zone {i} write pointer is at {}, not {offset}",
-                        z.wp
-                    ),
-                ));
-            }
-            if offset + len > z.start + z.capacity {
-                return Err(err(
-                    &self.name,
-                    "write",
-                    offset,
-                    libc::ENOSPC,
-                    format!(
-                        "write of {len} bytes passes zone {i}'s capacity of {}",
-                        z.capacity
-                    ),
-                ));
-            }
-            if matches!(z.cond, ZoneCond::Empty | ZoneCond::Closed) {
-                self.may_open(&st.zones, i, "write")?;
-            }
-        }
+        let i = self
+            .check_write(&st, offset, len)
+            .map_err(|e| self.reject(e))?;
         self.inner.write_at(buf, offset)?;
         self.time(&mut st, offset, len);
         let z = &mut st.zones[i];
@@ -473,11 +732,42 @@ impl BlockDevice for ZonedDevice {
             } else {
                 ZoneCond::ImplicitOpen
             };
+            self.persist(&st, i)?;
         }
         Ok(())
     }
     fn sync(&self) -> Result<(), DeviceError> {
-        self.inner.sync()
+        self.inner.sync()?;
+        if let Some(f) = &self.st.lock().unwrap().file {
+            f.sync_data().map_err(|source| DeviceError::Io {
+                device: self.name.clone(),
+                op: "zone state sync",
+                offset: 0,
+                len: 0,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+    fn zone_layout(&self) -> Option<ZoneLayout> {
+        let conv = self.cfg.conventional_zones as u64;
+        Some(ZoneLayout {
+            conventional_bytes: conv * self.cfg.zone_bytes,
+            zone_bytes: self.cfg.zone_bytes,
+            zone_capacity: self.cfg.zone_capacity_bytes,
+            zones: self.size_bytes() / self.cfg.zone_bytes - conv,
+            max_open: self.cfg.max_open,
+            max_active: self.cfg.max_active,
+        })
+    }
+    fn report_zones(&self) -> Result<Vec<Zone>, DeviceError> {
+        Ok(self.zones())
+    }
+    fn reset_zone(&self, offset: u64) -> Result<(), DeviceError> {
+        self.reset(self.zone_at("reset zone", offset)?)
+    }
+    fn finish_zone(&self, offset: u64) -> Result<(), DeviceError> {
+        self.finish(self.zone_at("finish zone", offset)?)
     }
 }
 
@@ -557,32 +847,32 @@ mod tests {
             .to_string()
             .contains("unaligned write"));
         d.write_at(&b, Z).unwrap();
-        assert_eq!(d.report_zones()[1].cond, ZoneCond::ImplicitOpen);
+        assert_eq!(d.zones()[1].cond, ZoneCond::ImplicitOpen);
         assert_eq!(d.zone_append(1, &b).unwrap(), Z + 4096);
         // Reads above the write pointer are zeros.
         let mut r = [1u8; 4096];
         d.read_at(&mut r, Z + 8192).unwrap();
         assert!(r.iter().all(|&x| x == 0));
         // Past the capacity: ENOSPC, nothing changes.
-        d.finish_zone(2).unwrap();
-        assert_eq!(d.report_zones()[2].cond, ZoneCond::Full);
+        d.finish(2).unwrap();
+        assert_eq!(d.zones()[2].cond, ZoneCond::Full);
         assert!(d.write_at(&b, 2 * Z).is_err());
-        d.reset_zone(2).unwrap();
+        d.reset(2).unwrap();
         let big = vec![0u8; (Z - 16384) as usize];
         d.write_at(&big, 2 * Z).unwrap();
-        assert_eq!(d.report_zones()[2].cond, ZoneCond::Full, "full at capacity");
+        assert_eq!(d.zones()[2].cond, ZoneCond::Full, "full at capacity");
         // Open limit: zones 1 is open; open 3 and 4; a fifth write to a new zone fails.
-        d.open_zone(3).unwrap();
-        d.open_zone(4).unwrap();
+        d.open(3).unwrap();
+        d.open(4).unwrap();
         let e = d.write_at(&b, 5 * Z).unwrap_err();
         assert!(e.to_string().contains("zones open"), "{e}");
         // Closing one makes room (active stays, it was written).
-        d.close_zone(1).unwrap();
-        assert_eq!(d.report_zones()[1].cond, ZoneCond::Closed);
+        d.close(1).unwrap();
+        assert_eq!(d.zones()[1].cond, ZoneCond::Closed);
         d.write_at(&b, 5 * Z).unwrap();
         // Active limit: 1 closed + 3, 4, 5 open = 4 active; zone 6 cannot start.
-        d.close_zone(3).unwrap(); // empty, so back to Empty, not active
-        let e = d.open_zone(6);
+        d.close(3).unwrap(); // empty, so back to Empty, not active
+        let e = d.open(6);
         assert!(e.is_ok(), "zone 3 went back to empty: {e:?}");
         let e = d.write_at(&b, 7 * Z).unwrap_err();
         assert!(
@@ -620,6 +910,45 @@ mod tests {
         );
     }
 
+    #[test]
+    fn zone_state_persists_and_damage_is_detected() {
+        let dir = std::env::temp_dir().join(format!("lamina-zones-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let state = dir.join("dev.zones");
+        let inner: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("m", 16 * Z));
+        let d = ZonedDevice::create_persistent(inner.clone(), cfg(), &state).unwrap();
+        d.write_at(&[5u8; 8192], Z).unwrap();
+        d.finish(3).unwrap();
+        d.sync().unwrap();
+        drop(d);
+        let d = ZonedDevice::open_persistent(inner.clone(), &state).unwrap();
+        let zs = d.zones();
+        assert_eq!((zs[1].wp, zs[1].cond), (Z + 8192, ZoneCond::ImplicitOpen));
+        assert_eq!(zs[3].cond, ZoneCond::Full);
+        assert_eq!(d.config().zone_capacity_bytes, Z - 16384);
+        assert!(d.damaged_zones().is_empty());
+        drop(d);
+        // A flipped byte in zone 1's record: zone 1 goes offline, the rest opens.
+        let mut img = std::fs::read(&state).unwrap();
+        img[64 + 16 + 2] ^= 0x40;
+        std::fs::write(&state, &img).unwrap();
+        let d = ZonedDevice::open_persistent(inner.clone(), &state).unwrap();
+        assert_eq!(d.damaged_zones(), &[1]);
+        let mut b = [0u8; 4096];
+        assert!(
+            d.read_at(&mut b, Z).is_err(),
+            "a damaged zone is never served"
+        );
+        assert_eq!(d.zones()[3].cond, ZoneCond::Full);
+        drop(d);
+        // A damaged header: refused with the reason.
+        img[20] ^= 1;
+        std::fs::write(&state, &img).unwrap();
+        let e = ZonedDevice::open_persistent(inner, &state).err().unwrap();
+        assert!(e.to_string().contains("checksum"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// Random zone operations against a reference of the rules: the device
@@ -644,12 +973,12 @@ mod tests {
                             wp[z] += len;
                         }
                     }
-                    2 => { d.reset_zone(z).unwrap(); wp[z] = start; }
-                    3 => { d.finish_zone(z).ok(); }
-                    4 => { d.close_zone(z).unwrap(); }
-                    _ => { d.open_zone(z).ok(); }
+                    2 => { d.reset(z).unwrap(); wp[z] = start; }
+                    3 => { d.finish(z).ok(); }
+                    4 => { d.close(z).unwrap(); }
+                    _ => { d.open(z).ok(); }
                 }
-                let zs = d.report_zones();
+                let zs = d.zones();
                 let (open, active) = ZonedDevice::counts(&zs);
                 prop_assert!(open <= c.max_open && active <= c.max_active);
                 if zs[z].cond == ZoneCond::Full { wp[z] = zs[z].wp; }

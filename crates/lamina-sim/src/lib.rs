@@ -316,7 +316,7 @@ impl Driver {
                 let (result, buf) = match op.kind {
                     // Data is not simulated; unit headers are not read back either
                     // (GC reads summaries).
-                    IoKind::WriteUnit { .. } | IoKind::Sync => (Ok(()), None),
+                    IoKind::WriteUnit { .. } | IoKind::Sync | IoKind::FinishZone => (Ok(()), None),
                     IoKind::WriteOwned { data } => (self.dev.write_at(&data, op.offset), None),
                     IoKind::Read { mut buf } => (self.dev.read_at(&mut buf, op.offset), Some(buf)),
                 };

@@ -250,6 +250,8 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
             .unwrap_or_default(),
         redundancy_left: a["redundancy_left"].as_i64().unwrap_or(0),
         wear_spread: a["wear_spread"].as_f64().unwrap_or(0.0),
+        zones_open: a["zones_open"].as_u64(),
+        zone_open_limit: a["zone_open_limit"].as_u64().unwrap_or(0),
         pad_bytes_written: u("pad_bytes_written"),
         blocks_rebuilt_from_parity: u("blocks_rebuilt_from_parity"),
         segments_repaired: u("segments_repaired"),

@@ -6,6 +6,7 @@
 mod admin;
 mod bench;
 mod config;
+mod devices;
 mod output;
 mod rebuild;
 mod runtime;
@@ -126,7 +127,8 @@ write_amplification, and volumes[] with the same per-volume keys (plus classes[]
 per heat class). Arrays: array.members[] (index, name, state ok/failed/rebuilding,
 bytes_written, bytes_read, read_errors, rebuild_progress), array.redundancy_left,
 array.wear_spread, pad_bytes_written, blocks_rebuilt_from_parity,
-segments_repaired.";
+segments_repaired. Zoned arrays: array.zones_open (zones held by open or closing
+segments) and array.zone_open_limit (0: none).";
 
 #[derive(Subcommand)]
 enum ArrayCmd {
@@ -264,6 +266,13 @@ struct ArrayCreateArgs {
     /// Overwrite devices that belong to another Lamina array.
     #[arg(long)]
     force: bool,
+    /// Emulate zoned devices on the files: `smr` (host-managed SMR) or `zns`,
+    /// with settings `zone=SIZE,cap=SIZE,conv=N,open=N,active=N` (for example
+    /// `zns,zone=4M,cap=3M`). A segment becomes one zone (per data member), the
+    /// superblocks live in the conventional zones, and the zone state is kept in
+    /// PATH.zones beside each file.
+    #[arg(long, value_name = "SPEC")]
+    zoned: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -525,6 +534,7 @@ pub fn create_array(
     dir: &Path,
     device_specs: &[(PathBuf, Option<u64>)],
     params: FormatParams,
+    zoned: Option<&str>,
 ) -> Result<()> {
     if Config::exists(dir) {
         bail!(
@@ -576,7 +586,19 @@ pub fn create_array(
             created.push(abs.clone());
             d
         };
-        devices.push(Arc::new(dev));
+        match zoned {
+            Some(spec) => match devices::make_zoned(&abs, dev, spec) {
+                Ok(z) => {
+                    created.push(lamina_device::zoned::state_path(&abs));
+                    devices.push(z);
+                }
+                Err(e) => {
+                    cleanup(&created);
+                    return Err(e);
+                }
+            },
+            None => devices.push(Arc::new(dev)),
+        }
         paths.push(abs);
     }
     let uuids: Vec<[u8; 16]> = devices.iter().map(|_| random_uuid()).collect();
@@ -620,7 +642,7 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
         overprovision: a.overprovision,
         force: a.force,
     };
-    create_array(&dir, &specs, params)?;
+    create_array(&dir, &specs, params, a.zoned.as_deref())?;
     let (engine, _) = open_array(&dir, OpenMode::ReadOnly)?;
     let s = engine.status();
     println!(
@@ -651,8 +673,8 @@ pub fn open_array(
         let p = Config::resolve(dir, p);
         // A member that cannot be opened is passed on as absent: a striped array
         // with parity runs degraded without it, other layouts say what is missing.
-        match FileDevice::open(&p, dm) {
-            Ok(d) => devices.push(Arc::new(d)),
+        match devices::open_device(&p, dm) {
+            Ok(d) => devices.push(d),
             Err(e) => devices.push(Arc::new(lamina_device::striped::Absent::new(format!(
                 "{} ({e})",
                 p.display()

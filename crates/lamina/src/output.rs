@@ -27,6 +27,8 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
             })).collect::<Vec<_>>(),
             "redundancy_left": s.redundancy_left,
             "wear_spread": s.wear_spread,
+            "zones_open": s.zones_open,
+            "zone_open_limit": s.zone_open_limit,
         },
         "pad_bytes_written": s.pad_bytes_written,
         "blocks_rebuilt_from_parity": s.blocks_rebuilt_from_parity,
@@ -129,6 +131,15 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             }
         );
     }
+    if let Some(open) = s.zones_open {
+        o += &format!(
+            "  zoned: a segment per zone; {open} zones open of {}\n",
+            match s.zone_open_limit {
+                0 => "no limit".to_string(),
+                l => format!("at most {l}"),
+            }
+        );
+    }
     if s.members.len() > 1 {
         o += &format!(
             "  wear spread {:.1}% (most - least written per byte of capacity, over the mean)\n",
@@ -219,6 +230,14 @@ pub fn metrics_text(s: &StatusReport) -> String {
             .map(|v| (format!("{{volume=\"{}\"}}", v.name), f(v)))
             .collect()
     };
+    if let Some(open) = s.zones_open {
+        metric(
+            "zones_open",
+            "gauge",
+            "Zones held open by open or closing segments (zoned devices).",
+            vec![(String::new(), open as f64)],
+        );
+    }
     metric(
         "member_failed",
         "gauge",

@@ -97,6 +97,7 @@ fn create_default(dir: &Path, size: u64) -> Result<()> {
             name: "default".into(),
             ..Default::default()
         },
+        None,
     )?;
     let (mut engine, _) = open_array(dir, OpenMode::ReadWrite)?;
     let usable = engine.usable_bytes() / (1 << 20) * (1 << 20);

@@ -23,6 +23,21 @@ pub fn small_params() -> FormatParams {
     }
 }
 
+/// The small geometry with `layout`.
+pub fn layout_params(layout: lamina_format::superblock::Layout) -> FormatParams {
+    FormatParams {
+        layout,
+        ..small_params()
+    }
+}
+
+/// Concrete devices as the engine takes them.
+pub fn dyn_devs<D: BlockDevice>(d: &[Arc<D>]) -> Vec<Arc<dyn BlockDevice>> {
+    d.iter()
+        .map(|d| d.clone() as Arc<dyn BlockDevice>)
+        .collect()
+}
+
 pub fn small_config() -> EngineConfig {
     EngineConfig {
         buffer_units: 4,
@@ -86,6 +101,36 @@ pub fn write_block(
         },
     )
     .result
+}
+
+/// Writes `writes` blocks at the LBAs `next_lba(i)` gives, each one generation
+/// newer than the model says, flushing every `flush_every` writes and at the end.
+pub fn overwrite(
+    e: &mut Engine,
+    vol: VolumeId,
+    model: &mut std::collections::HashMap<u64, u64>,
+    writes: u64,
+    flush_every: u64,
+    mut next_lba: impl FnMut(u64) -> u64,
+) {
+    for i in 0..writes {
+        let lba = next_lba(i);
+        let gen = model.get(&lba).copied().unwrap_or(0) + 1;
+        write_block(e, vol, lba, gen, false).unwrap_or_else(|err| panic!("write {i}: {err}"));
+        model.insert(lba, gen);
+        if i % flush_every == 0 {
+            call(e, Request::Flush).result.expect("flush");
+        }
+    }
+    call(e, Request::Flush).result.expect("flush");
+}
+
+/// Every block of the model reads back with its generation.
+pub fn verify_model(e: &Engine, vol: VolumeId, model: &std::collections::HashMap<u64, u64>) {
+    for (&lba, &gen) in model {
+        let b = read_block(e, vol, lba);
+        assert_eq!(decode_pattern(lba, &b).ok(), Some(gen), "lba {lba}");
+    }
 }
 
 pub fn read_block(e: &Engine, vol: VolumeId, lba: u64) -> Vec<u8> {
