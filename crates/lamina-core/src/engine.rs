@@ -77,6 +77,10 @@ pub struct EngineConfig {
     /// SepBIT's trigger: GC also runs while garbage (dead blocks) exceeds this
     /// fraction of the blocks stored in closed and open segments (SepBIT: 0.15).
     pub gc_garbage_ratio: Option<f64>,
+    /// GC reads the live blocks of a victim in runs; runs separated by at most
+    /// this many dead blocks are read as one (disks: a seek costs more than
+    /// reading a megabyte; flash: 0, read only what is live).
+    pub gc_read_gap_blocks: u32,
 }
 
 impl Default for EngineConfig {
@@ -96,6 +100,7 @@ impl Default for EngineConfig {
             gc_start_segments: None,
             user_floor_segments: None,
             gc_garbage_ratio: None,
+            gc_read_gap_blocks: 0,
         }
     }
 }

@@ -63,6 +63,8 @@ enum Phase {
 struct Run {
     first: usize,
     count: usize,
+    /// Blocks read: from the first live block to the last (dead ones between).
+    span: usize,
     data: Option<Vec<u8>>,
     failed: bool,
 }
@@ -474,16 +476,23 @@ impl Engine {
                     return;
                 }
                 // Group the next live blocks into runs of consecutive physical blocks.
-                let end = (*next + BATCH_BLOCKS).min(live.len());
+                // A batch fills about one write unit of the GC stream.
+                let batch_blocks = BATCH_BLOCKS.max(self.geo.unit_data_max as usize);
+                let end = (*next + batch_blocks).min(live.len());
                 let mut i = *next;
+                let gap = self.cfg.gc_read_gap_blocks;
                 while i < end {
                     let mut n = 1;
-                    while i + n < end && live[i + n].0 .0 == live[i].0 .0 + n as u32 {
+                    while i + n < end
+                        && live[i + n].0 .0 > live[i + n - 1].0 .0
+                        && live[i + n].0 .0 <= live[i + n - 1].0 .0 + 1 + gap
+                    {
                         n += 1;
                     }
                     batch.push(Run {
                         first: i,
                         count: n,
+                        span: (live[i + n - 1].0 .0 - live[i].0 .0) as usize + 1,
                         data: None,
                         failed: false,
                     });
@@ -498,7 +507,7 @@ impl Engine {
                 let runs: Vec<(usize, Pba, usize)> = batch
                     .iter()
                     .enumerate()
-                    .map(|(k, r)| (k, live[r.first].0, r.count))
+                    .map(|(k, r)| (k, live[r.first].0, r.span))
                     .collect();
                 *reads_pending = runs.len() as u32;
                 for (k, pba, count) in runs {
@@ -549,10 +558,12 @@ impl Engine {
                     let volume = r.volume();
                     let metadata_only = self.cfg.metadata_only;
                     let data_ok = metadata_only || (!run.failed && run.data.is_some());
+                    // Where this block lies in the run's read.
+                    let at = (pba.0 - live_local[run.first].0 .0) as usize;
                     let block = run
                         .data
                         .as_deref()
-                        .map(|d| &d[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE]);
+                        .map(|d| &d[at * BLOCK_SIZE..(at + 1) * BLOCK_SIZE]);
                     let crc_ok = metadata_only
                         || (data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b));
                     if crc_ok {
@@ -568,7 +579,7 @@ impl Engine {
                         let block = run
                             .data
                             .as_deref()
-                            .map(|d| &d[bp * BLOCK_SIZE..(bp + 1) * BLOCK_SIZE]);
+                            .map(|d| &d[at * BLOCK_SIZE..(at + 1) * BLOCK_SIZE]);
                         self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
                         self.counters.gc_blocks += 1;
                         self.blocks_since_checkpoint =

@@ -108,7 +108,12 @@ fn crash(e: lamina_core::Engine, z: &[Arc<ZonedDevice>], rng: &mut impl Rng) -> 
     torn
 }
 
-fn lifecycle(layout: Layout, z: Vec<Arc<ZonedDevice>>, limit: u32) {
+fn lifecycle(
+    layout: Layout,
+    z: Vec<Arc<ZonedDevice>>,
+    limit: u32,
+    config: impl Fn() -> EngineConfig,
+) {
     let devs = dyn_devs(&z);
     format_devices(&devs, &layout_params(layout));
     let mut e = open_rw(&devs, config());
@@ -170,14 +175,18 @@ fn jbod_on_zns_with_capacity_below_zone_size() {
     // (the volume's 4 heat classes keep 8 streams, plus metadata and a closing
     // one). One device, so that zones a crash left open would exceed the limit
     // if recovery did not finish them.
-    lifecycle(Layout::Jbod, zoned(1, 120, 192 << 10, 10), 10);
+    lifecycle(Layout::Jbod, zoned(1, 120, 192 << 10, 10), 10, config);
 }
 
 #[test]
 fn said5_on_host_managed_smr() {
     // SMR-like: whole zones writable, a stripe is one zone on each of 4 members;
     // 3 heat classes (6 streams) and metadata under a limit of 8.
-    lifecycle(Layout::Said5, zoned(4, 40, ZONE, 8), 8);
+    // A disk: GC reads across gaps of up to 32 dead blocks rather than seek.
+    lifecycle(Layout::Said5, zoned(4, 40, ZONE, 8), 8, || EngineConfig {
+        gc_read_gap_blocks: 32,
+        ..config()
+    });
 }
 
 #[test]

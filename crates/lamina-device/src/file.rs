@@ -93,6 +93,11 @@ impl FileDevice {
         })
     }
 
+    /// The open file (block-device ioctls need its descriptor).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -15,7 +15,9 @@
 //! The engine calls these from its I/O threads (writes, syncs) and from client
 //! threads (reads); every implementation is `Send + Sync`.
 
+pub mod blkzoned;
 pub mod crash;
+pub mod dmsmr;
 pub mod fault;
 pub mod file;
 pub mod flash;

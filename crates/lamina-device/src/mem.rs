@@ -50,3 +50,39 @@ impl BlockDevice for MemDevice {
         Ok(())
     }
 }
+
+/// A device that keeps nothing: writes vanish, reads return zeros. For emulators
+/// whose timing alone is measured (the drive-managed SMR peer of the SMR bench).
+pub struct NullDevice {
+    name: String,
+    size: u64,
+}
+
+impl NullDevice {
+    pub fn new(name: impl Into<String>, size: u64) -> Self {
+        NullDevice {
+            name: name.into(),
+            size,
+        }
+    }
+}
+
+impl BlockDevice for NullDevice {
+    fn size_bytes(&self) -> u64 {
+        self.size
+    }
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
+        check_range(self, "read", offset, buf.len())?;
+        buf.fill(0);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
+        check_range(self, "write", offset, buf.len())
+    }
+    fn sync(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+}

@@ -665,16 +665,47 @@ impl ZonedDevice {
     }
 
     fn time(&self, st: &mut State, offset: u64, len: u64) {
-        let zones = st.zones.len().max(1) as u64;
-        let zi = offset / self.cfg.zone_bytes;
-        // Outer zones (low offsets) twice as fast as the inner ones.
-        let bw = self.cfg.outer_mb_s as f64 * (1.0 - 0.5 * zi as f64 / zones as f64);
-        let mut t = (len as f64 / bw) as u64; // bytes / (MB/s) = microseconds
-        if offset != st.head {
-            t += self.cfg.seek_us + 30_000_000 / self.cfg.rpm.max(1);
-        }
-        st.head = offset + len;
+        let t = SmrTiming::of(&self.cfg, st.zones.len() as u64).cost(&mut st.head, offset, len);
         st.clock += t;
+    }
+}
+
+/// The time a disk head takes, in microseconds: a request that does not continue
+/// where the previous one ended pays an average seek and half a rotation; the
+/// transfer runs at a bandwidth falling linearly from `outer_mb_s` at offset 0
+/// to half of it at the end (outer tracks hold twice the sectors of inner ones).
+#[derive(Clone, Copy, Debug)]
+pub struct SmrTiming {
+    pub seek_us: u64,
+    pub rpm: u64,
+    pub outer_mb_s: u64,
+    pub size: u64,
+}
+
+impl SmrTiming {
+    fn of(cfg: &ZonedConfig, zones: u64) -> Self {
+        SmrTiming {
+            seek_us: cfg.seek_us,
+            rpm: cfg.rpm,
+            outer_mb_s: cfg.outer_mb_s,
+            size: zones.max(1) * cfg.zone_bytes,
+        }
+    }
+
+    /// Transfer bandwidth (MB/s, that is bytes per microsecond) at `offset`.
+    pub fn bandwidth(&self, offset: u64) -> f64 {
+        self.outer_mb_s as f64 * (1.0 - 0.5 * offset as f64 / self.size.max(1) as f64)
+    }
+
+    /// Time of a request of `len` bytes at `offset`, with the head at `*head`
+    /// (moved past the request).
+    pub fn cost(&self, head: &mut u64, offset: u64, len: u64) -> u64 {
+        let mut t = (len as f64 / self.bandwidth(offset)) as u64;
+        if offset != *head {
+            t += self.seek_us + 30_000_000 / self.rpm.max(1);
+        }
+        *head = offset + len;
+        t
     }
 }
 

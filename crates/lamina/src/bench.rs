@@ -60,6 +60,43 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// SALSA 5.3: sequential then random writes through Lamina on an emulated
+    /// host-managed SMR disk, against the same writes on an emulated drive-managed
+    /// SMR disk with a media cache: steady-state bandwidth from the disks' timing
+    /// models (virtual time), and the ideal sequential bandwidth of the zones.
+    Smr {
+        /// Capacity of each disk.
+        #[arg(long, default_value = "4G")]
+        capacity: String,
+        /// Zone size (a Lamina segment is one zone).
+        #[arg(long, default_value = "64M")]
+        zone: String,
+        /// The drive-managed disk's media cache, in percent of its capacity
+        /// (a comma-separated list compares several).
+        #[arg(long, default_value = "1", value_delimiter = ',')]
+        cache_percent: Vec<f64>,
+        /// Size of each write.
+        #[arg(long, default_value = "64K")]
+        io: String,
+        /// Random passes over the volume after the sequential one.
+        #[arg(long, default_value_t = 2)]
+        passes: u32,
+        /// Lamina's spare space (spare / user).
+        #[arg(long, default_value_t = 0.25)]
+        overprovision: f64,
+        /// Lamina's write unit.
+        #[arg(long, default_value = "4M")]
+        write_unit: String,
+        /// GC reads across gaps of dead blocks up to this size (`[engine]
+        /// gc_read_gap`).
+        #[arg(long, default_value = "4M")]
+        gc_read_gap: String,
+        /// Also draw random-write bandwidth against the media cache size (SVG).
+        #[arg(long, value_name = "FILE")]
+        plot: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 struct DeviceBackend {
@@ -103,6 +140,30 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             chunk,
             threads,
         } => (devices, unix, chunk, threads),
+        BenchCmd::Smr {
+            capacity,
+            zone,
+            cache_percent,
+            io,
+            passes,
+            overprovision,
+            write_unit,
+            gc_read_gap,
+            plot,
+            json,
+        } => {
+            return smr(
+                &capacity,
+                &zone,
+                &cache_percent,
+                &io,
+                passes,
+                overprovision,
+                (&write_unit, &gc_read_gap),
+                plot.as_deref(),
+                json,
+            )
+        }
         BenchCmd::Endurance {
             capacity,
             passes,
@@ -242,7 +303,6 @@ fn endurance(
     workload: &str,
     json_out: bool,
 ) -> Result<()> {
-    use lamina_core::{Engine, Request, Token};
     use lamina_device::flash::{Cell, Flash, FlashConfig};
     use lamina_device::mem::MemDevice;
     let capacity = parse_size(capacity).map_err(anyhow::Error::msg)?;
@@ -273,51 +333,18 @@ fn endurance(
         overprovision: op,
         ..Default::default()
     };
-    lamina_core::format(&devs, &params, [1; 16], &[[2; 16]], 0)?;
-    let (mut e, _) = lamina_core::open(devs, Default::default(), lamina_core::OpenMode::ReadWrite)?;
-    let vol_blocks = e.status().usable_bytes / bs;
-    let call = |e: &mut Engine, req: Request| -> Result<()> {
-        let t = Token { conn: 1, handle: 1 };
-        let r = lamina_core::call_inline(e, t, req, 100_000)
-            .ok_or_else(|| anyhow::anyhow!("the engine did not answer"))?;
-        Ok(r.result?)
-    };
-    call(
-        &mut e,
-        Request::CreateVolume {
-            name: "v".into(),
-            size_bytes: vol_blocks * bs,
-        },
-    )?;
-    let vol = e.shared().volume("v").unwrap().id;
-    let mut replies = Vec::new();
-    let mut i = 0u64;
-    let mut write = |e: &mut Engine, lba: u64| {
-        let data = vec![(i % 251) as u8; bs as usize];
-        let req = Request::Write {
-            volume: vol,
-            offset: lba * bs,
-            data,
-            fua: false,
-        };
-        e.submit(Token { conn: 2, handle: i }, req);
-        i += 1;
-        if i.is_multiple_of(64) {
-            lamina_core::run_inline(e);
-            e.drain_replies(&mut replies);
-            replies.clear();
-        }
-    };
+    let mut l = Inline::new(devs, &params, Default::default())?;
+    let vol_blocks = l.volume_bytes / bs;
     for b in 0..vol_blocks {
-        write(&mut e, b);
+        l.write(b * bs, bs as usize);
     }
     let filled = ssd.stats();
     for b in writes(workload, vol_blocks, passes)? {
-        write(&mut e, b);
+        l.write(b * bs, bs as usize);
     }
-    call(&mut e, Request::Flush)?;
+    l.flush()?;
+    let host = l.e.status();
     let l = ssd.stats();
-    let host = e.status();
     // Raw again, written only over Lamina's user capacity: the same spare space left
     // to the drive's own FTL (a fair peer for the spare Lamina keeps).
     let (wa_raw2, erases_raw2) = raw_run(&cfg, vol_blocks, workload, passes)?;
@@ -369,6 +396,307 @@ fn endurance(
         wa_raw / wa_l,
         host.write_amplification.unwrap_or(0.0)
     );
+    Ok(())
+}
+
+/// An engine in this process on `devs` (formatted with `params`) with one volume
+/// `v` filling its usable space, driven by writes run inline every 64 requests.
+struct Inline {
+    e: lamina_core::Engine,
+    vol: lamina_core::VolumeId,
+    volume_bytes: u64,
+    n: u64,
+    replies: Vec<lamina_core::Reply>,
+}
+
+impl Inline {
+    fn new(
+        devs: Vec<Arc<dyn BlockDevice>>,
+        params: &lamina_core::FormatParams,
+        cfg: lamina_core::EngineConfig,
+    ) -> Result<Self> {
+        let uuids: Vec<[u8; 16]> = (0..devs.len()).map(|i| [i as u8 + 2; 16]).collect();
+        lamina_core::format(&devs, params, [1; 16], &uuids, 0)?;
+        let (e, _) = lamina_core::open(devs, cfg, lamina_core::OpenMode::ReadWrite)?;
+        let volume_bytes = e.status().usable_bytes / (1 << 20) * (1 << 20);
+        let mut l = Inline {
+            e,
+            vol: lamina_core::VolumeId(0),
+            volume_bytes,
+            n: 0,
+            replies: Vec::new(),
+        };
+        l.call(lamina_core::Request::CreateVolume {
+            name: "v".into(),
+            size_bytes: volume_bytes,
+        })?;
+        l.vol = l.e.shared().volume("v").unwrap().id;
+        Ok(l)
+    }
+
+    fn call(&mut self, req: lamina_core::Request) -> Result<()> {
+        let t = lamina_core::Token { conn: 1, handle: 1 };
+        let r = lamina_core::call_inline(&mut self.e, t, req, 100_000)
+            .ok_or_else(|| anyhow::anyhow!("the engine did not answer"))?;
+        Ok(r.result?)
+    }
+
+    /// Writes `len` bytes at `offset` (contents vary per write).
+    fn write(&mut self, offset: u64, len: usize) {
+        let req = lamina_core::Request::Write {
+            volume: self.vol,
+            offset,
+            data: vec![(self.n % 251) as u8; len],
+            fua: false,
+        };
+        let token = lamina_core::Token {
+            conn: 2,
+            handle: self.n,
+        };
+        self.e.submit(token, req);
+        self.n += 1;
+        if self.n.is_multiple_of(64) {
+            lamina_core::run_inline(&mut self.e);
+            self.e.drain_replies(&mut self.replies);
+            self.replies.clear();
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.call(lamina_core::Request::Flush)
+    }
+}
+
+/// The offsets of `passes` uniform random passes of `io`-byte writes over
+/// `bytes` (seeded).
+fn random_offsets(bytes: u64, io: u64, passes: u32) -> impl Iterator<Item = u64> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(53);
+    let slots = bytes / io;
+    (0..passes as u64 * slots).map(move |_| rng.gen_range(0..slots) * io)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn smr(
+    capacity: &str,
+    zone: &str,
+    cache_percents: &[f64],
+    io: &str,
+    passes: u32,
+    op: f64,
+    (unit, gap): (&str, &str),
+    plot: Option<&std::path::Path>,
+    json_out: bool,
+) -> Result<()> {
+    use lamina_device::dmsmr::{DmSmrConfig, DriveManagedSmr};
+    use lamina_device::mem::{MemDevice, NullDevice};
+    use lamina_device::zoned::{SmrTiming, ZonedConfig, ZonedDevice};
+    let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+    let (capacity, zone, io, unit, gap) = (
+        size(capacity)?,
+        size(zone)?,
+        size(io)?,
+        size(unit)?,
+        size(gap)?,
+    );
+    if io == 0 || !io.is_multiple_of(4096) || zone % io != 0 {
+        anyhow::bail!("the write size must be a multiple of 4 KiB dividing the zone size");
+    }
+    let hm_cfg = ZonedConfig {
+        zone_bytes: zone,
+        zone_capacity_bytes: zone,
+        // About 1% conventional, at least the megabyte Lamina's superblocks need.
+        conventional_zones: (capacity / zone)
+            .div_ceil(100)
+            .max((1u64 << 20).div_ceil(zone)) as u32,
+        max_open: 128,
+        max_active: 0,
+        ..Default::default()
+    };
+    let mbps = |bytes: u64, us: u64| bytes as f64 / us.max(1) as f64;
+    // The ideal: every zone written front to back in `io` pieces, nothing else.
+    let timing = SmrTiming {
+        seek_us: hm_cfg.seek_us,
+        rpm: hm_cfg.rpm,
+        outer_mb_s: hm_cfg.outer_mb_s,
+        size: capacity / zone * zone,
+    };
+    let conv = hm_cfg.conventional_zones as u64 * zone;
+    let ideal = |bytes: u64| {
+        let mut head = conv;
+        let us: u64 = (0..bytes / io)
+            .map(|i| timing.cost(&mut head, conv + i * io, io))
+            .sum();
+        mbps(bytes, us)
+    };
+
+    // Lamina on host-managed SMR: the real engine, in this process.
+    let hm = Arc::new(ZonedDevice::new(
+        Arc::new(MemDevice::new("hm-smr", capacity)),
+        hm_cfg.clone(),
+    )?);
+    // Disk-sized write units: a seek costs as much as a few megabytes of transfer.
+    let params = lamina_core::FormatParams {
+        name: "smr".into(),
+        overprovision: op,
+        write_unit_blocks: (unit / 4096) as u32,
+        ..Default::default()
+    };
+    // A disk: GC reads a victim's live blocks with the dead ones between them
+    // rather than seek around them.
+    let cfg = lamina_core::EngineConfig {
+        gc_read_gap_blocks: (gap / 4096) as u32,
+        ..Default::default()
+    };
+    let mut l = Inline::new(vec![hm.clone() as Arc<dyn BlockDevice>], &params, cfg)?;
+    let vol = l.volume_bytes;
+    let t0 = hm.clock_us();
+    for off in (0..vol).step_by(io as usize) {
+        l.write(off, io as usize);
+    }
+    l.flush()?;
+    let t1 = hm.clock_us();
+    for off in random_offsets(vol, io, passes) {
+        l.write(off, io as usize);
+    }
+    l.flush()?;
+    let t2 = hm.clock_us();
+    let st = l.e.status();
+    let (l_seq, l_rand) = (mbps(vol, t1 - t0), mbps(passes as u64 * vol, t2 - t1));
+    // Ideal: the volume's bytes written zone after zone from the first sequential
+    // zone, where Lamina's first segments are.
+    let ideal = ideal(vol);
+    drop(l);
+    drop(hm);
+
+    // Drive-managed SMR, same disk, same writes over the same user capacity, with
+    // each cache size and both cleaning orders: the fullest zone first (kind to
+    // the drive) and the oldest cached write first (as drives clean).
+    let dm_run = |cache: u64, fifo: bool| -> Result<(f64, f64, u64)> {
+        let dm = DriveManagedSmr::new(
+            Arc::new(NullDevice::new("dm-smr", capacity)),
+            DmSmrConfig {
+                zone_bytes: zone,
+                cache_bytes: cache,
+                seek_us: hm_cfg.seek_us,
+                rpm: hm_cfg.rpm,
+                outer_mb_s: hm_cfg.outer_mb_s,
+                fifo,
+            },
+        )?;
+        let buf = vec![0u8; io as usize];
+        for off in (0..vol).step_by(io as usize) {
+            dm.write_at(&buf, off)?;
+        }
+        let d1 = dm.stats();
+        for off in random_offsets(vol, io, passes) {
+            dm.write_at(&buf, off)?;
+        }
+        let d2 = dm.stats();
+        Ok((
+            mbps(vol, d1.clock_us),
+            mbps(passes as u64 * vol, d2.clock_us - d1.clock_us),
+            d2.cleanings,
+        ))
+    };
+    let mut dms = Vec::new();
+    for &pct in cache_percents {
+        if !(pct > 0.0 && pct < 100.0) {
+            anyhow::bail!("media cache of {pct}% must be between 0 and 100%");
+        }
+        let cache = ((capacity as f64 * pct / 100.0) as u64).max(1 << 20) / 4096 * 4096;
+        let (seq, greedy, cleanings) = dm_run(cache, false)?;
+        let (_, fifo, fifo_cleanings) = dm_run(cache, true)?;
+        dms.push(serde_json::json!({
+            "cache_percent": pct, "media_cache_bytes": cache,
+            "sequential_mb_s": seq, "random_mb_s": greedy, "cleanings": cleanings,
+            "fifo_random_mb_s": fifo, "fifo_cleanings": fifo_cleanings,
+            "random_lamina_over_drive_managed": l_rand / greedy,
+            "random_lamina_over_drive_managed_fifo": l_rand / fifo,
+        }));
+    }
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    if let Some(path) = plot {
+        use lamina_sim::plot::{line_chart, Line};
+        let pts = |k: &str| {
+            dms.iter()
+                .map(|d| (f(d, "cache_percent"), f(d, k)))
+                .collect()
+        };
+        let xs: Vec<f64> = cache_percents.to_vec();
+        let (lo, hi) = (
+            xs.iter().cloned().fold(f64::MAX, f64::min),
+            xs.iter().cloned().fold(f64::MIN, f64::max),
+        );
+        let svg = line_chart(
+            &format!(
+                "SALSA 5.3: {} random writes, {} SMR disk, {} zones",
+                crate::size::human(io),
+                crate::size::human(capacity),
+                crate::size::human(zone)
+            ),
+            "drive-managed media cache (% of capacity)",
+            "random-write bandwidth (MB/s, virtual time)",
+            &[
+                Line {
+                    label: "Lamina on host-managed".into(),
+                    points: vec![(lo, l_rand), (hi, l_rand)],
+                    dashed: false,
+                },
+                Line {
+                    label: "drive-managed (fullest zone cleaned)".into(),
+                    points: pts("random_mb_s"),
+                    dashed: false,
+                },
+                Line {
+                    label: "drive-managed (FIFO cleaning)".into(),
+                    points: pts("fifo_random_mb_s"),
+                    dashed: true,
+                },
+            ],
+        );
+        std::fs::write(path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let rows = serde_json::json!({
+        "capacity_bytes": capacity, "zone_bytes": zone, "io_bytes": io,
+        "volume_bytes": vol, "random_passes": passes,
+        "ideal_sequential_mb_s": ideal,
+        "lamina_hm": {"sequential_mb_s": l_seq, "random_mb_s": l_rand,
+                      "write_amplification": st.write_amplification},
+        "lamina_sequential_of_ideal": l_seq / ideal,
+        "drive_managed": dms,
+    });
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let human = crate::size::human;
+    println!(
+        "| {} disk, {} zones, {} writes over {} | sequential MB/s | random MB/s (steady, {passes} passes) |",
+        human(capacity),
+        human(zone),
+        human(io),
+        human(vol)
+    );
+    println!("|---|---:|---:|");
+    println!("| ideal: the zones written in order | {ideal:.1} | |");
+    println!(
+        "| Lamina on host-managed SMR | {l_seq:.1} ({:.0}% of ideal) | {l_rand:.1} (Lamina WA {:.2}) |",
+        100.0 * l_seq / ideal,
+        st.write_amplification.unwrap_or(0.0)
+    );
+    for d in &dms {
+        println!(
+            "| drive-managed SMR, {} media cache ({}%) | {:.1} | {:.2} fullest zone cleaned first ({:.0}x less than Lamina), {:.2} FIFO ({:.0}x) |",
+            human(d["media_cache_bytes"].as_u64().unwrap_or(0)),
+            f(d, "cache_percent"),
+            f(d, "sequential_mb_s"),
+            f(d, "random_mb_s"),
+            f(d, "random_lamina_over_drive_managed"),
+            f(d, "fifo_random_mb_s"),
+            f(d, "random_lamina_over_drive_managed_fifo"),
+        );
+    }
     Ok(())
 }
 

@@ -82,6 +82,10 @@ pub struct EngineSection {
     pub checkpoint_interval: Option<String>,
     /// Background flush interval in milliseconds.
     pub auto_sync_ms: Option<u64>,
+    /// GC reads the dead blocks between live ones when the gap is at most this
+    /// ("1M" suits disks, where a seek costs more than a megabyte of transfer;
+    /// default 0, flash reads only what is live).
+    pub gc_read_gap: Option<String>,
 }
 
 /// Placement choices of one volume (override the `[engine]` ones).
@@ -238,6 +242,13 @@ impl Config {
         }
         if let Some(ms) = self.engine.auto_sync_ms {
             c.auto_sync_ms = ms;
+        }
+        if let Some(g) = &self.engine.gc_read_gap {
+            let bytes = parse_size(g).map_err(anyhow::Error::msg)?;
+            if bytes % 4096 != 0 || bytes / 4096 > u32::MAX as u64 {
+                anyhow::bail!("[engine] gc_read_gap {g:?} must be a multiple of 4 KiB");
+            }
+            c.gc_read_gap_blocks = (bytes / 4096) as u32;
         }
         Ok(c)
     }

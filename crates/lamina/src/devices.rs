@@ -10,9 +10,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// Opens `path`; a file with a zone state file beside it is an emulated zoned
-/// device.
+/// device, a host-managed zoned block device is driven through the kernel's zone
+/// ioctls.
 pub fn open_device(path: &Path, mode: DevMode) -> Result<Arc<dyn BlockDevice>> {
     let file = FileDevice::open(path, mode)?;
+    if file.is_block_device() {
+        return Ok(Arc::from(lamina_device::blkzoned::open_if_zoned(file)?));
+    }
     let state = state_path(path);
     if !state.exists() {
         return Ok(Arc::new(file));

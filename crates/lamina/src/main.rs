@@ -597,7 +597,13 @@ pub fn create_array(
                     return Err(e);
                 }
             },
-            None => devices.push(Arc::new(dev)),
+            None => match lamina_device::blkzoned::open_if_zoned(dev) {
+                Ok(d) => devices.push(Arc::from(d)),
+                Err(e) => {
+                    cleanup(&created);
+                    return Err(e.into());
+                }
+            },
         }
         paths.push(abs);
     }

@@ -37,3 +37,39 @@ fn endurance_reproduction_reports_raw_and_lamina() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("multiple of the erase block"), "{err}");
 }
+
+/// `lamina bench smr`: Lamina on the host-managed disk writes sequentially near
+/// the ideal and sustains random writes far above the drive-managed disk, whose
+/// random bandwidth grows with its media cache; the plot is written.
+#[test]
+fn smr_reproduction_host_managed_against_drive_managed() {
+    let t = TempDir::new("smr-bench");
+    let plot = t.join("smr.svg");
+    let out = lamina(&[
+        "bench",
+        "smr",
+        "--capacity",
+        "1G",
+        "--zone",
+        "16M",
+        "--passes",
+        "1",
+        "--cache-percent",
+        "0.25,1",
+        "--plot",
+        plot.to_str().unwrap(),
+        "--json",
+    ]);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let f = |v: &serde_json::Value| v.as_f64().unwrap();
+    assert!(f(&j["lamina_sequential_of_ideal"]) > 0.85, "{j}");
+    let dm = j["drive_managed"].as_array().unwrap();
+    assert!(f(&dm[0]["random_mb_s"]) < f(&dm[1]["random_mb_s"]), "{j}");
+    assert!(f(&dm[1]["random_lamina_over_drive_managed"]) > 3.0, "{j}");
+    assert!(std::fs::read_to_string(&plot).unwrap().contains("<svg"));
+    let o = lamina_output(&["bench", "smr", "--zone", "100K"]);
+    assert!(
+        !o.status.success(),
+        "a zone that is not a multiple of the write fails"
+    );
+}
