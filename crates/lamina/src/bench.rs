@@ -60,6 +60,38 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// SALSA 5.1.1: 4 KiB random reads and writes at queue depths 1 to 32 on
+    /// emulated TLC SSDs: RAID-0 and RAID-5 (read-modify-write) on the drives
+    /// against Lamina SAID5 on the same drives; IOPS and latency from the drives'
+    /// timing model.
+    Iops {
+        /// Drives in the array.
+        #[arg(long, default_value_t = 5)]
+        ssds: usize,
+        /// Capacity of each drive.
+        #[arg(long, default_value = "512M")]
+        capacity: String,
+        /// Reads in percent of the requests.
+        #[arg(long, default_value_t = 80)]
+        read_percent: u32,
+        /// Queue depths (comma-separated).
+        #[arg(long, default_value = "1,2,4,8,16,32", value_delimiter = ',')]
+        depths: Vec<usize>,
+        /// Requests timed at each depth.
+        #[arg(long, default_value_t = 100000)]
+        requests: usize,
+        /// Lamina's spare space (spare / user).
+        #[arg(long, default_value_t = 0.25)]
+        overprovision: f64,
+        /// RAID chunk of the raw arrays.
+        #[arg(long, default_value = "64K")]
+        chunk: String,
+        /// Also draw IOPS against queue depth (SVG).
+        #[arg(long, value_name = "FILE")]
+        plot: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// SALSA 5.3: sequential then random writes through Lamina on an emulated
     /// host-managed SMR disk, against the same writes on an emulated drive-managed
     /// SMR disk with a media cache: steady-state bandwidth from the disks' timing
@@ -140,6 +172,30 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             chunk,
             threads,
         } => (devices, unix, chunk, threads),
+        BenchCmd::Iops {
+            ssds,
+            capacity,
+            read_percent,
+            depths,
+            requests,
+            overprovision,
+            chunk,
+            plot,
+            json,
+        } => {
+            let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+            return iops(
+                ssds,
+                size(&capacity)?,
+                read_percent,
+                &depths,
+                requests,
+                overprovision,
+                size(&chunk)?,
+                plot.as_deref(),
+                json,
+            );
+        }
         BenchCmd::Smr {
             capacity,
             zone,
@@ -401,16 +457,16 @@ fn endurance(
 
 /// An engine in this process on `devs` (formatted with `params`) with one volume
 /// `v` filling its usable space, driven by writes run inline every 64 requests.
-struct Inline {
-    e: lamina_core::Engine,
+pub(crate) struct Inline {
+    pub(crate) e: lamina_core::Engine,
     vol: lamina_core::VolumeId,
-    volume_bytes: u64,
+    pub(crate) volume_bytes: u64,
     n: u64,
     replies: Vec<lamina_core::Reply>,
 }
 
 impl Inline {
-    fn new(
+    pub(crate) fn new(
         devs: Vec<Arc<dyn BlockDevice>>,
         params: &lamina_core::FormatParams,
         cfg: lamina_core::EngineConfig,
@@ -441,8 +497,17 @@ impl Inline {
         Ok(r.result?)
     }
 
+    /// Writes `len` bytes at `offset` and runs the engine until it is idle, so
+    /// that what the engine does is done now.
+    pub(crate) fn write_now(&mut self, offset: u64, len: usize) {
+        self.write(offset, len);
+        lamina_core::run_inline(&mut self.e);
+        self.e.drain_replies(&mut self.replies);
+        self.replies.clear();
+    }
+
     /// Writes `len` bytes at `offset` (contents vary per write).
-    fn write(&mut self, offset: u64, len: usize) {
+    pub(crate) fn write(&mut self, offset: u64, len: usize) {
         let req = lamina_core::Request::Write {
             volume: self.vol,
             offset,
@@ -462,7 +527,7 @@ impl Inline {
         }
     }
 
-    fn flush(&mut self) -> Result<()> {
+    pub(crate) fn flush(&mut self) -> Result<()> {
         self.call(lamina_core::Request::Flush)
     }
 }
@@ -695,6 +760,66 @@ fn smr(
             f(d, "random_lamina_over_drive_managed"),
             f(d, "fifo_random_mb_s"),
             f(d, "random_lamina_over_drive_managed_fifo"),
+        );
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn iops(
+    ssds: usize,
+    capacity: u64,
+    read_percent: u32,
+    depths: &[usize],
+    requests: usize,
+    op: f64,
+    chunk: u64,
+    plot: Option<&std::path::Path>,
+    json_out: bool,
+) -> Result<()> {
+    let (rows, json) = crate::iops::run(ssds, capacity, read_percent, depths, requests, op, chunk)?;
+    if let Some(path) = plot {
+        use lamina_sim::plot::{line_chart, Line};
+        let line = |label: &str, f: &dyn Fn(&crate::iops::Row) -> f64| Line {
+            label: label.into(),
+            points: rows.iter().map(|r| (r.qd as f64, f(r))).collect(),
+            dashed: false,
+        };
+        let svg = line_chart(
+            &format!(
+                "SALSA 5.1.1: 4 KiB random {read_percent}/{} read/write, {ssds} emulated TLC SSDs",
+                100 - read_percent
+            ),
+            "queue depth",
+            "IOPS (virtual time)",
+            &[
+                line("Lamina SAID5", &|r| r.lamina.0),
+                line("RAID-0", &|r| r.raid0.0),
+                line("RAID-5 (read-modify-write)", &|r| r.raid5.0),
+            ],
+        );
+        std::fs::write(path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(());
+    }
+    println!(
+        "| QD | RAID-0 IOPS (latency) | RAID-5 IOPS (latency) | Lamina SAID5 IOPS (latency) | Lamina / RAID-0 | Lamina / RAID-5 |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {:.0} ({:.0} us) | {:.0} ({:.0} us) | {:.0} ({:.0} us) | {:.1}x | {:.1}x |",
+            r.qd,
+            r.raid0.0,
+            r.raid0.1,
+            r.raid5.0,
+            r.raid5.1,
+            r.lamina.0,
+            r.lamina.1,
+            r.lamina.0 / r.raid0.0,
+            r.lamina.0 / r.raid5.0
         );
     }
     Ok(())

@@ -7,6 +7,7 @@ mod admin;
 mod bench;
 mod config;
 mod devices;
+mod iops;
 mod output;
 mod rebuild;
 mod runtime;
