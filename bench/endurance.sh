@@ -16,11 +16,13 @@ bin=${LAMINA:-target/release/lamina}
 [ -x "$bin" ] || cargo build --release -q
 for iu in 4K 16K; do
   echo "## SALSA 5.1.2: $cap TLC SSD, indirection unit $iu, $passes passes of 4 KiB random writes"
-  "$bin" bench endurance --capacity "$cap" --passes "$passes" --iu "$iu"
+  "$bin" bench endurance --capacity "$cap" --passes "$passes" --iu "$iu" \
+    --plot "docs/endurance-tlc-$iu.svg"
   echo
 done
 for w in uniform zipf:1.2; do
   echo "## CSAL: $qcap QLC SSD, indirection unit 64 KiB, 4 passes of 4 KiB writes, $w"
-  "$bin" bench endurance --capacity "$qcap" --passes 4 --iu 64K --cell qlc --workload "$w"
+  "$bin" bench endurance --capacity "$qcap" --passes 4 --iu 64K --cell qlc --workload "$w" \
+    --plot "docs/endurance-qlc-64K-${w%%:*}.svg"
   echo
 done

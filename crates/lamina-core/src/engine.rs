@@ -81,6 +81,11 @@ pub struct EngineConfig {
     /// this many dead blocks are read as one (disks: a seek costs more than
     /// reading a megabyte; flash: 0, read only what is live).
     pub gc_read_gap_blocks: u32,
+    /// Geometry-aware placement (SALSA 3.1): GC moves the live blocks of read-hot
+    /// victims to the lowest addresses among the next free segments (the outer,
+    /// faster tracks of a disk) and everything else to the highest. `None`: on
+    /// for zoned arrays (SMR disks), off otherwise.
+    pub geometry_aware: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -101,6 +106,7 @@ impl Default for EngineConfig {
             user_floor_segments: None,
             gc_garbage_ratio: None,
             gc_read_gap_blocks: 0,
+            geometry_aware: None,
         }
     }
 }
@@ -280,6 +286,9 @@ pub(crate) struct Stream {
     /// Blocks appended so far, and the count at the last idle sweep.
     pub appended: u64,
     pub appended_at_sweep: u64,
+    /// GC stream of blocks read since they were written (geometry-aware
+    /// placement puts its segments outer).
+    pub read_hot: bool,
 }
 
 impl Stream {
@@ -295,6 +304,7 @@ impl Stream {
             extras: Vec::new(),
             appended: 0,
             appended_at_sweep: 0,
+            read_hot: false,
             summary: Vec::new(),
         }
     }
@@ -333,6 +343,8 @@ pub(crate) struct Vol {
     /// Stream of each user class, then of each GC class (indexed by class).
     pub streams: Vec<usize>,
     pub user_classes: u8,
+    /// Geometry-aware placement: the GC stream of read-hot blocks.
+    pub read_hot_stream: Option<usize>,
     pub classifier: Box<dyn crate::placement::Classifier>,
     pub policy: Box<dyn VictimPolicy>,
     pub classes: Vec<ClassCounters>,
@@ -529,6 +541,8 @@ pub struct Engine {
     /// Zoned devices: segments are zones, reset before reuse and filled (or
     /// finished) when closed.
     pub(crate) zoned: bool,
+    /// Geometry-aware placement (see [`EngineConfig::geometry_aware`]).
+    pub(crate) geometry_aware: bool,
     /// Most zones the devices let be written at once (0: no limit), and how many
     /// segments are open or closing now (each holds a zone open until it is full).
     pub(crate) zone_limit: u32,
@@ -648,7 +662,12 @@ impl Engine {
             .as_ref()
             .and_then(|ls| ls.iter().map(|l| l.open_limit()).filter(|&l| l > 0).min())
             .unwrap_or(0);
+        let geometry_aware = cfg.geometry_aware.unwrap_or(zone_layout.is_some());
+        shared
+            .track_reads
+            .store(geometry_aware, std::sync::atomic::Ordering::Relaxed);
         let mut e = Engine {
+            geometry_aware,
             zoned: zone_layout.is_some(),
             zone_limit,
             zones_active: 0,
@@ -1647,8 +1666,13 @@ impl Engine {
             if self.free.len() <= floor {
                 return Err(Blocked);
             }
-            self.pop_free().unwrap()
+            // Geometry-aware: the read-hot GC stream's segments go outer, other
+            // GC streams' inner; fresh writes (read heat unknown) take the queue's
+            // order.
+            let outer = (kind == StreamKind::Gc).then_some(self.streams[s].read_hot);
+            self.pop_free_placed(outer).unwrap()
         };
+
         let incarnation = self.take_version();
         let born = self
             .volumes
@@ -1693,19 +1717,36 @@ impl Engine {
 
     /// Takes the next segment of the free queue, waiting out any last readers.
     fn pop_free(&mut self) -> Option<u32> {
-        let seg =
-            if self.geo.layout == lamina_format::superblock::Layout::Jbod && self.geo.members > 1 {
-                // Wear levelling across JBOD members: among the next free segments,
-                // take one on the member with the least written per byte of capacity.
-                let i = (0..self.free.len().min(ALLOC_WINDOW)).min_by(|&a, &b| {
-                    let wa = self.member_wear(self.geo.locate(SegmentId(self.free[a]), 0).0);
-                    let wb = self.member_wear(self.geo.locate(SegmentId(self.free[b]), 0).0);
-                    wa.total_cmp(&wb)
-                })?;
-                self.free.remove(i)?
+        self.pop_free_placed(None)
+    }
+
+    /// [`Engine::pop_free`]; with geometry-aware placement and `outer` given, the
+    /// free segment at the lowest (`Some(true)`) or highest (`Some(false)`) device
+    /// offset among the first [`ALLOC_WINDOW`] of the queue (recovery's walk of
+    /// the free queue allows for that window).
+    fn pop_free_placed(&mut self, outer: Option<bool>) -> Option<u32> {
+        let seg = if let Some(outer) = outer.filter(|_| self.geometry_aware) {
+            let offset = |i: usize| self.geo.locate(SegmentId(self.free[i]), 0).1;
+            let window = 0..self.free.len().min(ALLOC_WINDOW);
+            let i = if outer {
+                window.min_by_key(|&i| offset(i))
             } else {
-                self.free.pop_front()?
-            };
+                window.max_by_key(|&i| offset(i))
+            }?;
+            self.free.remove(i)?
+        } else if self.geo.layout == lamina_format::superblock::Layout::Jbod && self.geo.members > 1
+        {
+            // Wear levelling across JBOD members: among the next free segments,
+            // take one on the member with the least written per byte of capacity.
+            let i = (0..self.free.len().min(ALLOC_WINDOW)).min_by(|&a, &b| {
+                let wa = self.member_wear(self.geo.locate(SegmentId(self.free[a]), 0).0);
+                let wb = self.member_wear(self.geo.locate(SegmentId(self.free[b]), 0).0);
+                wa.total_cmp(&wb)
+            })?;
+            self.free.remove(i)?
+        } else {
+            self.free.pop_front()?
+        };
         self.shared.set_segment_free(seg, false);
         while self.shared.segment_pinned(SegmentId(seg)) {
             std::thread::yield_now();
@@ -2464,7 +2505,8 @@ impl Engine {
         if self.zone_limit > 0 {
             // Every stream may hold a zone open; with the metadata stream they must
             // fit the devices' open-zone limit.
-            let need = (placement.0.user_classes() + placement.0.gc_classes()) as usize;
+            let need = (placement.0.user_classes() + placement.0.gc_classes()) as usize
+                + self.geometry_aware as usize;
             let used: usize = self
                 .volumes
                 .iter()
@@ -2522,7 +2564,7 @@ impl Engine {
         self.counters.next_volume_id = self.counters.next_volume_id.max(id.0 as u64 + 1);
         let user_classes = classifier.user_classes();
         let total = user_classes + classifier.gc_classes();
-        let mut streams = Vec::with_capacity(total as usize);
+        let mut streams = Vec::with_capacity(total as usize + 1);
         for c in 0..total {
             let kind = if c < user_classes {
                 StreamKind::User
@@ -2532,6 +2574,13 @@ impl Engine {
             self.streams.push(Stream::new(kind, c, id.0));
             streams.push(self.streams.len() - 1);
         }
+        let read_hot_stream = self.geometry_aware.then(|| {
+            let mut st = Stream::new(StreamKind::Gc, total, id.0);
+            st.read_hot = true;
+            self.streams.push(st);
+            streams.push(self.streams.len() - 1);
+            self.streams.len() - 1
+        });
         let i = id.0 as usize;
         if self.volumes.len() <= i {
             self.volumes.resize_with(i + 1, || None);
@@ -2540,9 +2589,13 @@ impl Engine {
             shared,
             streams,
             user_classes,
+            read_hot_stream,
             classifier,
             policy,
-            classes: vec![ClassCounters::default(); total as usize],
+            classes: vec![
+                ClassCounters::default();
+                total as usize + read_hot_stream.is_some() as usize
+            ],
             created_version,
             user_blocks: 0,
             gc_blocks: 0,

@@ -567,10 +567,21 @@ impl Engine {
                     let crc_ok = metadata_only
                         || (data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b));
                     if crc_ok {
-                        let from = self.segs[seg as usize].class;
                         let v = self.volumes[volume as usize].as_mut().unwrap();
+                        // A segment written under another configuration may carry a
+                        // class this one does not have.
+                        let from = self.segs[seg as usize]
+                            .class
+                            .min(v.user_classes + v.classifier.gc_classes() - 1);
                         let class = v.classifier.classify_gc(r.lba(), v.user_blocks, from);
-                        let gc_stream = v.streams[class as usize];
+                        let mut gc_stream = v.streams[class as usize];
+                        let mut class = class as usize;
+                        if let Some(hot) = v.read_hot_stream {
+                            if v.shared.map.take_read(r.lba()) {
+                                gc_stream = hot;
+                                class = v.streams.len() - 1;
+                            }
+                        }
                         if self.ensure_unit(gc_stream, 1, 0).is_err() {
                             blocked = true;
                             break 'runs;
@@ -586,7 +597,7 @@ impl Engine {
                             self.blocks_since_checkpoint.saturating_sub(1);
                         if let Some(v) = self.volumes[volume as usize].as_mut() {
                             v.gc_blocks += 1;
-                            v.classes[class as usize].blocks += 1;
+                            v.classes[class].blocks += 1;
                             v.classes[from as usize].relocated_out += 1;
                         }
                     } else {

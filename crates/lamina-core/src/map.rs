@@ -77,6 +77,9 @@ pub struct Map {
     /// Largest device code: the array's block count (codes 1..=pba_codes are PBA+1).
     pba_codes: u32,
     buffer_slots: u32,
+    /// One bit per block: read from the device since GC last moved it (read heat
+    /// for geometry-aware placement; only kept when that is on).
+    read: Box<[AtomicU64]>,
 }
 
 fn zeroed_atomics<T>(n: usize) -> Box<[T]> {
@@ -113,7 +116,33 @@ impl Map {
             mask: (1u64 << width) - 1,
             pba_codes: array_blocks,
             buffer_slots,
+            read: zeroed_atomics(blocks.div_ceil(64) as usize),
         }
+    }
+
+    /// Notes that blocks `lba..lba + n` were read from the device.
+    pub fn mark_read(&self, lba: u64, n: u64) {
+        let mut l = lba;
+        let end = (lba + n).min(self.len);
+        while l < end {
+            let w = (l / 64) as usize;
+            let hi = end.min((l / 64 + 1) * 64);
+            let bits = if hi - l == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << (hi - l)) - 1) << (l % 64)
+            };
+            if self.read[w].load(Ordering::Relaxed) & bits != bits {
+                self.read[w].fetch_or(bits, Ordering::Relaxed);
+            }
+            l = hi;
+        }
+    }
+
+    /// Whether `lba` was read since the last call for it (and clears the mark).
+    pub fn take_read(&self, lba: u64) -> bool {
+        let (w, bit) = ((lba / 64) as usize, 1u64 << (lba % 64));
+        w < self.read.len() && self.read[w].fetch_and(!bit, Ordering::Relaxed) & bit != 0
     }
 
     /// Bits per entry.

@@ -135,6 +135,8 @@ pub struct Shared {
     pub striped: Option<Arc<lamina_device::striped::Striped>>,
     pub buffers: BufferPool,
     seg_pins: Box<[AtomicU32]>,
+    /// Geometry-aware placement is on: reads mark their blocks in the map.
+    pub track_reads: AtomicBool,
     seg_incarnation: Box<[AtomicU64]>,
     /// One bit per physical block: set where a unit header starts.
     unit_starts: Box<[AtomicU64]>,
@@ -163,6 +165,7 @@ impl Shared {
         let buffers = BufferPool::new(buffer_units, geo.write_unit_blocks);
         Shared {
             seg_pins: (0..segs).map(|_| AtomicU32::new(0)).collect(),
+            track_reads: AtomicBool::new(false),
             seg_incarnation: (0..segs).map(|_| AtomicU64::new(0)).collect(),
             unit_starts: (0..blocks.div_ceil(64))
                 .map(|_| AtomicU64::new(0))
@@ -456,6 +459,9 @@ impl Shared {
                     self.read_stats
                         .blocks_read
                         .fetch_add(valid, Ordering::Relaxed);
+                    if self.track_reads.load(Ordering::Relaxed) {
+                        vol.map.mark_read(lba, valid);
+                    }
                     i += valid;
                 }
             }

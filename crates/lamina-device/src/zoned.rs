@@ -702,10 +702,22 @@ impl SmrTiming {
     pub fn cost(&self, head: &mut u64, offset: u64, len: u64) -> u64 {
         let mut t = (len as f64 / self.bandwidth(offset)) as u64;
         if offset != *head {
-            t += self.seek_us + 30_000_000 / self.rpm.max(1);
+            t += self.seek(offset.abs_diff(*head)) + 30_000_000 / self.rpm.max(1);
         }
         *head = offset + len;
         t
+    }
+
+    /// Seek time over `distance` bytes: a settle time plus a part growing with the
+    /// square root of the distance (the arm accelerates, then coasts), scaled so
+    /// that seeks between uniformly random places average `seek_us`
+    /// (E[sqrt(d)] = 8/15 of the full stroke for such places).
+    pub fn seek(&self, distance: u64) -> u64 {
+        const SETTLE_US: f64 = 1000.0;
+        let avg = (self.seek_us as f64).max(SETTLE_US);
+        let full = SETTLE_US + (avg - SETTLE_US) * 15.0 / 8.0;
+        let frac = (distance as f64 / self.size.max(1) as f64).min(1.0);
+        (SETTLE_US + (full - SETTLE_US) * frac.sqrt()) as u64
     }
 }
 
@@ -939,6 +951,28 @@ mod tests {
             inner > outer + outer / 2,
             "inner tracks are slower: {inner} vs {outer}"
         );
+    }
+
+    #[test]
+    fn seeks_grow_with_distance_and_average_the_configured_time() {
+        let t = SmrTiming {
+            seek_us: 8000,
+            rpm: 7200,
+            outer_mb_s: 250,
+            size: 1 << 40,
+        };
+        assert!(t.seek(1 << 20) < 1500, "a short seek is mostly settling");
+        assert!(t.seek(1 << 40) > 14000, "a full stroke");
+        let mut x = 88172645463325252u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % (1 << 40)
+        };
+        let n = 100_000;
+        let avg = (0..n).map(|_| t.seek(next().abs_diff(next()))).sum::<u64>() as f64 / n as f64;
+        assert!((avg - 8000.0).abs() < 200.0, "average seek {avg}");
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub enum BenchCmd {
         /// Where the 4 KiB writes go: uniform, zipf:THETA, hotcold:H/C (as `lamina sim`).
         #[arg(long, default_value = "uniform")]
         workload: String,
+        /// Also draw NAND bytes per user byte in each pass (SVG).
+        #[arg(long, value_name = "FILE")]
+        plot: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -89,6 +92,26 @@ pub enum BenchCmd {
         /// Also draw IOPS against queue depth (SVG).
         #[arg(long, value_name = "FILE")]
         plot: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// SALSA 3.1, geometry-aware placement: on an emulated host-managed SMR disk,
+    /// a tenth of the volume is read over and over while the rest is rewritten;
+    /// then the read-hot tenth is read back, with geometry-aware placement on and
+    /// off: read bandwidth from the disk's timing model.
+    Geometry {
+        /// Capacity of the disk.
+        #[arg(long, default_value = "4G")]
+        capacity: String,
+        /// Zone size (a Lamina segment is one zone).
+        #[arg(long, default_value = "64M")]
+        zone: String,
+        /// Size of each read and write.
+        #[arg(long, default_value = "64K")]
+        io: String,
+        /// Rounds of (read the hot tenth, rewrite an eighth of the rest).
+        #[arg(long, default_value_t = 24)]
+        rounds: u32,
         #[arg(long)]
         json: bool,
     },
@@ -196,6 +219,16 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 json,
             );
         }
+        BenchCmd::Geometry {
+            capacity,
+            zone,
+            io,
+            rounds,
+            json,
+        } => {
+            let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+            return geometry(size(&capacity)?, size(&zone)?, size(&io)?, rounds, json);
+        }
         BenchCmd::Smr {
             capacity,
             zone,
@@ -227,6 +260,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             cell,
             iu,
             workload,
+            plot,
             json,
         } => {
             return endurance(
@@ -236,6 +270,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 &cell,
                 &iu,
                 &workload,
+                plot.as_deref(),
                 json,
             )
         }
@@ -317,7 +352,7 @@ fn raw_run(
     blocks: u64,
     workload: &str,
     passes: u32,
-) -> Result<(f64, u64)> {
+) -> Result<(f64, u64, Vec<f64>)> {
     use lamina_device::flash::{Flash, FlashOp};
     let bs = 4096;
     let raw = Flash::new(
@@ -340,13 +375,43 @@ fn raw_run(
         put(b);
     });
     let a = raw.stats();
+    let mut per_pass = PerPass::new(blocks, a.nand_bytes_programmed);
     for b in writes(workload, blocks, passes)? {
         put(b);
+        per_pass.tick(|| raw.stats().nand_bytes_programmed);
     }
     let z = raw.stats();
     let wa = (z.nand_bytes_programmed - a.nand_bytes_programmed) as f64
         / (z.host_bytes_written - a.host_bytes_written) as f64;
-    Ok((wa, z.erases - a.erases))
+    Ok((wa, z.erases - a.erases, per_pass.wa))
+}
+
+/// NAND bytes programmed per user byte in each pass of `blocks` 4 KiB writes.
+struct PerPass {
+    blocks: u64,
+    n: u64,
+    last: u64,
+    wa: Vec<f64>,
+}
+
+impl PerPass {
+    fn new(blocks: u64, nand: u64) -> Self {
+        PerPass {
+            blocks,
+            n: 0,
+            last: nand,
+            wa: Vec::new(),
+        }
+    }
+    fn tick(&mut self, nand: impl FnOnce() -> u64) {
+        self.n += 1;
+        if self.n.is_multiple_of(self.blocks) {
+            let now = nand();
+            self.wa
+                .push((now - self.last) as f64 / (self.blocks * 4096) as f64);
+            self.last = now;
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -357,6 +422,7 @@ fn endurance(
     cell: &str,
     iu: &str,
     workload: &str,
+    plot: Option<&std::path::Path>,
     json_out: bool,
 ) -> Result<()> {
     use lamina_device::flash::{Cell, Flash, FlashConfig};
@@ -374,7 +440,7 @@ fn endurance(
     cfg.validate().map_err(anyhow::Error::msg)?;
     let bs = 4096u64;
     // Raw: the host writes 4 KiB blocks over the whole device.
-    let (wa_raw, erases_raw) = raw_run(&cfg, capacity / bs, workload, passes)?;
+    let (wa_raw, erases_raw, pass_raw) = raw_run(&cfg, capacity / bs, workload, passes)?;
     // Lamina: an array on the same kind of SSD, a volume filling its usable space,
     // the same kind of writes through the engine.
     let ssd = Arc::new(Flash::new(
@@ -395,15 +461,45 @@ fn endurance(
         l.write(b * bs, bs as usize);
     }
     let filled = ssd.stats();
+    let mut pass_l = PerPass::new(vol_blocks, filled.nand_bytes_programmed);
     for b in writes(workload, vol_blocks, passes)? {
         l.write(b * bs, bs as usize);
+        pass_l.tick(|| ssd.stats().nand_bytes_programmed);
     }
     l.flush()?;
     let host = l.e.status();
     let l = ssd.stats();
     // Raw again, written only over Lamina's user capacity: the same spare space left
     // to the drive's own FTL (a fair peer for the spare Lamina keeps).
-    let (wa_raw2, erases_raw2) = raw_run(&cfg, vol_blocks, workload, passes)?;
+    let (wa_raw2, erases_raw2, pass_raw2) = raw_run(&cfg, vol_blocks, workload, passes)?;
+    if let Some(path) = plot {
+        use lamina_sim::plot::{line_chart, Line};
+        let line = |label: &str, v: &[f64]| Line {
+            label: label.into(),
+            points: v
+                .iter()
+                .enumerate()
+                .map(|(i, &w)| (i as f64 + 1.0, w))
+                .collect(),
+            dashed: false,
+        };
+        let svg = line_chart(
+            &format!(
+                "{} {} SSD, IU {}, 4 KiB writes ({workload})",
+                crate::size::human(capacity),
+                cell.to_uppercase(),
+                crate::size::human(iu)
+            ),
+            "pass over the user capacity",
+            "NAND bytes programmed per user byte",
+            &[
+                line("raw SSD", &pass_raw),
+                line("raw SSD, Lamina's capacity", &pass_raw2),
+                line("Lamina on the SSD", &pass_l.wa),
+            ],
+        );
+        std::fs::write(path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+    }
     let user_l = (passes as u64 * vol_blocks * bs) as f64;
     let nand_l = (l.nand_bytes_programmed - filled.nand_bytes_programmed) as f64;
     let wa_l = nand_l / user_l;
@@ -424,6 +520,8 @@ fn endurance(
                    "host_write_amplification": host.write_amplification,
                    "device_write_amplification": dev_wa},
         "wear_ratio_raw_over_lamina": wa_raw / wa_l,
+        "per_pass_write_amplification": {"raw": pass_raw, "raw_same_capacity": pass_raw2,
+                                         "lamina": pass_l.wa},
     });
     if json_out {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -541,6 +639,126 @@ fn random_offsets(bytes: u64, io: u64, passes: u32) -> impl Iterator<Item = u64>
     (0..passes as u64 * slots).map(move |_| rng.gen_range(0..slots) * io)
 }
 
+/// The host-managed SMR emulator `lamina bench smr` and `geometry` use: about 1%
+/// conventional zones (at least Lamina's first megabyte), 128 open zones.
+fn hm_smr_config(capacity: u64, zone: u64) -> lamina_device::zoned::ZonedConfig {
+    lamina_device::zoned::ZonedConfig {
+        zone_bytes: zone,
+        zone_capacity_bytes: zone,
+        conventional_zones: (capacity / zone)
+            .div_ceil(100)
+            .max((1u64 << 20).div_ceil(zone)) as u32,
+        max_open: 128,
+        max_active: 0,
+        ..Default::default()
+    }
+}
+
+/// One run of the geometry bench: (hot read MB/s, mean offset of the hot data
+/// over the disk's size).
+fn geometry_run(capacity: u64, zone: u64, io: u64, rounds: u32, on: bool) -> Result<(f64, f64)> {
+    use lamina_device::mem::MemDevice;
+    use lamina_device::zoned::ZonedDevice;
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    let hm = Arc::new(ZonedDevice::new(
+        Arc::new(MemDevice::new("hm-smr", capacity)),
+        hm_smr_config(capacity, zone),
+    )?);
+    let params = lamina_core::FormatParams {
+        name: "geometry".into(),
+        overprovision: 0.25,
+        write_unit_blocks: 1024,
+        ..Default::default()
+    };
+    let cfg = lamina_core::EngineConfig {
+        gc_read_gap_blocks: 1024,
+        geometry_aware: Some(on),
+        ..Default::default()
+    };
+    let mut l = Inline::new(vec![hm.clone() as Arc<dyn BlockDevice>], &params, cfg)?;
+    let extents = l.volume_bytes / io;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    let mut all: Vec<u64> = (0..extents).collect();
+    all.shuffle(&mut rng);
+    let hot: Vec<u64> = all[..(extents / 10) as usize].to_vec();
+    let mut is_hot = vec![false; extents as usize];
+    for &h in &hot {
+        is_hot[h as usize] = true;
+    }
+    for x in 0..extents {
+        l.write(x * io, io as usize);
+    }
+    l.flush()?;
+    let vol = l.e.shared().volume("v").unwrap();
+    let mut buf = vec![0u8; io as usize];
+    let mut read_hot = |l: &mut Inline, order: &[u64]| -> Result<()> {
+        for &x in order {
+            l.e.shared()
+                .read(&vol, x * io, &mut buf)
+                .map_err(|e| anyhow::anyhow!("read: {e:?}"))?;
+        }
+        Ok(())
+    };
+    for _ in 0..rounds {
+        read_hot(&mut l, &hot)?;
+        for _ in 0..extents / 8 {
+            let x = loop {
+                let x = rng.gen_range(0..extents);
+                if !is_hot[x as usize] {
+                    break x;
+                }
+            };
+            l.write(x * io, io as usize);
+        }
+        l.flush()?;
+    }
+    let mut order = hot.clone();
+    order.shuffle(&mut rng);
+    let t0 = hm.clock_us();
+    read_hot(&mut l, &order)?;
+    let us = hm.clock_us() - t0;
+    let bs = 4096u64;
+    let mean = order
+        .iter()
+        .map(
+            |&x| match lamina_core::map::decode(vol.map.load(x * io / bs)) {
+                lamina_core::map::Entry::Device(p) => p.0 as f64 * bs as f64 / capacity as f64,
+                _ => 0.0,
+            },
+        )
+        .sum::<f64>()
+        / order.len().max(1) as f64;
+    Ok(((order.len() as u64 * io) as f64 / us.max(1) as f64, mean))
+}
+
+fn geometry(capacity: u64, zone: u64, io: u64, rounds: u32, json_out: bool) -> Result<()> {
+    if io == 0 || !io.is_multiple_of(4096) {
+        anyhow::bail!("the I/O size must be a multiple of 4 KiB");
+    }
+    let (on_mb, on_pos) = geometry_run(capacity, zone, io, rounds, true)?;
+    let (off_mb, off_pos) = geometry_run(capacity, zone, io, rounds, false)?;
+    let j = serde_json::json!({
+        "capacity_bytes": capacity, "zone_bytes": zone, "io_bytes": io, "rounds": rounds,
+        "geometry_aware": {"hot_read_mb_s": on_mb, "hot_mean_position": on_pos},
+        "plain": {"hot_read_mb_s": off_mb, "hot_mean_position": off_pos},
+        "speedup": on_mb / off_mb,
+    });
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(());
+    }
+    println!("| placement | read-hot data, mean position on the disk (0 = outer edge) | random {} reads of it, MB/s |", crate::size::human(io));
+    println!("|---|---:|---:|");
+    println!("| geometry-aware | {on_pos:.2} | {on_mb:.1} |");
+    println!("| plain | {off_pos:.2} | {off_mb:.1} |");
+    println!(
+        "\ngeometry-aware placement: {:.2}x the read bandwidth of the read-hot data",
+        on_mb / off_mb
+    );
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn smr(
     capacity: &str,
@@ -555,7 +773,7 @@ fn smr(
 ) -> Result<()> {
     use lamina_device::dmsmr::{DmSmrConfig, DriveManagedSmr};
     use lamina_device::mem::{MemDevice, NullDevice};
-    use lamina_device::zoned::{SmrTiming, ZonedConfig, ZonedDevice};
+    use lamina_device::zoned::{SmrTiming, ZonedDevice};
     let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
     let (capacity, zone, io, unit, gap) = (
         size(capacity)?,
@@ -567,17 +785,7 @@ fn smr(
     if io == 0 || !io.is_multiple_of(4096) || zone % io != 0 {
         anyhow::bail!("the write size must be a multiple of 4 KiB dividing the zone size");
     }
-    let hm_cfg = ZonedConfig {
-        zone_bytes: zone,
-        zone_capacity_bytes: zone,
-        // About 1% conventional, at least the megabyte Lamina's superblocks need.
-        conventional_zones: (capacity / zone)
-            .div_ceil(100)
-            .max((1u64 << 20).div_ceil(zone)) as u32,
-        max_open: 128,
-        max_active: 0,
-        ..Default::default()
-    };
+    let hm_cfg = hm_smr_config(capacity, zone);
     let mbps = |bytes: u64, us: u64| bytes as f64 / us.max(1) as f64;
     // The ideal: every zone written front to back in `io` pieces, nothing else.
     let timing = SmrTiming {

@@ -86,6 +86,9 @@ pub struct EngineSection {
     /// ("1M" suits disks, where a seek costs more than a megabyte of transfer;
     /// default 0, flash reads only what is live).
     pub gc_read_gap: Option<String>,
+    /// Geometry-aware placement: GC moves blocks read since they were written to
+    /// the outermost free segments (default: on for zoned arrays).
+    pub geometry_aware: Option<bool>,
 }
 
 /// Placement choices of one volume (override the `[engine]` ones).
@@ -250,6 +253,7 @@ impl Config {
             }
             c.gc_read_gap_blocks = (bytes / 4096) as u32;
         }
+        c.geometry_aware = self.engine.geometry_aware;
         Ok(c)
     }
 }

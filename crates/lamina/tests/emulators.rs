@@ -104,3 +104,29 @@ fn iops_reproduction_said5_against_raid0_and_raid5() {
     let o = lamina_output(&["bench", "iops", "--ssds", "2"]);
     assert!(!o.status.success(), "two drives make no RAID-5");
 }
+
+/// `lamina bench geometry`: with geometry-aware placement GC gathers read-hot data
+/// at the outer edge of the SMR disk, and reading it is faster than without.
+#[test]
+fn geometry_aware_placement_reads_hot_data_faster() {
+    let out = lamina(&[
+        "bench",
+        "geometry",
+        "--capacity",
+        "1G",
+        "--zone",
+        "16M",
+        "--rounds",
+        "12",
+        "--json",
+    ]);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let f = |v: &serde_json::Value| v.as_f64().unwrap();
+    let on = &j["geometry_aware"];
+    let off = &j["plain"];
+    assert!(
+        f(&on["hot_mean_position"]) < 0.5 * f(&off["hot_mean_position"]),
+        "{j}"
+    );
+    assert!(f(&j["speedup"]) > 1.2, "{j}");
+}
