@@ -547,6 +547,8 @@ pub struct Engine {
     /// segments are open or closing now (each holds a zone open until it is full).
     pub(crate) zone_limit: u32,
     pub(crate) zones_active: u32,
+    /// Free segments set aside because their zone could not be reset.
+    pub(crate) quarantined_segments: u64,
     pub(crate) cfg: EngineConfig,
     pub(crate) sb: Superblock,
     /// CRC-32C of a zero block (the pad blocks of striped layouts).
@@ -671,6 +673,7 @@ impl Engine {
             zoned: zone_layout.is_some(),
             zone_limit,
             zones_active: 0,
+            quarantined_segments: 0,
             shared,
             cfg,
             sb,
@@ -757,6 +760,11 @@ impl Engine {
 
     pub fn superblock(&self) -> &Superblock {
         &self.sb
+    }
+
+    /// Free segments set aside because their zone could not be reset.
+    pub fn segments_set_aside(&self) -> u64 {
+        self.quarantined_segments
     }
 
     pub fn counters(&self) -> &Counters {
@@ -1670,7 +1678,7 @@ impl Engine {
             // GC streams' inner; fresh writes (read heat unknown) take the queue's
             // order.
             let outer = (kind == StreamKind::Gc).then_some(self.streams[s].read_hot);
-            self.pop_free_placed(outer).unwrap()
+            self.pop_free_placed(outer).ok_or(Blocked)?
         };
 
         let incarnation = self.take_version();
@@ -1725,6 +1733,31 @@ impl Engine {
     /// offset among the first [`ALLOC_WINDOW`] of the queue (recovery's walk of
     /// the free queue allows for that window).
     fn pop_free_placed(&mut self, outer: Option<bool>) -> Option<u32> {
+        loop {
+            let seg = self.take_free(outer)?;
+            if !self.zoned {
+                return Some(seg);
+            }
+            // The zone still holds the segment's previous incarnation (or what a
+            // crashed run left): rewind it before the first write. No write of
+            // the old incarnation is in flight (it was released) and no reader
+            // holds it (pins were waited out). A zone that cannot be reset
+            // (offline, read-only) is set aside; it returns to the free queue at
+            // the next start and is tried again.
+            let (dev, off) = self.geo.locate(SegmentId(seg), 0);
+            match self.shared.devices[dev].reset_zone(off) {
+                Ok(()) => return Some(seg),
+                Err(e) => {
+                    tracing::error!("segment {seg} set aside: its zone cannot be reset: {e}");
+                    self.quarantined_segments += 1;
+                }
+            }
+        }
+    }
+
+    /// Takes a free segment (see [`Engine::pop_free_placed`]) and waits out its
+    /// last readers.
+    fn take_free(&mut self, outer: Option<bool>) -> Option<u32> {
         let seg = if let Some(outer) = outer.filter(|_| self.geometry_aware) {
             let offset = |i: usize| self.geo.locate(SegmentId(self.free[i]), 0).1;
             let window = 0..self.free.len().min(ALLOC_WINDOW);
@@ -1750,16 +1783,6 @@ impl Engine {
         self.shared.set_segment_free(seg, false);
         while self.shared.segment_pinned(SegmentId(seg)) {
             std::thread::yield_now();
-        }
-        if self.zoned {
-            // The zone still holds the segment's previous incarnation (or what a
-            // crashed run left): rewind it before the first write. No write of
-            // the old incarnation is in flight (it was released) and no reader
-            // holds it (pins were waited out above).
-            let (dev, off) = self.geo.locate(SegmentId(seg), 0);
-            if let Err(e) = self.shared.devices[dev].reset_zone(off) {
-                self.fail(format!("zone reset of segment {seg} failed: {e}"));
-            }
         }
         Some(seg)
     }
@@ -2507,13 +2530,9 @@ impl Engine {
             // fit the devices' open-zone limit.
             let need = (placement.0.user_classes() + placement.0.gc_classes()) as usize
                 + self.geometry_aware as usize;
-            let used: usize = self
-                .volumes
-                .iter()
-                .flatten()
-                .filter(|v| v.deleting.is_none())
-                .map(|v| v.streams.len())
-                .sum();
+            // Volumes being deleted keep their open segments until the checkpoint
+            // that drops them commits: they count.
+            let used: usize = self.volumes.iter().flatten().map(|v| v.streams.len()).sum();
             if 1 + used + need > self.zone_limit as usize {
                 return Err(EngineError::Invalid(format!(
                     "the devices let {} zones be open at once; the metadata stream and the volumes' {used} streams hold {}, and volume {name:?} needs {need} more (fewer heat classes: classifier = \"none\" needs 2)",

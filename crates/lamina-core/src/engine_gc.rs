@@ -483,9 +483,14 @@ impl Engine {
                 let gap = self.cfg.gc_read_gap_blocks;
                 while i < end {
                     let mut n = 1;
+                    // A run spans at most this many blocks, so that a sparse batch
+                    // does not become one huge read.
+                    let max_span = (4 * self.geo.write_unit_blocks).max(1024);
                     while i + n < end
                         && live[i + n].0 .0 > live[i + n - 1].0 .0
-                        && live[i + n].0 .0 <= live[i + n - 1].0 .0 + 1 + gap
+                        && live[i + n].0 .0
+                            <= live[i + n - 1].0 .0.saturating_add(gap.saturating_add(1))
+                        && live[i + n].0 .0 - live[i].0 .0 < max_span
                     {
                         n += 1;
                     }
@@ -532,6 +537,18 @@ impl Engine {
         }
     }
 
+    /// Reads one block of a victim on the engine thread (the rare retry of a run
+    /// read across dead blocks that failed).
+    fn gc_read_block(&self, seg: u32, pba: Pba) -> Option<Vec<u8>> {
+        let (_, off_in_seg) = self.geo.split(pba);
+        let (dev, off) = self.geo.locate(SegmentId(seg), off_in_seg);
+        let mut b = vec![0u8; BLOCK_SIZE];
+        self.shared.devices[dev]
+            .read_at(&mut b, off)
+            .ok()
+            .map(|_| b)
+    }
+
     /// Relocates the blocks of the current batch. False when blocked.
     fn gc_relocate_batch(&mut self) -> bool {
         let Phase::Relocate {
@@ -557,13 +574,16 @@ impl Engine {
                 if self.is_live(pba, &r) {
                     let volume = r.volume();
                     let metadata_only = self.cfg.metadata_only;
-                    let data_ok = metadata_only || (!run.failed && run.data.is_some());
+                    // A run read across dead blocks fails as a whole if any of them
+                    // is unreadable: read each live block of it on its own then.
+                    let exact = (!metadata_only && run.failed && run.span > run.count)
+                        .then(|| self.gc_read_block(seg, pba))
+                        .flatten();
+                    let data_ok =
+                        metadata_only || exact.is_some() || (!run.failed && run.data.is_some());
                     // Where this block lies in the run's read.
                     let at = (pba.0 - live_local[run.first].0 .0) as usize;
-                    let block = run
-                        .data
-                        .as_deref()
-                        .map(|d| &d[at * BLOCK_SIZE..(at + 1) * BLOCK_SIZE]);
+                    let block = run_block(run, &exact, at);
                     let crc_ok = metadata_only
                         || (data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b));
                     if crc_ok {
@@ -576,21 +596,23 @@ impl Engine {
                         let class = v.classifier.classify_gc(r.lba(), v.user_blocks, from);
                         let mut gc_stream = v.streams[class as usize];
                         let mut class = class as usize;
-                        if let Some(hot) = v.read_hot_stream {
-                            if v.shared.map.take_read(r.lba()) {
-                                gc_stream = hot;
-                                class = v.streams.len() - 1;
-                            }
+                        let read_hot = v
+                            .read_hot_stream
+                            .is_some_and(|_| v.shared.map.was_read(r.lba()));
+                        if read_hot {
+                            gc_stream = v.read_hot_stream.unwrap();
+                            class = v.streams.len() - 1;
                         }
                         if self.ensure_unit(gc_stream, 1, 0).is_err() {
                             blocked = true;
                             break 'runs;
                         }
-                        let run = &batch_local[rp];
-                        let block = run
-                            .data
-                            .as_deref()
-                            .map(|d| &d[at * BLOCK_SIZE..(at + 1) * BLOCK_SIZE]);
+                        if read_hot {
+                            // Cleared only once the block is on its way.
+                            let v = self.volumes[volume as usize].as_ref().unwrap();
+                            v.shared.map.take_read(r.lba());
+                        }
+                        let block = run_block(&batch_local[rp], &exact, at);
                         self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
                         self.counters.gc_blocks += 1;
                         self.blocks_since_checkpoint =
@@ -676,5 +698,16 @@ impl Engine {
         }
         run.data = c.buf;
         *reads_pending -= 1;
+    }
+}
+
+/// Block `at` of a GC read run, or its separately read copy.
+fn run_block<'a>(run: &'a Run, exact: &'a Option<Vec<u8>>, at: usize) -> Option<&'a [u8]> {
+    match exact {
+        Some(b) => Some(&b[..]),
+        None => run
+            .data
+            .as_deref()
+            .map(|d| &d[at * BLOCK_SIZE..(at + 1) * BLOCK_SIZE]),
     }
 }

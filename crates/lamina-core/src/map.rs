@@ -139,6 +139,12 @@ impl Map {
         }
     }
 
+    /// Whether `lba` was read since its mark was last cleared.
+    pub fn was_read(&self, lba: u64) -> bool {
+        let (w, bit) = ((lba / 64) as usize, 1u64 << (lba % 64));
+        w < self.read.len() && self.read[w].load(Ordering::Relaxed) & bit != 0
+    }
+
     /// Whether `lba` was read since the last call for it (and clears the mark).
     pub fn take_read(&self, lba: u64) -> bool {
         let (w, bit) = ((lba / 64) as usize, 1u64 << (lba % 64));

@@ -273,7 +273,14 @@ pub fn format(
         // open against the device's limits.
         for d in devices {
             for z in d.report_zones()? {
-                if z.ty == ZoneType::SequentialRequired && z.cond != ZoneCond::Empty {
+                // Offline and read-only zones are left as they are: the engine sets
+                // their segments aside when it fails to reset them.
+                if z.ty == ZoneType::SequentialRequired
+                    && !matches!(
+                        z.cond,
+                        ZoneCond::Empty | ZoneCond::Offline | ZoneCond::ReadOnly
+                    )
+                {
                     d.reset_zone(z.start)?;
                 }
             }
@@ -318,6 +325,16 @@ fn zoned_layout(
                 devices[0].describe(),
                 first.zone_bytes,
                 first.conventional_bytes
+            ));
+        }
+        if !l.zone_bytes.is_multiple_of(BLOCK_SIZE_U64)
+            || !l.conventional_bytes.is_multiple_of(BLOCK_SIZE_U64)
+        {
+            return invalid(format!(
+                "{} has zones of {} bytes after {} conventional bytes: Lamina needs multiples of 4 KiB",
+                d.describe(),
+                l.zone_bytes,
+                l.conventional_bytes
             ));
         }
         if l.conventional_bytes < DEFAULT_DATA_OFFSET {
@@ -1339,6 +1356,13 @@ pub fn open_unfinished(
         engine.live_blocks += live;
     }
     if mode == OpenMode::ReadWrite && engine.zoned {
+        let streams = engine.streams.len() as u32;
+        if engine.zone_limit > 0 && streams > engine.zone_limit {
+            return Err(EngineError::Invalid(format!(
+                "the volumes' streams and the metadata stream need {streams} zones open at once, the devices allow {}: configure fewer heat classes (classifier) or geometry_aware = false",
+                engine.zone_limit
+            )));
+        }
         reconcile_zones(&engine)?;
     }
     if mode == OpenMode::ReadWrite {

@@ -243,3 +243,41 @@ fn zoned_arrays_refuse_what_cannot_work() {
     create_volume(&mut e, "small", 1 << 20);
     within_the_rules(&z, 6);
 }
+
+/// Zones that turn read-only keep serving their data; when their segments are
+/// released, the failed reset sets them aside instead of failing the array.
+#[test]
+fn read_only_zones_are_set_aside() {
+    let z = zoned(1, 120, 192 << 10, 10);
+    let devs = dyn_devs(&z);
+    format_devices(&devs, &layout_params(Layout::Jbod));
+    let mut e = open_rw(&devs, config());
+    let blocks = (e.status().usable_bytes / BS as u64) * 7 / 10;
+    let vol = create_volume(&mut e, "v", blocks * BS as u64);
+    let mut model = HashMap::new();
+    run(&mut e, vol, &mut model, blocks, blocks * 2, 3);
+    let full: Vec<usize> = z[0]
+        .zones()
+        .iter()
+        .enumerate()
+        .filter(|(_, z)| z.cond == ZoneCond::Full)
+        .map(|(i, _)| i)
+        .take(4)
+        .collect();
+    assert_eq!(full.len(), 4);
+    for &i in &full {
+        z[0].set_condition(i, ZoneCond::ReadOnly);
+    }
+    verify_model(&e, vol, &model);
+    run(&mut e, vol, &mut model, blocks, blocks * 3, 4);
+    verify_model(&e, vol, &model);
+    assert_eq!(z[0].rejected_writes(), 0);
+    assert!(
+        e.segments_set_aside() > 0,
+        "a read-only zone's segment was reused"
+    );
+    assert!(
+        e.status().free_segments > 0,
+        "still writing around the read-only zones"
+    );
+}

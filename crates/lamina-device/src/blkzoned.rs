@@ -60,11 +60,25 @@ pub fn decode_zone(b: &[u8], has_capacity: bool) -> Result<Zone, String> {
         c => return Err(format!("unknown zone condition {c:#x}")),
     };
     let capacity = if has_capacity { u64_at(32) } else { len };
+    // The write pointer means something only for empty, open and closed zones
+    // (offline and read-only ones may report all ones); full zones report the end.
+    let wp = match cond {
+        ZoneCond::Empty | ZoneCond::ImplicitOpen | ZoneCond::ExplicitOpen | ZoneCond::Closed => {
+            wp.clamp(start, start.saturating_add(capacity))
+        }
+        ZoneCond::Full => start.saturating_add(capacity),
+        _ => start,
+    };
+    let bytes = |sectors: u64| {
+        sectors
+            .checked_mul(SECTOR)
+            .ok_or_else(|| format!("zone at sector {start} lies beyond 2^64 bytes"))
+    };
     Ok(Zone {
-        start: start * SECTOR,
-        len: len * SECTOR,
-        capacity: capacity * SECTOR,
-        wp: wp * SECTOR,
+        start: bytes(start)?,
+        len: bytes(len)?,
+        capacity: bytes(capacity)?,
+        wp: bytes(wp)?,
         cond,
         ty,
     })
@@ -103,9 +117,13 @@ pub fn layout_of(zones: &[Zone], max_open: u32, max_active: u32) -> Result<ZoneL
     })
 }
 
-/// A host-managed kernel zoned block device.
+/// A host-managed kernel zoned block device. Data moves with direct I/O: through
+/// the page cache, writes would reach the device when the kernel writes them back,
+/// in any order and after a zone finish that [`crate::zonehost::Plug`] believed
+/// came after them.
 pub struct KernelZoned {
     file: FileDevice,
+    direct: std::fs::File,
     layout: ZoneLayout,
 }
 
@@ -138,7 +156,29 @@ pub fn open_if_zoned(file: FileDevice) -> Result<Box<dyn BlockDevice>, DeviceErr
         device: file.describe(),
         detail: format!("zoned layout Lamina cannot use: {detail}"),
     })?;
-    Ok(Box::new(KernelZoned { file, layout }))
+    use std::os::unix::fs::OpenOptionsExt;
+    let direct = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(file.path())
+        .map_err(|e| DeviceError::Open {
+            device: file.describe(),
+            detail: format!("cannot open for direct I/O: {e}"),
+        })?;
+    Ok(Box::new(KernelZoned {
+        file,
+        direct,
+        layout,
+    }))
+}
+
+/// Runs `f` on a 4 KiB-aligned scratch buffer of `len` bytes (direct I/O wants
+/// aligned buffers).
+fn aligned<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    let mut raw = vec![0u8; len + 4096];
+    let at = raw.as_ptr().align_offset(4096);
+    f(&mut raw[at..at + len])
 }
 
 fn os_err(file: &FileDevice, op: &'static str, offset: u64) -> DeviceError {
@@ -233,13 +273,53 @@ impl BlockDevice for KernelZoned {
         self.file.describe()
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
-        self.file.read_at(buf, offset)
+        use std::os::unix::fs::FileExt;
+        crate::check_range(self, "read", offset, buf.len())?;
+        let r = if buf.as_ptr().align_offset(4096) == 0 {
+            self.direct.read_exact_at(buf, offset)
+        } else {
+            aligned(buf.len(), |a| {
+                self.direct.read_exact_at(a, offset)?;
+                buf.copy_from_slice(a);
+                Ok(())
+            })
+        };
+        r.map_err(|source| DeviceError::Io {
+            device: self.describe(),
+            op: "read",
+            offset,
+            len: buf.len(),
+            source,
+        })
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
-        self.file.write_at(buf, offset)
+        use std::os::unix::fs::FileExt;
+        crate::check_range(self, "write", offset, buf.len())?;
+        let r = if buf.as_ptr().align_offset(4096) == 0 {
+            self.direct.write_all_at(buf, offset)
+        } else {
+            aligned(buf.len(), |a| {
+                a.copy_from_slice(buf);
+                self.direct.write_all_at(a, offset)
+            })
+        };
+        r.map_err(|source| DeviceError::Io {
+            device: self.describe(),
+            op: "write",
+            offset,
+            len: buf.len(),
+            source,
+        })
     }
     fn sync(&self) -> Result<(), DeviceError> {
-        self.file.sync()
+        // Direct writes bypass the page cache, not the device's volatile cache.
+        self.direct.sync_data().map_err(|source| DeviceError::Io {
+            device: self.describe(),
+            op: "sync",
+            offset: 0,
+            len: 0,
+            source,
+        })
     }
     fn zone_layout(&self) -> Option<ZoneLayout> {
         Some(self.layout)
@@ -372,6 +452,9 @@ mod tests {
             .unwrap_err()
             .contains("host-aware"));
         assert!(decode_zone(&blk_zone(0, 8, 0, 2, 9, 8), true).is_err());
+        // An offline zone's write pointer may be all ones: ignored.
+        let z = decode_zone(&blk_zone(2048, 2048, u64::MAX, 2, 0xF, 2048), true).unwrap();
+        assert_eq!((z.cond, z.wp), (ZoneCond::Offline, 1 << 20));
         // Layouts: conventional prefix, one size and capacity.
         let zs: Vec<Zone> = [
             blk_zone(0, 2048, 0, 1, 0, 2048),

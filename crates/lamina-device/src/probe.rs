@@ -40,6 +40,104 @@ impl Timed for EmulatedTarget<'_> {
     }
 }
 
+/// A real device or file, timed by the wall clock with direct I/O (the page cache
+/// bypassed): each batch is issued by one thread per operation, together, and
+/// each operation's latency measured. Only the first `capacity` bytes are used.
+pub struct DirectTarget {
+    file: std::fs::File,
+    capacity: u64,
+    /// The file could not be opened for direct I/O (tmpfs, some overlays): timing
+    /// then shows the page cache, not the device.
+    pub buffered: bool,
+}
+
+impl DirectTarget {
+    pub fn open(path: &std::path::Path, capacity: u64) -> std::io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let open = |flags| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(flags)
+                .open(path)
+        };
+        let (file, buffered) = match open(libc::O_DIRECT) {
+            Ok(f) => (f, false),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(0)?, true),
+            Err(e) => return Err(e),
+        };
+        // Direct I/O on some file systems is refused only at the first access.
+        let mut t = DirectTarget {
+            file,
+            capacity: capacity / 4096 * 4096,
+            buffered,
+        };
+        if !t.buffered
+            && t.io(FlashOp::Read {
+                offset: 0,
+                len: 4096,
+            })
+            .is_err()
+        {
+            t.file = open(0)?;
+            t.buffered = true;
+        }
+        Ok(t)
+    }
+
+    fn io(&self, op: FlashOp) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let len = match op {
+            FlashOp::Read { len, .. } | FlashOp::Write { len, .. } => len as usize,
+        };
+        // Direct I/O wants a buffer aligned to the logical block size.
+        let mut raw = vec![0u8; len + 4096];
+        let at = raw.as_ptr().align_offset(4096);
+        let buf = &mut raw[at..at + len];
+        match op {
+            FlashOp::Read { offset, .. } => self.file.read_exact_at(buf, offset),
+            FlashOp::Write { offset, .. } => {
+                buf.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+                self.file.write_all_at(buf, offset)
+            }
+        }
+    }
+}
+
+impl Timed for DirectTarget {
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+    fn run(&mut self, ops: &[FlashOp]) -> Vec<u64> {
+        let this = &*self;
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ops
+                .iter()
+                .map(|&op| {
+                    s.spawn(move || {
+                        let t = std::time::Instant::now();
+                        // A failed operation counts as very slow; the verdicts
+                        // then say so through their evidence.
+                        let ok = this.io(op).is_ok();
+                        let us = t.elapsed().as_micros() as u64;
+                        if ok {
+                            us.max(1)
+                        } else {
+                            u64::MAX / 1024
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or(u64::MAX / 1024))
+                .collect()
+        })
+    }
+    fn idle(&mut self, us: u64) {
+        std::thread::sleep(std::time::Duration::from_micros(us));
+    }
+}
+
 /// What the probe concluded, with the measurements behind each verdict.
 #[derive(Clone, Debug, Default)]
 pub struct ProbeReport {

@@ -864,7 +864,7 @@ impl BlockDevice for Striped {
                 .into_iter()
                 .filter(|z| z.ty == ZoneType::SequentialRequired);
             for (s, mz) in seq.enumerate().take(zones.len()) {
-                let rows = (mz.wp - mz.start) / BLOCK_U64;
+                let rows = (mz.wp.saturating_sub(mz.start) / BLOCK_U64).min(sh.chunk_blocks);
                 let z = &mut zones[s];
                 z.wp = z.wp.min(z.start + rows * sh.data as u64 * BLOCK_U64);
                 if mz.cond != ZoneCond::Empty {
@@ -903,12 +903,26 @@ impl BlockDevice for Striped {
         })
     }
 
-    /// Finishes each member's zone at the row holding `offset`.
+    /// Finishes each member's zone at the row holding `offset`. A member whose zone
+    /// is still empty (a crash tore the stripe's first row) may refuse, at its
+    /// open-zone limit: that zone is left empty, not counted as a member failure.
     fn finish_zone(&self, offset: u64) -> Result<(), DeviceError> {
         let (s, b, _) = self.split("finish zone", offset, 0)?;
         let row = b / self.shape.data as u64;
+        let at = self.shape.member_offset(s, 0);
         self.each_member_zone("finish zone", offset, |m| {
             m.finish_zone(self.shape.member_offset(s, row))
+                .or_else(|e| {
+                    let empty = m.report_zones().is_ok_and(|zs| {
+                        zs.iter()
+                            .any(|z| z.start == at && z.cond == crate::zoned::ZoneCond::Empty)
+                    });
+                    if empty {
+                        Ok(())
+                    } else {
+                        Err(e)
+                    }
+                })
         })
     }
 }

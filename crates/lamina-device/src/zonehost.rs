@@ -134,7 +134,7 @@ impl BlockDevice for Compact {
                     start,
                     len: l.zone_capacity,
                     capacity: z.capacity,
-                    wp: start + (z.wp - z.start),
+                    wp: start + z.wp.saturating_sub(z.start).min(l.zone_capacity),
                     ..z
                 }
             })

@@ -1074,35 +1074,91 @@ pub fn probe_emulated(spec: &str, json_out: bool) -> Result<()> {
     )?;
     let r = probe(&mut EmulatedTarget { flash: &f, now: 0 });
     let truth_units = cfg.channels * cfg.dies_per_channel * cfg.planes_per_die;
+    print_probe(&r, Some((cfg.iu_bytes, truth_units)), json_out)
+}
+
+/// `lamina probe DEVICE`: the sketcher against a real device or file, timed with
+/// direct I/O over its first `size` bytes (overwritten).
+pub fn probe_device(
+    path: &std::path::Path,
+    size: u64,
+    destroy: bool,
+    json_out: bool,
+) -> Result<()> {
+    use lamina_device::probe::{probe, DirectTarget};
+    if !destroy {
+        anyhow::bail!(
+            "probing writes over the first {} of {}: add --destroy if its data may be lost",
+            crate::size::human(size),
+            path.display()
+        );
+    }
+    let dev = FileDevice::open(path, DevMode::ReadWrite)?;
+    let cap = dev.size_bytes();
+    drop(dev);
+    if size < 64 << 20 || size > cap {
+        anyhow::bail!(
+            "--size {} must be at least 64 MiB and at most the device's {}",
+            crate::size::human(size),
+            crate::size::human(cap)
+        );
+    }
+    let mut t = DirectTarget::open(path, size)
+        .with_context(|| format!("cannot open {} for probing", path.display()))?;
+    if t.buffered {
+        eprintln!(
+            "lamina: {} does not take direct I/O; the timings below are the page cache's, not the device's",
+            path.display()
+        );
+    }
+    let r = probe(&mut t);
+    print_probe(&r, None, json_out)
+}
+
+/// Prints a probe's verdicts with their evidence (and the truth, for emulators).
+fn print_probe(
+    r: &lamina_device::probe::ProbeReport,
+    truth: Option<(u64, u32)>,
+    json_out: bool,
+) -> Result<()> {
     if json_out {
         println!(
             "{}",
             serde_json::json!({
                 "indirection_unit_bytes": r.iu_bytes,
+                "indirection_unit_evidence": r.iu_evidence.iter()
+                    .map(|(s, us)| serde_json::json!({"write_bytes": s, "us_per_kib": us}))
+                    .collect::<Vec<_>>(),
                 "parallel_units": r.parallel_units,
+                "parallel_evidence": r.parallel_evidence.iter()
+                    .map(|(qd, tp)| serde_json::json!({"queue_depth": qd, "reads_per_ms": tp}))
+                    .collect::<Vec<_>>(),
                 "mapping": r.mapping,
                 "write_order_ratio": r.write_order_ratio,
                 "gc_cliff_bytes": r.gc_cliff_bytes,
                 "recommended_write_unit_bytes": r.recommended_write_unit,
                 "recommended_segment_bytes": r.recommended_segment,
                 "recommended_queue_depth": r.recommended_queue_depth,
-                "truth": {"indirection_unit_bytes": cfg.iu_bytes, "parallel_units": truth_units},
+                "truth": truth.map(|(iu, units)| serde_json::json!(
+                    {"indirection_unit_bytes": iu, "parallel_units": units})),
             })
         );
         return Ok(());
     }
     let human = crate::size::human;
+    let emulated = |v: String| truth.map_or(String::new(), |_| format!("  (emulated: {v})"));
     println!(
-        "indirection unit: {}  (emulated: {})",
+        "indirection unit: {}{}",
         human(r.iu_bytes),
-        human(cfg.iu_bytes)
+        emulated(truth.map_or(String::new(), |t| human(t.0)))
     );
     for (s, us) in &r.iu_evidence {
         println!("    random writes of {:>9}: {us:8.1} us per KiB", human(*s));
     }
     println!(
-        "parallel units: {}  (emulated: {truth_units})",
-        r.parallel_units
+        "parallel units: {}{}",
+        r.parallel_units,
+        emulated(truth.map_or(String::new(), |t| t.1.to_string()))
     );
     for (k, tp) in &r.parallel_evidence {
         println!("    4 KiB random reads at queue depth {k:>2}: {tp:7.1} per ms");

@@ -85,20 +85,32 @@ growing size: below the unit each costs a read-modify-write), the number of para
 units (random reads at growing queue depth), whether the drive places data by write
 order or by LBA (a region written in random order read back both ways), and the GC
 cliff (sustained random writes); then a write unit, segment size and queue depth for
-Lamina. Writes over the whole device.
+Lamina.
 
-Only emulated drives for now (--emulate), whose true geometry is printed beside the
-verdicts: probing a real device needs direct I/O timing that is not built yet.
+A real device (or file) is timed with direct I/O by the wall clock over its first
+--size bytes, which are overwritten: --destroy says you mean it. With --emulate the
+target is an emulated SSD on a virtual clock, whose true geometry is printed beside
+the verdicts.
 
-EXAMPLE
+EXAMPLES
+    lamina probe /dev/nvme1n1 --size 8G --destroy
     lamina probe --emulate tlc,capacity=1G,iu=16K,channels=4,dies=2";
 
 #[derive(clap::Args)]
 struct ProbeArgs {
-    /// The emulated SSD: cell type and settings, comma-separated (capacity, iu,
-    /// page, pages-per-block, channels, dies).
-    #[arg(long, value_name = "SPEC", default_value = "tlc")]
-    emulate: String,
+    /// The device or file to probe (its first --size bytes are overwritten).
+    #[arg(required_unless_present = "emulate", conflicts_with = "emulate")]
+    device: Option<PathBuf>,
+    /// How much of the device to use.
+    #[arg(long, default_value = "1G", value_name = "SIZE")]
+    size: String,
+    /// Confirms that the data on the probed part of the device may be destroyed.
+    #[arg(long)]
+    destroy: bool,
+    /// Probe an emulated SSD instead: cell type and settings, comma-separated
+    /// (capacity, iu, page, pages-per-block, channels, dies).
+    #[arg(long, value_name = "SPEC")]
+    emulate: Option<String>,
     #[arg(long)]
     json: bool,
 }
@@ -320,7 +332,13 @@ fn main() {
         Cmd::Status(a) => status(a),
         Cmd::Sim(a) => sim::run(a),
         Cmd::Bench(b) => bench::run(b),
-        Cmd::Probe(a) => bench::probe_emulated(&a.emulate, a.json),
+        Cmd::Probe(a) => match (&a.emulate, &a.device) {
+            (Some(spec), _) => bench::probe_emulated(spec, a.json),
+            (None, Some(dev)) => parse_size(&a.size)
+                .map_err(anyhow::Error::msg)
+                .and_then(|size| bench::probe_device(dev, size, a.destroy, a.json)),
+            (None, None) => unreachable!("clap requires one"),
+        },
     };
     if let Err(e) = result {
         eprintln!("lamina: error: {e:#}");

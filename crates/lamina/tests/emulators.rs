@@ -130,3 +130,40 @@ fn geometry_aware_placement_reads_hot_data_faster() {
     );
     assert!(f(&j["speedup"]) > 1.2, "{j}");
 }
+
+/// `lamina probe DEVICE` on a real file: refuses without --destroy, then times the
+/// patterns with direct I/O and reports each verdict with its evidence. (What the
+/// verdicts should be is checked on emulated drives, whose geometry is known.)
+#[test]
+fn probe_of_a_real_file_reports_verdicts_with_evidence() {
+    let t = TempDir::new("probe-file");
+    let img = t.join("dev.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(96 << 20)
+        .unwrap();
+    let o = lamina_output(&["probe", img.to_str().unwrap(), "--size", "64M"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--destroy"));
+    let o = lamina_output(&["probe", img.to_str().unwrap(), "--size", "1G", "--destroy"]);
+    assert!(!o.status.success(), "larger than the file");
+    let out = lamina(&[
+        "probe",
+        img.to_str().unwrap(),
+        "--size",
+        "64M",
+        "--destroy",
+        "--json",
+    ]);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(j["indirection_unit_bytes"].as_u64().unwrap() >= 4096, "{j}");
+    assert!(j["parallel_units"].as_u64().unwrap() >= 1, "{j}");
+    assert_eq!(
+        j["indirection_unit_evidence"].as_array().unwrap().len(),
+        6,
+        "{j}"
+    );
+    assert_eq!(j["parallel_evidence"].as_array().unwrap().len(), 7, "{j}");
+    assert!(j["truth"].is_null());
+    assert!(j["mapping"].as_str().is_some());
+}
