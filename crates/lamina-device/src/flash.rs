@@ -73,6 +73,10 @@ pub struct FlashConfig {
     pub cell: Cell,
     /// Channel bandwidth, bytes per microsecond (800 MB/s = 800).
     pub channel_bytes_per_us: u64,
+    /// Data lives on the die its logical address picks (a block-mapped drive),
+    /// rather than on the die of the block it was written to (page-mapped: by
+    /// write order). Only the timing differs.
+    pub lba_placement: bool,
 }
 
 impl Default for FlashConfig {
@@ -88,6 +92,7 @@ impl Default for FlashConfig {
             planes_per_die: 1,
             cell: Cell::Tlc,
             channel_bytes_per_us: 800,
+            lba_placement: false,
         }
     }
 }
@@ -227,14 +232,20 @@ impl Ftl {
         })
     }
 
-    fn die_of(&self, block: u32) -> usize {
-        block as usize % self.die_busy.len()
+    /// The die holding logical unit `iu` written into `block`.
+    fn die_of(&self, block: u32, iu: Option<u32>) -> usize {
+        match iu {
+            Some(iu) if self.cfg.lba_placement => {
+                (iu as u64 * self.cfg.iu_bytes / self.cfg.page_bytes) as usize % self.die_busy.len()
+            }
+            _ => block as usize % self.die_busy.len(),
+        }
     }
 
-    /// Occupies `block`'s die for `us` (plus its channel for a transfer of `bytes`)
-    /// from `at`; returns when it is done.
-    fn occupy(&mut self, block: u32, at: u64, us: u64, bytes: u64) -> u64 {
-        let d = self.die_of(block);
+    /// Occupies the die of `block` (or of logical unit `iu` in it) for `us` (plus
+    /// its channel for a transfer of `bytes`) from `at`; returns when it is done.
+    fn occupy(&mut self, (block, iu): (u32, Option<u32>), at: u64, us: u64, bytes: u64) -> u64 {
+        let d = self.die_of(block, iu);
         let c = d % self.chan_busy.len();
         let xfer = bytes.div_ceil(self.cfg.channel_bytes_per_us);
         let start = at.max(self.die_busy[d]);
@@ -284,7 +295,7 @@ impl Ftl {
         let per_page = self.cfg.page_bytes / self.cfg.iu_bytes;
         if (slot + 1) % per_page == 0 {
             let (_, prog, _) = self.cfg.cell.latency_us();
-            self.occupy(block, at, prog, self.cfg.page_bytes)
+            self.occupy((block, Some(iu)), at, prog, self.cfg.page_bytes)
         } else {
             at
         }
@@ -298,7 +309,7 @@ impl Ftl {
         self.stats.nand_bytes_read += self.cfg.iu_bytes;
         let (read, _, _) = self.cfg.cell.latency_us();
         self.occupy(
-            (p as u64 / self.slots_per_block) as u32,
+            ((p as u64 / self.slots_per_block) as u32, Some(iu)),
             at,
             read,
             self.cfg.iu_bytes,
@@ -327,7 +338,7 @@ impl Ftl {
                 }
             }
             let (_, _, erase) = self.cfg.cell.latency_us();
-            at = self.occupy(v, at, erase, 0);
+            at = self.occupy((v, None), at, erase, 0);
             self.erase_count[v as usize] += 1;
             self.stats.erases += 1;
             self.closed[v as usize] = false;

@@ -353,4 +353,20 @@ mod tests {
             assert!(r.gc_cliff_bytes.is_some(), "{r:?}");
         }
     }
+
+    /// A drive that places data by logical address: the mapping verdict says so.
+    #[test]
+    fn probe_tells_lba_placement_from_write_order() {
+        let cap = 256u64 << 20;
+        let cfg = FlashConfig {
+            capacity_bytes: cap,
+            pages_per_block: 64,
+            lba_placement: true,
+            ..Default::default()
+        };
+        let f = Flash::new(Arc::new(SparseDevice::new("p", cap)), cfg).unwrap();
+        let r = probe(&mut EmulatedTarget { flash: &f, now: 0 });
+        assert_eq!(r.mapping, "LBA-based", "{r:?}");
+        assert_eq!(r.iu_bytes, 4096, "{r:?}");
+    }
 }

@@ -1052,6 +1052,7 @@ pub fn probe_emulated(spec: &str, json_out: bool) -> Result<()> {
         };
         match k {
             "slc" | "mlc" | "tlc" | "qlc" => cfg.cell = Cell::parse(k).unwrap(),
+            "lba" => cfg.lba_placement = true,
             "capacity" => cfg.capacity_bytes = size()?,
             "iu" => {
                 cfg.iu_bytes = size()?;
@@ -1061,7 +1062,7 @@ pub fn probe_emulated(spec: &str, json_out: bool) -> Result<()> {
             "pages-per-block" => cfg.pages_per_block = num()? as u64,
             "channels" => cfg.channels = num()?,
             "dies" => cfg.dies_per_channel = num()?,
-            _ => anyhow::bail!("unknown emulator setting {k:?} (cell type, capacity, iu, page, pages-per-block, channels, dies)"),
+            _ => anyhow::bail!("unknown emulator setting {k:?} (cell type, capacity, iu, page, pages-per-block, channels, dies, lba)"),
         }
     }
     cfg.validate().map_err(anyhow::Error::msg)?;

@@ -108,7 +108,8 @@ struct ProbeArgs {
     #[arg(long)]
     destroy: bool,
     /// Probe an emulated SSD instead: cell type and settings, comma-separated
-    /// (capacity, iu, page, pages-per-block, channels, dies).
+    /// (capacity, iu, page, pages-per-block, channels, dies; `lba` for a drive
+    /// that places data by logical address instead of write order).
     #[arg(long, value_name = "SPEC")]
     emulate: Option<String>,
     #[arg(long)]
