@@ -364,6 +364,25 @@ pub(crate) struct Vol {
     pub deleting: Option<u64>,
 }
 
+/// What kind of free segment a stream would like.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Want {
+    /// Geometry-aware placement: lowest (`Some(true)`) or highest device offset.
+    pub outer: Option<bool>,
+    /// Zoned devices: a segment in a conventional zone (`Some(true)`, the
+    /// metadata stream's small writes) or in a sequential one (data).
+    pub conventional: Option<bool>,
+}
+
+impl Want {
+    fn meta() -> Self {
+        Want {
+            outer: None,
+            conventional: Some(true),
+        }
+    }
+}
+
 /// Counters of the whole array, in blocks.
 #[derive(Clone, Debug, Default)]
 pub struct Counters {
@@ -549,6 +568,10 @@ pub struct Engine {
     pub(crate) zones_active: u32,
     /// Free segments set aside because their zone could not be reset.
     pub(crate) quarantined_segments: u64,
+    /// Per device: where its sequential zones start. Segments below lie in
+    /// conventional zones (SALSA 3.2): no zone rules, and the metadata stream's
+    /// preferred home.
+    pub(crate) conventional_end: Vec<u64>,
     pub(crate) cfg: EngineConfig,
     pub(crate) sb: Superblock,
     /// CRC-32C of a zero block (the pad blocks of striped layouts).
@@ -674,6 +697,11 @@ impl Engine {
             zone_limit,
             zones_active: 0,
             quarantined_segments: 0,
+            conventional_end: shared
+                .devices
+                .iter()
+                .map(|d| d.zone_layout().map_or(0, |l| l.conventional_bytes))
+                .collect(),
             shared,
             cfg,
             sb,
@@ -1095,7 +1123,7 @@ impl Engine {
                     self.fail(format!("summary write failed: {e}"));
                 }
                 // The summary fills the segment's zone.
-                self.zone_done();
+                self.zone_done(seg);
                 self.segment_write_done(seg);
             }
             Purpose::ZoneFinish { seg, ticket } => {
@@ -1103,7 +1131,7 @@ impl Engine {
                 if let Err(e) = c.result {
                     self.fail(format!("zone finish of segment {seg} failed: {e}"));
                 }
-                self.zone_done();
+                self.zone_done(seg);
                 if self.segs[seg as usize].state == SegState::Closing {
                     self.segment_write_done(seg);
                 }
@@ -1641,20 +1669,25 @@ impl Engine {
 
     /// Opens a fresh segment for stream `s` from the free queue.
     pub(crate) fn open_segment(&mut self, s: usize) -> Result<(), Blocked> {
+        let kind = self.streams[s].kind;
         // Zoned devices: a new zone only while the device's open limit allows (a
-        // closing segment frees its zone when its last write lands).
-        if self.zone_limit > 0 && self.zones_active >= self.zone_limit {
+        // closing segment frees its zone when its last write lands). The metadata
+        // stream's next segment may be conventional and need no zone.
+        let needs_zone = match (kind, self.streams[s].next_seg) {
+            (StreamKind::Meta, Some(next)) => !self.seg_conventional(next),
+            _ => true,
+        };
+        if needs_zone && self.zone_limit > 0 && self.zones_active >= self.zone_limit {
             return Err(Blocked);
         }
-        let kind = self.streams[s].kind;
         let seg = if kind == StreamKind::Meta {
             // The metadata stream always knows its next segment, so a reader of a
             // checkpoint can follow it; it reserves a new one as it moves on.
             let seg = match self.streams[s].next_seg.take() {
                 Some(seg) => seg,
-                None => self.pop_free().ok_or(Blocked)?,
+                None => self.pop_free_for(Want::meta()).ok_or(Blocked)?,
             };
-            match self.pop_free() {
+            match self.pop_free_for(Want::meta()) {
                 Some(next) => {
                     self.segs[next as usize].state = SegState::Meta;
                     self.segs[next as usize].gen = self.ckpt.meta_gen;
@@ -1678,7 +1711,11 @@ impl Engine {
             // GC streams' inner; fresh writes (read heat unknown) take the queue's
             // order.
             let outer = (kind == StreamKind::Gc).then_some(self.streams[s].read_hot);
-            self.pop_free_placed(outer).ok_or(Blocked)?
+            self.pop_free_for(Want {
+                outer,
+                conventional: Some(false),
+            })
+            .ok_or(Blocked)?
         };
 
         let incarnation = self.take_version();
@@ -1709,7 +1746,7 @@ impl Engine {
         st.seg = Some(seg);
         st.write_ptr = 0;
         st.summary.clear();
-        if self.zoned {
+        if self.zoned && !self.seg_conventional(seg) {
             self.zones_active += 1;
         }
         Ok(())
@@ -1717,25 +1754,26 @@ impl Engine {
 
     /// A segment's zone became full (or was never written): it no longer counts
     /// against the open limit.
-    fn zone_done(&mut self) {
-        if self.zoned {
+    fn zone_done(&mut self, seg: u32) {
+        if self.zoned && !self.seg_conventional(seg) {
             self.zones_active = self.zones_active.saturating_sub(1);
         }
     }
 
-    /// Takes the next segment of the free queue, waiting out any last readers.
-    fn pop_free(&mut self) -> Option<u32> {
-        self.pop_free_placed(None)
+    /// Segment `seg` lies in a conventional zone of a zoned device.
+    pub(crate) fn seg_conventional(&self, seg: u32) -> bool {
+        let (d, off) = self.geo.locate(SegmentId(seg), 0);
+        self.zoned && off < self.conventional_end[d]
     }
 
-    /// [`Engine::pop_free`]; with geometry-aware placement and `outer` given, the
-    /// free segment at the lowest (`Some(true)`) or highest (`Some(false)`) device
-    /// offset among the first [`ALLOC_WINDOW`] of the queue (recovery's walk of
-    /// the free queue allows for that window).
-    fn pop_free_placed(&mut self, outer: Option<bool>) -> Option<u32> {
+    /// Takes a segment of the free queue, waiting out any last readers, for a
+    /// stream that wants a kind of segment (see
+    /// [`Want`]), chosen among the first [`ALLOC_WINDOW`] of the queue (recovery's
+    /// walk of the free queue allows for that window).
+    fn pop_free_for(&mut self, want: Want) -> Option<u32> {
         loop {
-            let seg = self.take_free(outer)?;
-            if !self.zoned {
+            let seg = self.take_free(want)?;
+            if !self.zoned || self.seg_conventional(seg) {
                 return Some(seg);
             }
             // The zone still holds the segment's previous incarnation (or what a
@@ -1755,31 +1793,40 @@ impl Engine {
         }
     }
 
-    /// Takes a free segment (see [`Engine::pop_free_placed`]) and waits out its
-    /// last readers.
-    fn take_free(&mut self, outer: Option<bool>) -> Option<u32> {
-        let seg = if let Some(outer) = outer.filter(|_| self.geometry_aware) {
-            let offset = |i: usize| self.geo.locate(SegmentId(self.free[i]), 0).1;
-            let window = 0..self.free.len().min(ALLOC_WINDOW);
-            let i = if outer {
-                window.min_by_key(|&i| offset(i))
-            } else {
-                window.max_by_key(|&i| offset(i))
-            }?;
-            self.free.remove(i)?
+    /// Takes a free segment (see [`Engine::pop_free_for`]) and waits out its last
+    /// readers.
+    fn take_free(&mut self, want: Want) -> Option<u32> {
+        let window = 0..self.free.len().min(ALLOC_WINDOW);
+        // Segments of the kind the stream does not want come last.
+        let miss = |i: usize| {
+            want.conventional
+                .is_some_and(|c| self.seg_conventional(self.free[i]) != c) as u8
+        };
+        let offset = |i: usize| self.geo.locate(SegmentId(self.free[i]), 0).1;
+        let i = if let Some(outer) = want.outer.filter(|_| self.geometry_aware) {
+            window.min_by_key(|&i| {
+                (
+                    miss(i),
+                    if outer {
+                        offset(i)
+                    } else {
+                        u64::MAX - offset(i)
+                    },
+                )
+            })?
         } else if self.geo.layout == lamina_format::superblock::Layout::Jbod && self.geo.members > 1
         {
             // Wear levelling across JBOD members: among the next free segments,
             // take one on the member with the least written per byte of capacity.
-            let i = (0..self.free.len().min(ALLOC_WINDOW)).min_by(|&a, &b| {
+            window.min_by(|&a, &b| {
                 let wa = self.member_wear(self.geo.locate(SegmentId(self.free[a]), 0).0);
                 let wb = self.member_wear(self.geo.locate(SegmentId(self.free[b]), 0).0);
-                wa.total_cmp(&wb)
-            })?;
-            self.free.remove(i)?
+                miss(a).cmp(&miss(b)).then(wa.total_cmp(&wb))
+            })?
         } else {
-            self.free.pop_front()?
+            window.min_by_key(|&i| (miss(i), i))?
         };
+        let seg = self.free.remove(i)?;
         self.shared.set_segment_free(seg, false);
         while self.shared.segment_pinned(SegmentId(seg)) {
             std::thread::yield_now();
@@ -2014,6 +2061,10 @@ impl Engine {
     /// segment's last unit ends, and GC reads its unit headers instead of a
     /// summary (as for segments a crash left open). True when that was done.
     fn finish_zone_early(&mut self, s: usize, seg: u32) -> bool {
+        if self.seg_conventional(seg) {
+            // Writable anywhere: the summary goes to the tail as usual.
+            return false;
+        }
         let st = &mut self.streams[s];
         let meta = st.kind == StreamKind::Meta;
         let wp = self.segs[seg as usize].write_ptr;
@@ -2023,7 +2074,7 @@ impl Engine {
         st.summary.clear();
         if wp == 0 {
             // Nothing written: the zone is still empty.
-            self.zone_done();
+            self.zone_done(seg);
             if !meta {
                 self.segs[seg as usize].state = SegState::Closed;
                 self.segment_emptied(seg);

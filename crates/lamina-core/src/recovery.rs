@@ -147,7 +147,18 @@ pub fn format(
     let data_offset = match zones {
         Some(l) => {
             params.segment_blocks = (l.zone_bytes / BLOCK_SIZE_U64) as u32;
-            l.conventional_bytes
+            // Conventional zones past the superblocks' megabyte hold segments of
+            // their own (SALSA 3.2: the metadata stream's small writes go there)
+            // when they are as large as the sequential ones (JBOD).
+            let first = DEFAULT_DATA_OFFSET.next_multiple_of(l.zone_bytes);
+            if params.layout == Layout::Jbod
+                && first < l.conventional_bytes
+                && (l.conventional_bytes - first).is_multiple_of(l.zone_bytes)
+            {
+                first
+            } else {
+                l.conventional_bytes
+            }
         }
         None => DEFAULT_DATA_OFFSET,
     };
@@ -1401,6 +1412,9 @@ fn reconcile_zones(engine: &Engine) -> Result<(), EngineError> {
     }
     for i in 0..engine.segs.len() {
         let (d, off) = geo.locate(SegmentId(i as u32), 0);
+        if engine.seg_conventional(i as u32) {
+            continue;
+        }
         let Some(z) = reports.get(&d).and_then(|r| r.get(&off)) else {
             return Err(EngineError::Invalid(format!(
                 "segment {i} does not start a zone of {} (offset {off})",

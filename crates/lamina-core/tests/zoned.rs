@@ -20,6 +20,10 @@ const ZONE: u64 = 256 << 10;
 /// `n` zoned devices of `zones` zones of 256 KiB, the first 4 conventional (the
 /// superblocks' megabyte), with `cap` writable bytes per zone and an open limit.
 fn zoned(n: usize, zones: u64, cap: u64, limit: u32) -> Vec<Arc<ZonedDevice>> {
+    zoned_conv(n, zones, cap, limit, 4)
+}
+
+fn zoned_conv(n: usize, zones: u64, cap: u64, limit: u32, conv: u32) -> Vec<Arc<ZonedDevice>> {
     (0..n)
         .map(|i| {
             Arc::new(
@@ -28,7 +32,7 @@ fn zoned(n: usize, zones: u64, cap: u64, limit: u32) -> Vec<Arc<ZonedDevice>> {
                     ZonedConfig {
                         zone_bytes: ZONE,
                         zone_capacity_bytes: cap,
-                        conventional_zones: 4,
+                        conventional_zones: conv,
                         max_open: limit,
                         max_active: limit,
                         ..Default::default()
@@ -280,4 +284,23 @@ fn read_only_zones_are_set_aside() {
         e.status().free_segments > 0,
         "still writing around the read-only zones"
     );
+}
+
+/// SALSA 3.2: conventional zones past the superblocks' megabyte hold segments, and
+/// the metadata stream (checkpoints, trim and release records: small writes) lives
+/// there, so it holds no sequential zone open and finishes none; everything else
+/// (GC, crashes, restarts) works as on sequential zones.
+#[test]
+fn metadata_lives_in_conventional_zones() {
+    let run_on = |conv: u32| {
+        let z = zoned_conv(1, 120, ZONE, 12, conv);
+        lifecycle(Layout::Jbod, z.clone(), 12, config);
+        z[0].conventional_bytes_written()
+    };
+    // 4 conventional zones: the superblocks' megabyte only.
+    let plain = run_on(4);
+    // 12: 8 conventional segments for metadata.
+    let conv = run_on(12);
+    eprintln!("bytes written to conventional zones: {plain} -> {conv}");
+    assert!(conv > 10 * plain, "metadata went to conventional zones");
 }

@@ -146,6 +146,9 @@ pub struct ZonedDevice {
     name: String,
     /// Writes refused for breaking a zone rule (a host bug if ever non-zero).
     rejected: AtomicU64,
+    /// Zones finished by the host, and bytes written to conventional zones.
+    finishes: AtomicU64,
+    conventional_written: AtomicU64,
     /// Zones whose persisted state failed its checksum (taken offline at open).
     damaged: Vec<usize>,
 }
@@ -298,6 +301,8 @@ impl ZonedDevice {
             }),
             name,
             rejected: AtomicU64::new(0),
+            finishes: AtomicU64::new(0),
+            conventional_written: AtomicU64::new(0),
             damaged: Vec::new(),
         })
     }
@@ -391,6 +396,16 @@ impl ZonedDevice {
     /// Writes refused because they broke a zone rule.
     pub fn rejected_writes(&self) -> u64 {
         self.rejected.load(Ordering::Relaxed)
+    }
+
+    /// Zones the host finished.
+    pub fn finished_zones(&self) -> u64 {
+        self.finishes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the host wrote to conventional zones.
+    pub fn conventional_bytes_written(&self) -> u64 {
+        self.conventional_written.load(Ordering::Relaxed)
     }
 
     fn reject(&self, e: DeviceError) -> DeviceError {
@@ -525,6 +540,7 @@ impl ZonedDevice {
         let z = &mut st.zones[i];
         z.wp = z.start + z.capacity;
         z.cond = ZoneCond::Full;
+        self.finishes.fetch_add(1, Ordering::Relaxed);
         self.persist(&st, i)
     }
 
@@ -766,6 +782,9 @@ impl BlockDevice for ZonedDevice {
         self.inner.write_at(buf, offset)?;
         self.time(&mut st, offset, len);
         let z = &mut st.zones[i];
+        if z.ty == ZoneType::Conventional {
+            self.conventional_written.fetch_add(len, Ordering::Relaxed);
+        }
         if z.ty == ZoneType::SequentialRequired {
             z.wp += len;
             z.cond = if z.wp == z.start + z.capacity {
