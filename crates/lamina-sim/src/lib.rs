@@ -49,6 +49,10 @@ pub struct SimConfig {
     /// SepBIT's trigger: GC also runs while dead blocks exceed this fraction of the
     /// stored ones.
     pub gc_garbage_ratio: Option<f64>,
+    /// Replay the array's device writes on an emulated SSD with this geometry (its
+    /// capacity is set to hold the simulated array): device-level write
+    /// amplification and erases.
+    pub flash: Option<lamina_device::flash::FlashConfig>,
 }
 
 impl Default for SimConfig {
@@ -64,6 +68,7 @@ impl Default for SimConfig {
             wear_window: 0.0,
             gc_start_segments: 3,
             gc_garbage_ratio: None,
+            flash: None,
         }
     }
 }
@@ -110,6 +115,12 @@ pub struct SimReport {
     pub series: Vec<Sample>,
     pub elapsed_s: f64,
     pub workload: String,
+    /// With an emulated SSD: its counters when the measured window started and at
+    /// the end.
+    pub flash: Option<(
+        lamina_device::flash::FlashStats,
+        lamina_device::flash::FlashStats,
+    )>,
 }
 
 impl SimReport {
@@ -194,7 +205,24 @@ impl SimReport {
             })).collect::<Vec<_>>(),
             "elapsed_s": self.elapsed_s,
             "blocks_per_second": self.blocks_per_second(),
+            "flash": self.flash_json(),
         })
+    }
+
+    /// The emulated SSD's view of the measured window: NAND bytes programmed per
+    /// user byte, per host byte (device-level WA), and erases.
+    pub fn flash_json(&self) -> Option<Value> {
+        let (a, b) = self.flash.as_ref()?;
+        let user = (self.end.user_blocks - self.warm.user_blocks).max(1) * 4096;
+        let nand = b.nand_bytes_programmed - a.nand_bytes_programmed;
+        let host = (b.host_bytes_written - a.host_bytes_written).max(1);
+        Some(json!({
+            "nand_bytes_per_user_byte": nand as f64 / user as f64,
+            "device_write_amplification": nand as f64 / host as f64,
+            "erases": b.erases - a.erases,
+            "max_erase_count": b.max_erase_count,
+            "mean_erase_count": b.mean_erase_count,
+        }))
     }
 }
 
@@ -302,6 +330,7 @@ pub fn run_synthetic(
 /// Executes the engine's device operations against the metadata store.
 struct Driver {
     dev: Arc<SparseDevice>,
+    flash: Option<Arc<lamina_device::flash::Flash>>,
     ops: Vec<IoOp>,
 }
 
@@ -313,6 +342,24 @@ impl Driver {
                 return;
             }
             for op in self.ops.drain(..) {
+                if let (Some(f), IoKind::WriteUnit { blocks, .. }) = (&self.flash, &op.kind) {
+                    f.submit(
+                        lamina_device::flash::FlashOp::Write {
+                            offset: op.offset,
+                            len: *blocks as u64 * 4096,
+                        },
+                        0,
+                    );
+                }
+                if let (Some(f), IoKind::WriteOwned { data }) = (&self.flash, &op.kind) {
+                    f.submit(
+                        lamina_device::flash::FlashOp::Write {
+                            offset: op.offset,
+                            len: data.len() as u64,
+                        },
+                        0,
+                    );
+                }
                 let (result, buf) = match op.kind {
                     // Data is not simulated; unit headers are not read back either
                     // (GC reads summaries).
@@ -449,8 +496,25 @@ pub fn simulate(
                 as Box<dyn lamina_core::placement::Classifier>)
         }));
     }
+    let flash = match &cfg.flash {
+        Some(fc) => {
+            let mut fc = fc.clone();
+            fc.capacity_bytes = dev_bytes.next_multiple_of(fc.block_bytes());
+            fc.validate().map_err(SimError::Invalid)?;
+            let inner = Arc::new(lamina_device::mem::NullDevice::new(
+                "ssd",
+                fc.capacity_bytes,
+            ));
+            Some(Arc::new(
+                lamina_device::flash::Flash::new(inner, fc)
+                    .map_err(|e| SimError::Invalid(e.to_string()))?,
+            ))
+        }
+        None => None,
+    };
     let mut driver = Driver {
         dev,
+        flash: flash.clone(),
         ops: Vec::new(),
     };
     let mut replies = Vec::new();
@@ -481,6 +545,7 @@ pub fn simulate(
         None
     };
     let mut per_volume_warm: Vec<(u64, u64)> = vec![(0, 0); volumes.len()];
+    let mut flash_warm = flash.as_ref().map(|f| f.stats());
     let mut next_sample = start.user_blocks + series_step;
     let mut next_progress = start.user_blocks + (1 << 20);
     let t0 = Instant::now();
@@ -499,6 +564,7 @@ pub fn simulate(
         let now = engine.counters().user_blocks;
         if warm.is_none() && now - start.user_blocks >= cfg.warmup_blocks {
             warm = Some(counters(&engine));
+            flash_warm = flash.as_ref().map(|f| f.stats());
             let st = engine.status();
             for (i, v) in st.volumes.iter().enumerate().take(per_volume_warm.len()) {
                 per_volume_warm[i] = (v.user_bytes_written / 4096, v.gc_bytes_relocated / 4096);
@@ -532,6 +598,7 @@ pub fn simulate(
         series,
         elapsed_s,
         workload: label.to_string(),
+        flash: flash.map(|f| (flash_warm.unwrap_or_default(), f.stats())),
     })
 }
 

@@ -1035,9 +1035,10 @@ fn iops(
 
 /// `lamina probe --emulate SPEC`: the sketcher against an emulated SSD whose
 /// geometry is known, printing its verdicts with the evidence.
-pub fn probe_emulated(spec: &str, json_out: bool) -> Result<()> {
-    use lamina_device::flash::{Cell, Flash, FlashConfig};
-    use lamina_device::probe::{probe, EmulatedTarget};
+/// An emulated SSD from `cell,key=value,...` (capacity, iu, page,
+/// pages-per-block, channels, dies; `lba` for placement by logical address).
+pub fn parse_flash_spec(spec: &str) -> Result<lamina_device::flash::FlashConfig> {
+    use lamina_device::flash::{Cell, FlashConfig};
     let mut cfg = FlashConfig {
         capacity_bytes: 256 << 20,
         pages_per_block: 64,
@@ -1066,6 +1067,13 @@ pub fn probe_emulated(spec: &str, json_out: bool) -> Result<()> {
         }
     }
     cfg.validate().map_err(anyhow::Error::msg)?;
+    Ok(cfg)
+}
+
+pub fn probe_emulated(spec: &str, json_out: bool) -> Result<()> {
+    use lamina_device::flash::Flash;
+    use lamina_device::probe::{probe, EmulatedTarget};
+    let cfg = parse_flash_spec(spec)?;
     let f = Flash::new(
         Arc::new(lamina_device::sparse::SparseDevice::new(
             "probe",

@@ -92,6 +92,11 @@ pub struct SimArgs {
     /// Write an SVG plot: WA over time, or WA against over-provisioning for a sweep.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+    /// Replay the array's writes on an emulated SSD (as `lamina probe --emulate`:
+    /// `qlc,iu=64K,page=64K`; its capacity follows the array) and report NAND
+    /// bytes per user byte, device write amplification and erases.
+    #[arg(long, value_name = "SPEC")]
+    flash: Option<String>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -174,6 +179,11 @@ impl SimArgs {
             wear_window: self.wear_window,
             gc_start_segments: self.gc_start,
             gc_garbage_ratio: self.gc_garbage,
+            flash: self
+                .flash
+                .as_deref()
+                .map(crate::bench::parse_flash_spec)
+                .transpose()?,
             ..Default::default()
         })
     }
@@ -276,6 +286,16 @@ fn print_report(r: &SimReport) {
         r.status.gc_victims,
         r.blocks_per_second() / 1e6
     );
+    if let Some(f) = r.flash_json() {
+        println!(
+            "  emulated SSD: {:.3} NAND bytes per user byte (device write amplification {:.3}), {} erases, erase count max {} mean {:.1}",
+            f["nand_bytes_per_user_byte"].as_f64().unwrap_or(0.0),
+            f["device_write_amplification"].as_f64().unwrap_or(0.0),
+            f["erases"],
+            f["max_erase_count"],
+            f["mean_erase_count"].as_f64().unwrap_or(0.0)
+        );
+    }
     if r.config.policy == "greedy" && r.config.classifier == "none" && r.workload == "uniform" {
         println!(
             "  model (uniform, greedy, large segments): {:.3}",

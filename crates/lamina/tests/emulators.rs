@@ -167,3 +167,27 @@ fn probe_of_a_real_file_reports_verdicts_with_evidence() {
     assert!(j["truth"].is_null());
     assert!(j["mapping"].as_str().is_some());
 }
+
+/// `lamina sim --flash`: the simulated array's writes replayed on an emulated SSD;
+/// Lamina's segments reach it sequentially, so the drive adds little.
+#[test]
+fn sim_replays_on_an_emulated_ssd() {
+    let out = lamina(&[
+        "sim",
+        "--capacity",
+        "256M",
+        "--flash",
+        "tlc,pages-per-block=64",
+        "--quiet",
+        "--json",
+    ]);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let f = &j["flash"];
+    let dev = f["device_write_amplification"].as_f64().unwrap();
+    let nand = f["nand_bytes_per_user_byte"].as_f64().unwrap();
+    assert!((1.0..1.2).contains(&dev), "{f}");
+    assert!(nand >= j["write_amplification"].as_f64().unwrap(), "{j}");
+    assert!(f["erases"].as_u64().unwrap() > 0, "{f}");
+    let o = lamina_output(&["sim", "--capacity", "256M", "--flash", "tlc,dies=0"]);
+    assert!(!o.status.success(), "an impossible drive is refused");
+}
