@@ -289,6 +289,9 @@ pub(crate) struct Stream {
     /// GC stream of blocks read since they were written (geometry-aware
     /// placement puts its segments outer).
     pub read_hot: bool,
+    /// User stream that takes the short units flushes would otherwise write into
+    /// sequential zones; its segments are conventional zones (SALSA 3.2).
+    pub small: bool,
 }
 
 impl Stream {
@@ -305,6 +308,7 @@ impl Stream {
             appended: 0,
             appended_at_sweep: 0,
             read_hot: false,
+            small: false,
             summary: Vec::new(),
         }
     }
@@ -345,6 +349,8 @@ pub(crate) struct Vol {
     pub user_classes: u8,
     /// Geometry-aware placement: the GC stream of read-hot blocks.
     pub read_hot_stream: Option<usize>,
+    /// Zoned arrays with conventional segments: the stream of small flushed units.
+    pub small_stream: Option<usize>,
     pub classifier: Box<dyn crate::placement::Classifier>,
     pub policy: Box<dyn VictimPolicy>,
     pub classes: Vec<ClassCounters>,
@@ -568,10 +574,14 @@ pub struct Engine {
     pub(crate) zones_active: u32,
     /// Free segments set aside because their zone could not be reset.
     pub(crate) quarantined_segments: u64,
+    /// Short units a flush moved to conventional zones (SALSA 3.2).
+    pub(crate) small_units_moved: u64,
     /// Per device: where its sequential zones start. Segments below lie in
     /// conventional zones (SALSA 3.2): no zone rules, and the metadata stream's
     /// preferred home.
     pub(crate) conventional_end: Vec<u64>,
+    /// Some segments lie in conventional zones.
+    pub(crate) conventional_segments: bool,
     pub(crate) cfg: EngineConfig,
     pub(crate) sb: Superblock,
     /// CRC-32C of a zero block (the pad blocks of striped layouts).
@@ -697,11 +707,13 @@ impl Engine {
             zone_limit,
             zones_active: 0,
             quarantined_segments: 0,
+            small_units_moved: 0,
             conventional_end: shared
                 .devices
                 .iter()
                 .map(|d| d.zone_layout().map_or(0, |l| l.conventional_bytes))
                 .collect(),
+            conventional_segments: false,
             shared,
             cfg,
             sb,
@@ -759,6 +771,7 @@ impl Engine {
             classifier_factory: None,
             geo,
         };
+        e.conventional_segments = (0..e.geo.segment_count).any(|i| e.seg_conventional(i));
         e.tickets.issue();
         e.tickets.complete(0);
         Ok(e)
@@ -793,6 +806,11 @@ impl Engine {
     /// Free segments set aside because their zone could not be reset.
     pub fn segments_set_aside(&self) -> u64 {
         self.quarantined_segments
+    }
+
+    /// Short units flushes moved to conventional zones.
+    pub fn small_units_moved(&self) -> u64 {
+        self.small_units_moved
     }
 
     pub fn counters(&self) -> &Counters {
@@ -1713,7 +1731,7 @@ impl Engine {
             let outer = (kind == StreamKind::Gc).then_some(self.streams[s].read_hot);
             self.pop_free_for(Want {
                 outer,
-                conventional: Some(false),
+                conventional: Some(self.streams[s].small),
             })
             .ok_or(Blocked)?
         };
@@ -2170,6 +2188,11 @@ impl Engine {
     /// Returns the flush generation a caller waits for.
     pub(crate) fn start_flush(&mut self) -> u64 {
         self.add_release_records();
+        if self.conventional_segments {
+            for s in 0..self.streams.len() {
+                self.move_small_unit(s);
+            }
+        }
         for s in 0..self.streams.len() {
             self.seal_unit(s);
         }
@@ -2183,6 +2206,66 @@ impl Engine {
         self.last_sync_ms = self.now_ms;
         self.unsynced_writes = false;
         self.flush_gen
+    }
+
+    /// SALSA 3.2: a flush would write user stream `s`'s open unit into its
+    /// sequential zone however little it holds. If it holds a few blocks, they move
+    /// to the volume's small stream instead (whose segments are conventional
+    /// zones), exactly as overwrites with the same contents would, and the unit is
+    /// dropped unwritten: the zone keeps taking whole units. GC later moves the
+    /// small stream's blocks to sequential zones like any others.
+    fn move_small_unit(&mut self, s: usize) {
+        let st = &self.streams[s];
+        let Some(u) = st.unit.as_ref() else { return };
+        if st.kind != StreamKind::User
+            || st.small
+            || !st.extras.is_empty()
+            || u.data == 0
+            || u.data > (self.geo.unit_data_max / 4).max(1)
+        {
+            return;
+        }
+        let volume = st.volume;
+        let Some(small) = self
+            .volumes
+            .get(volume as usize)
+            .and_then(|v| v.as_ref())
+            .and_then(|v| v.small_stream)
+        else {
+            return;
+        };
+        let (buf, n) = (u.buf, u.data);
+        let h = self.geo.header_blocks as u32;
+        if self.ensure_unit(small, n, 0).is_err() {
+            return;
+        }
+        // Making room may have sealed this very unit (to free a buffer): then it
+        // is on its way to the zone already.
+        if self.streams[s].unit.as_ref().map(|u| u.buf) != Some(buf) {
+            return;
+        }
+        let mut block = [0u8; BLOCK_SIZE];
+        for i in 0..n {
+            // SAFETY: the engine owns the open unit's header; its data slots are
+            // only read by clients, never written by them.
+            let r = record_at(unsafe { self.shared.buffers.blocks(buf, 0, h) }, i as usize);
+            let slot = self.shared.buffers.slot(buf, h + i);
+            let live = r.kind == kind::DATA
+                && self.volumes[r.volume() as usize]
+                    .as_ref()
+                    .is_some_and(|v| v.shared.map.load(r.lba()) == encode_buffer(slot));
+            if live {
+                // SAFETY: as above; the block stays in place until the buffer is
+                // recycled, which waits for readers' pins.
+                block.copy_from_slice(unsafe { self.shared.buffers.blocks(buf, h + i, 1) });
+                self.append_data(small, r.volume(), r.lba(), Some(&block), Some(r.b));
+            }
+        }
+        // Nothing of the unit is live any more: it is dropped, its buffer recycled
+        // once no reader holds it.
+        self.streams[s].unit = None;
+        self.bufs[buf as usize] = BufState::Done;
+        self.small_units_moved += 1;
     }
 
     /// Puts release records for segments whose emptiness is durable into the
@@ -2580,7 +2663,8 @@ impl Engine {
             // Every stream may hold a zone open; with the metadata stream they must
             // fit the devices' open-zone limit.
             let need = (placement.0.user_classes() + placement.0.gc_classes()) as usize
-                + self.geometry_aware as usize;
+                + self.geometry_aware as usize
+                + self.conventional_segments as usize;
             // Volumes being deleted keep their open segments until the checkpoint
             // that drops them commits: they count.
             let used: usize = self.volumes.iter().flatten().map(|v| v.streams.len()).sum();
@@ -2644,13 +2728,21 @@ impl Engine {
             self.streams.push(Stream::new(kind, c, id.0));
             streams.push(self.streams.len() - 1);
         }
-        let read_hot_stream = self.geometry_aware.then(|| {
-            let mut st = Stream::new(StreamKind::Gc, total, id.0);
-            st.read_hot = true;
-            self.streams.push(st);
-            streams.push(self.streams.len() - 1);
-            self.streams.len() - 1
-        });
+        // Extra streams take the class numbers after the classifier's.
+        let mut extra = |engine: &mut Self, kind: StreamKind, f: fn(&mut Stream)| {
+            let mut st = Stream::new(kind, streams.len() as u8, id.0);
+            f(&mut st);
+            engine.streams.push(st);
+            streams.push(engine.streams.len() - 1);
+            engine.streams.len() - 1
+        };
+        let read_hot_stream = self
+            .geometry_aware
+            .then(|| extra(self, StreamKind::Gc, |st| st.read_hot = true));
+        let small_stream = self
+            .conventional_segments
+            .then(|| extra(self, StreamKind::User, |st| st.small = true));
+        let n_streams = streams.len();
         let i = id.0 as usize;
         if self.volumes.len() <= i {
             self.volumes.resize_with(i + 1, || None);
@@ -2660,12 +2752,10 @@ impl Engine {
             streams,
             user_classes,
             read_hot_stream,
+            small_stream,
             classifier,
             policy,
-            classes: vec![
-                ClassCounters::default();
-                total as usize + read_hot_stream.is_some() as usize
-            ],
+            classes: vec![ClassCounters::default(); n_streams],
             created_version,
             user_blocks: 0,
             gc_blocks: 0,

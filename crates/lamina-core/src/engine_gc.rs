@@ -601,7 +601,7 @@ impl Engine {
                             .is_some_and(|_| v.shared.map.was_read(r.lba()));
                         if read_hot {
                             gc_stream = v.read_hot_stream.unwrap();
-                            class = v.streams.len() - 1;
+                            class = self.streams[gc_stream].class as usize;
                         }
                         if self.ensure_unit(gc_stream, 1, 0).is_err() {
                             blocked = true;

@@ -2,6 +2,7 @@
 
 use crate::engine::{Engine, SegState};
 use crate::types::BLOCK_SIZE_U64;
+use lamina_format::unit::StreamKind;
 
 /// One heat class of a volume.
 #[derive(Clone, Debug, Default)]
@@ -129,10 +130,11 @@ impl Engine {
                 .enumerate()
                 .map(|(c, k)| ClassStatus {
                     class: c as u8,
-                    kind: if (c as u8) < v.user_classes {
-                        "user"
-                    } else {
-                        "gc"
+                    kind: match v.streams.get(c).map(|&st| &self.streams[st]) {
+                        Some(st) if st.small => "small",
+                        Some(st) if st.read_hot => "gc-read-hot",
+                        Some(st) if st.kind == StreamKind::User => "user",
+                        _ => "gc",
                     }
                     .into(),
                     bytes_written: k.blocks * bs,

@@ -304,3 +304,38 @@ fn metadata_lives_in_conventional_zones() {
     eprintln!("bytes written to conventional zones: {plain} -> {conv}");
     assert!(conv > 10 * plain, "metadata went to conventional zones");
 }
+
+/// SALSA 3.2, small writes: units a flush seals with a few blocks go to the
+/// conventional zones instead of the data streams' sequential zones; everything
+/// flushed survives a crash, and GC later moves those blocks on.
+#[test]
+fn small_flushed_writes_go_to_conventional_zones() {
+    let z = zoned_conv(1, 120, ZONE, 12, 12);
+    let devs = dyn_devs(&z);
+    format_devices(&devs, &layout_params(Layout::Jbod));
+    let mut e = open_rw(&devs, config());
+    let blocks = (e.status().usable_bytes / BS as u64) * 6 / 10;
+    let vol = create_volume(&mut e, "v", blocks * BS as u64);
+    let mut model = HashMap::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    // fsync after every one or two 4 KiB writes (a database's log).
+    overwrite(&mut e, vol, &mut model, 3000, 2, |_| {
+        rng.gen_range(0..blocks)
+    });
+    let moved = e.small_units_moved();
+    assert!(moved > 500, "{moved} short units moved");
+    // Bulk writes make GC collect the small stream's segments too.
+    run(&mut e, vol, &mut model, blocks, blocks * 3, 22);
+    verify_model(&e, vol, &model);
+    within_the_rules(&z, 12);
+    let conv_before = z[0].conventional_bytes_written();
+    overwrite(&mut e, vol, &mut model, 500, 1, |_| {
+        rng.gen_range(0..blocks)
+    });
+    assert!(z[0].conventional_bytes_written() > conv_before);
+    let mut rng2 = rand::rngs::StdRng::seed_from_u64(23);
+    crash(e, &z, &mut rng2);
+    let e = open_rw(&devs, config());
+    verify_model(&e, vol, &model);
+    within_the_rules(&z, 12);
+}
