@@ -86,6 +86,9 @@ pub struct EngineConfig {
     /// faster tracks of a disk) and everything else to the highest. `None`: on
     /// for zoned arrays (SMR disks), off otherwise.
     pub geometry_aware: Option<bool>,
+    /// Discard released segments (TRIM on SSDs, holes in files), so that a
+    /// drive's own GC need not copy what Lamina no longer holds.
+    pub discard: bool,
 }
 
 impl Default for EngineConfig {
@@ -107,6 +110,7 @@ impl Default for EngineConfig {
             gc_garbage_ratio: None,
             gc_read_gap_blocks: 0,
             geometry_aware: None,
+            discard: true,
         }
     }
 }
@@ -457,6 +461,11 @@ pub(crate) enum Purpose {
         seg: u32,
         ticket: u64,
     },
+    /// A released segment discarded (`wait`: it joins the free queue when done).
+    Discard {
+        seg: u32,
+        wait: bool,
+    },
     /// A zone finished at a segment's write pointer (zoned devices).
     ZoneFinish {
         seg: u32,
@@ -576,6 +585,10 @@ pub struct Engine {
     pub(crate) quarantined_segments: u64,
     /// Short units a flush moved to conventional zones (SALSA 3.2).
     pub(crate) small_units_moved: u64,
+    /// Released segments whose discard is under way (false) or done (true); they
+    /// join the free queue in release order once done.
+    pub(crate) discards: std::collections::HashMap<u32, bool>,
+    pub(crate) segments_discarded: u64,
     /// Per device: where its sequential zones start. Segments below lie in
     /// conventional zones (SALSA 3.2): no zone rules, and the metadata stream's
     /// preferred home.
@@ -708,6 +721,8 @@ impl Engine {
             zones_active: 0,
             quarantined_segments: 0,
             small_units_moved: 0,
+            discards: Default::default(),
+            segments_discarded: 0,
             conventional_end: shared
                 .devices
                 .iter()
@@ -806,6 +821,11 @@ impl Engine {
     /// Free segments set aside because their zone could not be reset.
     pub fn segments_set_aside(&self) -> u64 {
         self.quarantined_segments
+    }
+
+    /// Released segments discarded since the array was opened.
+    pub fn segments_discarded(&self) -> u64 {
+        self.segments_discarded
     }
 
     /// Short units flushes moved to conventional zones.
@@ -1143,6 +1163,15 @@ impl Engine {
                 // The summary fills the segment's zone.
                 self.zone_done(seg);
                 self.segment_write_done(seg);
+            }
+            Purpose::Discard { seg, wait } => {
+                match c.result {
+                    Ok(()) => self.segments_discarded += 1,
+                    Err(e) => tracing::debug!("discard of segment {seg}: {e}"),
+                }
+                if wait {
+                    self.discards.insert(seg, true);
+                }
             }
             Purpose::ZoneFinish { seg, ticket } => {
                 self.tickets.complete(ticket);
@@ -2163,10 +2192,32 @@ impl Engine {
         }
     }
 
+    /// Discards are issued on arrays whose devices take writes anywhere (a zoned
+    /// device's zone is reset when its segment is reused instead).
+    fn discard_enabled(&self) -> bool {
+        self.cfg.discard && !self.zoned
+    }
+
+    /// Queues the discard of segment `seg`'s whole extent.
+    fn submit_discard(&mut self, seg: u32, wait: bool) {
+        let (dev, off) = self.geo.locate(SegmentId(seg), 0);
+        let len = self.geo.segment_blocks as u64 * BLOCK_SIZE_U64;
+        self.submit_io(
+            Purpose::Discard { seg, wait },
+            dev,
+            off,
+            IoKind::Discard { len },
+        );
+    }
+
     /// A closed segment has no live block left: start releasing it.
     pub(crate) fn segment_emptied(&mut self, seg: u32) {
         if self.cfg.metadata_only {
-            // Nothing is durable in a simulation: reuse at once.
+            // Nothing is durable in a simulation: reuse at once (an emulated SSD
+            // under the simulator still hears of it).
+            if self.discard_enabled() {
+                self.submit_discard(seg, false);
+            }
             let erase_count = self.segs[seg as usize].erase_count;
             self.segs[seg as usize] = Seg::free(erase_count);
             self.free.push_back(seg);
@@ -2450,12 +2501,30 @@ impl Engine {
                 i += 1;
             }
         }
+        // Released segments are discarded first (once no reader holds them), all
+        // those whose release is durable at once.
+        if self.discard_enabled() {
+            for i in 0..self.releasing.len() {
+                let s = self.releasing[i];
+                if self.segs[s as usize].gen > synced {
+                    break;
+                }
+                if !self.discards.contains_key(&s) && !self.shared.segment_pinned(SegmentId(s)) {
+                    self.discards.insert(s, false);
+                    self.submit_discard(s, true);
+                }
+            }
+        }
         // Segments are freed in the order their release records were sealed, which
         // is the order recovery walks them.
         while let Some(&s) = self.releasing.first() {
             if self.segs[s as usize].gen > synced {
                 break;
             }
+            if self.discard_enabled() && self.discards.get(&s) != Some(&true) {
+                break;
+            }
+            self.discards.remove(&s);
             self.releasing.remove(0);
             let erase_count = self.segs[s as usize].erase_count;
             self.segs[s as usize] = Seg::free(erase_count);

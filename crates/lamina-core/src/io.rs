@@ -21,6 +21,8 @@ pub enum IoKind {
     /// Finish the zone at `offset` once the writes before it have landed (zoned
     /// devices).
     FinishZone,
+    /// Discard `len` bytes at `offset` (advisory).
+    Discard { len: u64 },
 }
 
 pub struct IoOp {
@@ -51,6 +53,7 @@ pub fn execute(shared: &Shared, op: IoOp) -> IoCompletion {
         IoKind::Read { mut buf } => (dev.read_at(&mut buf, op.offset), Some(buf)),
         IoKind::Sync => (dev.sync(), None),
         IoKind::FinishZone => (dev.finish_zone(op.offset), None),
+        IoKind::Discard { len } => (dev.discard(op.offset, len), None),
     };
     IoCompletion {
         tag: op.tag,

@@ -121,6 +121,23 @@ impl BlockDevice for CrashDevice {
         st.syncs += 1;
         Ok(())
     }
+    /// The harshest discard a drive may do: the range reads as zeros at once, and
+    /// durably (so a test catches anything that still needed it).
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        check_range(self, "discard", offset, len as usize)?;
+        let mut st = self.state.lock().unwrap();
+        let (o, n) = (offset as usize, len as usize);
+        st.durable[o..o + n].fill(0);
+        let (first, last) = (
+            offset / SECTOR as u64,
+            (offset + len).div_ceil(SECTOR as u64),
+        );
+        let gone: Vec<u64> = st.volatile.range(first..last).map(|(k, _)| *k).collect();
+        for k in gone {
+            st.volatile.remove(&k);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

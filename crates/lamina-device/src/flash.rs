@@ -155,6 +155,8 @@ pub struct FlashStats {
     /// IUs rewritten whole because a write covered them in part.
     pub rmw_ius: u64,
     pub gc_ius_moved: u64,
+    /// Bytes unmapped by discards (TRIM).
+    pub trimmed_bytes: u64,
     pub min_erase_count: u64,
     pub max_erase_count: u64,
     pub mean_erase_count: f64,
@@ -377,6 +379,21 @@ impl Ftl {
         done
     }
 
+    /// Unmaps the units wholly inside `[offset, offset + len)` (TRIM): their
+    /// slots become garbage GC need not copy.
+    fn trim(&mut self, offset: u64, len: u64) {
+        let iu = self.cfg.iu_bytes;
+        for i in offset.div_ceil(iu)..(offset + len) / iu {
+            let p = self.map[i as usize];
+            if p != NONE {
+                self.rmap[p as usize] = NONE;
+                self.valid[(p as u64 / self.slots_per_block) as usize] -= 1;
+                self.map[i as usize] = NONE;
+                self.stats.trimmed_bytes += iu;
+            }
+        }
+    }
+
     fn stats(&self) -> FlashStats {
         let mut s = self.stats.clone();
         s.min_erase_count = self.erase_count.iter().copied().min().unwrap_or(0);
@@ -491,6 +508,11 @@ impl BlockDevice for Flash {
     }
     fn sync(&self) -> Result<(), DeviceError> {
         self.inner.sync()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        check_range(self, "discard", offset, len as usize)?;
+        self.ftl.lock().unwrap().trim(offset, len);
+        Ok(())
     }
 }
 

@@ -79,6 +79,14 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError>;
     /// Makes every completed write durable.
     fn sync(&self) -> Result<(), DeviceError>;
+    /// Tells the device that `[offset, offset + len)` holds nothing of value any
+    /// more (TRIM / UNMAP / hole punching), so that an SSD's garbage collection
+    /// need not copy it. Advisory: reads of the range may return old data or
+    /// zeros. The default does nothing.
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        let _ = (offset, len);
+        Ok(())
+    }
     /// How the device is zoned; `None` for a device that takes writes anywhere.
     fn zone_layout(&self) -> Option<ZoneLayout> {
         None

@@ -49,6 +49,14 @@ impl BlockDevice for MemDevice {
     fn sync(&self) -> Result<(), DeviceError> {
         Ok(())
     }
+    /// Discarded ranges read as zeros (what a drive with deterministic zeroes
+    /// after TRIM returns; tests then catch anything that still needed them).
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        check_range(self, "discard", offset, len as usize)?;
+        let o = offset as usize;
+        self.data.write().unwrap()[o..o + len as usize].fill(0);
+        Ok(())
+    }
 }
 
 /// A device that keeps nothing: writes vanish, reads return zeros. For emulators

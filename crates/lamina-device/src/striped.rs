@@ -896,6 +896,25 @@ impl BlockDevice for Striped {
         Ok(all)
     }
 
+    /// Discards whole rows on every available member (data and parity alike, so
+    /// the rows stay consistent whatever the members return for them).
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        let (s, b, blocks) = self.split("discard", offset, len as usize)?;
+        let k = self.shape.data as u64;
+        let (first, last) = (b.div_ceil(k), (b + blocks) / k);
+        if last <= first {
+            return Ok(());
+        }
+        let off = self.shape.member_offset(s, first);
+        for i in 0..self.members.len() {
+            if !self.is_failed(i) {
+                // Advisory: a member that refuses keeps its data.
+                let _ = self.member(i).discard(off, (last - first) * BLOCK_U64);
+            }
+        }
+        Ok(())
+    }
+
     fn reset_zone(&self, offset: u64) -> Result<(), DeviceError> {
         let (s, _, _) = self.split("reset zone", offset, 0)?;
         self.each_member_zone("reset zone", offset, |m| {

@@ -360,10 +360,16 @@ impl Driver {
                         0,
                     );
                 }
+                if let (Some(f), IoKind::Discard { len }) = (&self.flash, &op.kind) {
+                    let _ = f.discard(op.offset, *len);
+                }
                 let (result, buf) = match op.kind {
                     // Data is not simulated; unit headers are not read back either
                     // (GC reads summaries).
-                    IoKind::WriteUnit { .. } | IoKind::Sync | IoKind::FinishZone => (Ok(()), None),
+                    IoKind::WriteUnit { .. }
+                    | IoKind::Sync
+                    | IoKind::FinishZone
+                    | IoKind::Discard { .. } => (Ok(()), None),
                     IoKind::WriteOwned { data } => (self.dev.write_at(&data, op.offset), None),
                     IoKind::Read { mut buf } => (self.dev.read_at(&mut buf, op.offset), Some(buf)),
                 };

@@ -89,6 +89,8 @@ pub struct EngineSection {
     /// Geometry-aware placement: GC moves blocks read since they were written to
     /// the outermost free segments (default: on for zoned arrays).
     pub geometry_aware: Option<bool>,
+    /// Discard released segments (TRIM, holes in files); default true.
+    pub discard: Option<bool>,
 }
 
 /// Placement choices of one volume (override the `[engine]` ones).
@@ -254,6 +256,9 @@ impl Config {
             c.gc_read_gap_blocks = (bytes / 4096) as u32;
         }
         c.geometry_aware = self.engine.geometry_aware;
+        if let Some(d) = self.engine.discard {
+            c.discard = d;
+        }
         Ok(c)
     }
 }
