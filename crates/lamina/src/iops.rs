@@ -29,21 +29,33 @@ const BS: u64 = 4096;
 /// Time a request served from RAM takes (Lamina's write buffer).
 const RAM_US: u64 = 5;
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpKind {
+    Read,
+    Write,
+    Discard,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct DevOp {
     member: usize,
-    write: bool,
+    kind: OpKind,
     offset: u64,
     len: u64,
 }
 
 impl DevOp {
-    fn flash_op(&self) -> FlashOp {
+    /// Replays the operation on drive `d` at `at`; returns its completion (a
+    /// discard only updates the drive's map and takes no time).
+    fn replay(&self, d: &Flash, at: u64) -> u64 {
         let (offset, len) = (self.offset, self.len);
-        if self.write {
-            FlashOp::Write { offset, len }
-        } else {
-            FlashOp::Read { offset, len }
+        match self.kind {
+            OpKind::Read => d.submit(FlashOp::Read { offset, len }, at),
+            OpKind::Write => d.submit(FlashOp::Write { offset, len }, at),
+            OpKind::Discard => {
+                let _ = d.discard(offset, len);
+                at
+            }
         }
     }
 }
@@ -65,7 +77,7 @@ impl BlockDevice for Recorder {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
         self.log.lock().unwrap().push(DevOp {
             member: self.member,
-            write: false,
+            kind: OpKind::Read,
             offset,
             len: buf.len() as u64,
         });
@@ -74,7 +86,7 @@ impl BlockDevice for Recorder {
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
         self.log.lock().unwrap().push(DevOp {
             member: self.member,
-            write: true,
+            kind: OpKind::Write,
             offset,
             len: buf.len() as u64,
         });
@@ -82,6 +94,15 @@ impl BlockDevice for Recorder {
     }
     fn sync(&self) -> Result<(), DeviceError> {
         Ok(())
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.log.lock().unwrap().push(DevOp {
+            member: self.member,
+            kind: OpKind::Discard,
+            offset,
+            len,
+        });
+        self.inner.discard(offset, len)
     }
 }
 
@@ -332,7 +353,7 @@ pub fn run(
         // recorded operations of each request.
         let d = drives(ssds, &cfg)?;
         for o in &warm {
-            d[o.member].submit(o.flash_op(), 0);
+            o.replay(&d[o.member], 0);
         }
         // The warm-up left the drives' clocks far ahead; requests start after it.
         let t0 = idle(&d);
@@ -340,7 +361,7 @@ pub fn run(
             let at = t0 + t;
             let done = per_req[i]
                 .iter()
-                .map(|o| d[o.member].submit(o.flash_op(), at))
+                .map(|o| o.replay(&d[o.member], at))
                 .max()
                 .unwrap_or(at + RAM_US);
             done - t0
