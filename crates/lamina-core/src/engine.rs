@@ -1463,6 +1463,9 @@ impl Engine {
     ) {
         self.append_data(stream, volume, lba, data, None);
         let vol = self.volumes[volume as usize].as_mut().unwrap();
+        // New contents have not been read (the engine's own read of a block it
+        // merges into does not count either).
+        vol.shared.map.take_read(lba);
         vol.user_blocks += 1;
         vol.classes[class.take().unwrap_or(0) as usize].blocks += 1;
         self.counters.user_blocks += 1;
@@ -1535,6 +1538,7 @@ impl Engine {
                 let old = vol_shared.map.load(lba);
                 if old != UNMAPPED {
                     vol_shared.map.store(lba, UNMAPPED);
+                    vol_shared.map.take_read(lba);
                     self.unref(old);
                     self.live_blocks -= 1;
                     self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
@@ -1722,7 +1726,7 @@ impl Engine {
         // stream's next segment may be conventional and need no zone.
         let needs_zone = match (kind, self.streams[s].next_seg) {
             (StreamKind::Meta, Some(next)) => !self.seg_conventional(next),
-            _ => true,
+            _ => !self.streams[s].small,
         };
         if needs_zone && self.zone_limit > 0 && self.zones_active >= self.zone_limit {
             return Err(Blocked);
@@ -1758,11 +1762,16 @@ impl Engine {
             // GC streams' inner; fresh writes (read heat unknown) take the queue's
             // order.
             let outer = (kind == StreamKind::Gc).then_some(self.streams[s].read_hot);
-            self.pop_free_for(Want {
+            let want = Want {
                 outer,
                 conventional: Some(self.streams[s].small),
-            })
-            .ok_or(Blocked)?
+            };
+            if self.streams[s].small && !self.conventional_free() {
+                // The small stream holds no zone: without a conventional segment
+                // at hand, flushes write their short units in place instead.
+                return Err(Blocked);
+            }
+            self.pop_free_for(want).ok_or(Blocked)?
         };
 
         let incarnation = self.take_version();
@@ -1805,6 +1814,11 @@ impl Engine {
         if self.zoned && !self.seg_conventional(seg) {
             self.zones_active = self.zones_active.saturating_sub(1);
         }
+    }
+
+    /// A conventional segment is among the free ones allocation may take.
+    fn conventional_free(&self) -> bool {
+        (0..self.free.len().min(ALLOC_WINDOW)).any(|i| self.seg_conventional(self.free[i]))
     }
 
     /// Segment `seg` lies in a conventional zone of a zoned device.
@@ -2317,6 +2331,13 @@ impl Engine {
         self.streams[s].unit = None;
         self.bufs[buf as usize] = BufState::Done;
         self.small_units_moved += 1;
+        let class = self.streams[small].class as usize;
+        if let Some(c) = self.volumes[volume as usize]
+            .as_mut()
+            .and_then(|v| v.classes.get_mut(class))
+        {
+            c.blocks += n as u64;
+        }
     }
 
     /// Puts release records for segments whose emptiness is durable into the
@@ -2731,12 +2752,17 @@ impl Engine {
         if self.zone_limit > 0 {
             // Every stream may hold a zone open; with the metadata stream they must
             // fit the devices' open-zone limit.
+            // (The small stream takes conventional segments only: no zone.)
             let need = (placement.0.user_classes() + placement.0.gc_classes()) as usize
-                + self.geometry_aware as usize
-                + self.conventional_segments as usize;
+                + self.geometry_aware as usize;
             // Volumes being deleted keep their open segments until the checkpoint
             // that drops them commits: they count.
-            let used: usize = self.volumes.iter().flatten().map(|v| v.streams.len()).sum();
+            let used: usize = self
+                .volumes
+                .iter()
+                .flatten()
+                .map(|v| v.streams.len() - v.small_stream.is_some() as usize)
+                .sum();
             if 1 + used + need > self.zone_limit as usize {
                 return Err(EngineError::Invalid(format!(
                     "the devices let {} zones be open at once; the metadata stream and the volumes' {used} streams hold {}, and volume {name:?} needs {need} more (fewer heat classes: classifier = \"none\" needs 2)",
@@ -2798,20 +2824,24 @@ impl Engine {
             streams.push(self.streams.len() - 1);
         }
         // Extra streams take the class numbers after the classifier's.
-        let mut extra = |engine: &mut Self, kind: StreamKind, f: fn(&mut Stream)| {
-            let mut st = Stream::new(kind, streams.len() as u8, id.0);
+        // The extra streams have fixed class numbers after the classifier's (the
+        // read-hot GC stream `total`, the small stream `total + 1`), so that a
+        // restart with other settings reads old segments' classes the same way.
+        let extra = |engine: &mut Self, kind: StreamKind, class: u8, f: fn(&mut Stream)| {
+            let mut st = Stream::new(kind, class, id.0);
             f(&mut st);
             engine.streams.push(st);
-            streams.push(engine.streams.len() - 1);
             engine.streams.len() - 1
         };
         let read_hot_stream = self
             .geometry_aware
-            .then(|| extra(self, StreamKind::Gc, |st| st.read_hot = true));
+            .then(|| extra(self, StreamKind::Gc, total, |st| st.read_hot = true));
         let small_stream = self
             .conventional_segments
-            .then(|| extra(self, StreamKind::User, |st| st.small = true));
-        let n_streams = streams.len();
+            .then(|| extra(self, StreamKind::User, total + 1, |st| st.small = true));
+        streams.extend(read_hot_stream);
+        streams.extend(small_stream);
+        let n_streams = total as usize + 2;
         let i = id.0 as usize;
         if self.volumes.len() <= i {
             self.volumes.resize_with(i + 1, || None);

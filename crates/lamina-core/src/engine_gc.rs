@@ -590,6 +590,7 @@ impl Engine {
                         let v = self.volumes[volume as usize].as_mut().unwrap();
                         // A segment written under another configuration may carry a
                         // class this one does not have.
+                        let seg_class = self.segs[seg as usize].class as usize;
                         let from = self.segs[seg as usize]
                             .class
                             .min(v.user_classes + v.classifier.gc_classes() - 1);
@@ -620,7 +621,9 @@ impl Engine {
                         if let Some(v) = self.volumes[volume as usize].as_mut() {
                             v.gc_blocks += 1;
                             v.classes[class].blocks += 1;
-                            v.classes[from as usize].relocated_out += 1;
+                            if let Some(c) = v.classes.get_mut(seg_class) {
+                                c.relocated_out += 1;
+                            }
                         }
                     } else {
                         // The only copy is unreadable or damaged. It stays mapped where it

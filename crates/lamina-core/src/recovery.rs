@@ -1367,7 +1367,8 @@ pub fn open_unfinished(
         engine.live_blocks += live;
     }
     if mode == OpenMode::ReadWrite && engine.zoned {
-        let streams = engine.streams.len() as u32;
+        // Small streams take conventional segments only: no zone.
+        let streams = engine.streams.iter().filter(|s| !s.small).count() as u32;
         if engine.zone_limit > 0 && streams > engine.zone_limit {
             return Err(EngineError::Invalid(format!(
                 "the volumes' streams and the metadata stream need {streams} zones open at once, the devices allow {}: configure fewer heat classes (classifier) or geometry_aware = false",

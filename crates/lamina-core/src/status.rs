@@ -130,11 +130,17 @@ impl Engine {
                 .enumerate()
                 .map(|(c, k)| ClassStatus {
                     class: c as u8,
-                    kind: match v.streams.get(c).map(|&st| &self.streams[st]) {
+                    kind: match v
+                        .streams
+                        .iter()
+                        .map(|&st| &self.streams[st])
+                        .find(|st| st.class as usize == c)
+                    {
                         Some(st) if st.small => "small",
                         Some(st) if st.read_hot => "gc-read-hot",
                         Some(st) if st.kind == StreamKind::User => "user",
-                        _ => "gc",
+                        Some(_) => "gc",
+                        None => "unused",
                     }
                     .into(),
                     bytes_written: k.blocks * bs,
@@ -154,6 +160,9 @@ impl Engine {
                     c.live_bytes += s.valid as u64 * bs;
                 }
             }
+            // The reserved class numbers of extra streams this configuration does
+            // not use are left out unless old segments still carry them.
+            classes.retain(|c| c.kind != "unused" || c.segments > 0 || c.bytes_written > 0);
             volumes.push(VolumeStatus {
                 id: v.shared.id.0,
                 name: v.shared.name.clone(),

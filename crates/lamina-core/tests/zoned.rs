@@ -310,7 +310,7 @@ fn metadata_lives_in_conventional_zones() {
 /// flushed survives a crash, and GC later moves those blocks on.
 #[test]
 fn small_flushed_writes_go_to_conventional_zones() {
-    let z = zoned_conv(1, 120, ZONE, 12, 12);
+    let z = zoned_conv(1, 140, ZONE, 12, 36);
     let devs = dyn_devs(&z);
     format_devices(&devs, &layout_params(Layout::Jbod));
     let mut e = open_rw(&devs, config());
@@ -323,6 +323,7 @@ fn small_flushed_writes_go_to_conventional_zones() {
         rng.gen_range(0..blocks)
     });
     let moved = e.small_units_moved();
+    eprintln!("{moved} short units moved");
     assert!(moved > 500, "{moved} short units moved");
     // Bulk writes make GC collect the small stream's segments too.
     run(&mut e, vol, &mut model, blocks, blocks * 3, 22);
