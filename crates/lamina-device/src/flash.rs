@@ -45,6 +45,16 @@ impl Cell {
             Cell::Qlc => (120, 2500, 5000),
         }
     }
+    /// Program/erase cycles a block of this cell type is rated for (typical
+    /// datasheet figures).
+    pub fn rated_pe_cycles(self) -> u64 {
+        match self {
+            Cell::Slc => 100_000,
+            Cell::Mlc => 10_000,
+            Cell::Tlc => 3_000,
+            Cell::Qlc => 1_000,
+        }
+    }
     pub fn parse(s: &str) -> Option<Cell> {
         Some(match s {
             "slc" => Cell::Slc,
@@ -168,6 +178,40 @@ impl FlashStats {
     /// NAND bytes programmed per host byte written.
     pub fn write_amplification(&self) -> f64 {
         self.nand_bytes_programmed as f64 / self.host_bytes_written.max(1) as f64
+    }
+
+    /// The attributes a drive's SMART log would show (names after the common
+    /// vendor attributes), `cell` giving the rated program/erase cycles.
+    pub fn smart(&self, cell: Cell) -> Vec<(&'static str, String)> {
+        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let rated = cell.rated_pe_cycles();
+        vec![
+            ("Host_Writes", gib(self.host_bytes_written)),
+            ("Host_Reads", gib(self.host_bytes_read)),
+            ("NAND_Writes", gib(self.nand_bytes_programmed)),
+            (
+                "Write_Amplification",
+                format!("{:.3}", self.write_amplification()),
+            ),
+            ("Block_Erases", self.erases.to_string()),
+            (
+                "Wear_Leveling_Count",
+                format!(
+                    "min {} / mean {:.1} / max {}",
+                    self.min_erase_count, self.mean_erase_count, self.max_erase_count
+                ),
+            ),
+            (
+                "Percent_Lifetime_Used",
+                format!(
+                    "{:.3}% of {rated} rated cycles",
+                    100.0 * self.mean_erase_count / rated as f64
+                ),
+            ),
+            ("Partial_Unit_Rewrites", self.rmw_ius.to_string()),
+            ("GC_Units_Moved", self.gc_ius_moved.to_string()),
+            ("Trimmed", gib(self.trimmed_bytes)),
+        ]
     }
 }
 

@@ -522,6 +522,9 @@ fn endurance(
         "wear_ratio_raw_over_lamina": wa_raw / wa_l,
         "per_pass_write_amplification": {"raw": pass_raw, "raw_same_capacity": pass_raw2,
                                          "lamina": pass_l.wa},
+        "lamina_drive_smart": l.smart(cfg.cell).into_iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::String(v)))
+            .collect::<serde_json::Map<_, _>>(),
     });
     if json_out {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -550,6 +553,10 @@ fn endurance(
         wa_raw / wa_l,
         host.write_amplification.unwrap_or(0.0)
     );
+    println!("\nSMART-like report of the SSD under Lamina (whole run, fill included):");
+    for (k, v) in l.smart(cfg.cell) {
+        println!("    {k:<24} {v}");
+    }
     Ok(())
 }
 

@@ -31,6 +31,17 @@ fn endurance_reproduction_reports_raw_and_lamina() {
     );
     assert!(lam < raw, "{j}");
     assert!(j["lamina"]["erases"].as_u64().unwrap() < j["raw"]["erases"].as_u64().unwrap());
+    // The drive's SMART-like report.
+    let smart = &j["lamina_drive_smart"];
+    for k in [
+        "Host_Writes",
+        "NAND_Writes",
+        "Block_Erases",
+        "Wear_Leveling_Count",
+        "Percent_Lifetime_Used",
+    ] {
+        assert!(smart[k].as_str().is_some(), "{k} in {smart}");
+    }
     // Bad emulator configuration: a clear error.
     let o = lamina_output(&["bench", "endurance", "--capacity", "102M"]);
     assert!(!o.status.success());
