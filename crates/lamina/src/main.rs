@@ -70,10 +70,12 @@ enum Cmd {
     /// Replay a workload or block trace through the engine, without data.
     #[command(long_about = sim::SIM_ABOUT)]
     Sim(sim::SimArgs),
-    /// Sketch an SSD's geometry from the timing of I/O patterns (emulated drives).
+    /// Sketch an SSD's geometry from the timing of I/O patterns (a device, or an
+    /// emulated drive).
     #[command(long_about = PROBE_ABOUT)]
     Probe(ProbeArgs),
-    /// Benchmark yardsticks and reproductions (RAID-5 read-modify-write, SSD endurance).
+    /// Benchmark yardsticks and the seed papers' experiments on emulated devices
+    /// (RAID-5 read-modify-write, SSD endurance, IOPS, SMR, geometry-aware placement).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
 }
