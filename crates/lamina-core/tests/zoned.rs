@@ -60,7 +60,7 @@ fn run(
     writes: u64,
     seed: u64,
 ) {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed + seed_base());
     // Skewed: a hot tenth takes most writes, so heat classes matter.
     overwrite(e, vol, model, writes, 211, |_| {
         if rng.gen_bool(0.7) {
@@ -69,6 +69,15 @@ fn run(
             rng.gen_range(0..blocks)
         }
     });
+}
+
+/// Added to every seed: `LAMINA_TEST_SEED=N cargo test --test zoned` runs the
+/// same tests on other random runs (for soak testing).
+fn seed_base() -> u64 {
+    std::env::var("LAMINA_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
 }
 
 /// No device ever refused a write, and no more zones are open than allowed.
@@ -141,7 +150,7 @@ fn lifecycle(
     within_the_rules(&z, limit);
 
     // Three crashes, each followed by more overwrites and a check.
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9 + seed_base());
     let mut torn = 0;
     for round in 0..3 {
         // Unflushed writes before the crash: acknowledged from RAM, may be lost.
