@@ -2458,11 +2458,11 @@ impl Engine {
                 "only striped arrays (said0/5/6) replace members".into(),
             ));
         };
-        if self.zoned {
-            return Err(EngineError::Invalid(
-                "replacing a member of a zoned array is not supported yet (a rebuild would have to rewrite each zone from its start while the stripe may still be written)".into(),
-            ));
-        }
+        let device = if self.zoned {
+            self.zoned_replacement(device)?
+        } else {
+            device
+        };
         if index >= self.geo.members {
             return Err(EngineError::Invalid(format!(
                 "no member {index}: the array has members 0 to {}",
@@ -2487,6 +2487,33 @@ impl Engine {
         e.state = crate::recovery::MEMBER_REBUILDING;
         e.rebuild_cursor = 0;
         Ok(())
+    }
+
+    /// A replacement member of a zoned array: zoned like the others (a zone per
+    /// stripe chunk after the same conventional space), every zone emptied. The
+    /// rebuild then writes each stripe's zone from its start.
+    fn zoned_replacement(
+        &self,
+        device: Arc<dyn lamina_device::BlockDevice>,
+    ) -> Result<Arc<dyn lamina_device::BlockDevice>, EngineError> {
+        let device = lamina_device::zonehost::host(device);
+        let chunk = (self.geo.segment_blocks / self.geo.row_blocks) as u64 * BLOCK_SIZE_U64;
+        let fits = device.zone_layout().is_some_and(|l| {
+            l.conventional_bytes == self.geo.data_offset
+                && l.zone_bytes == chunk
+                && l.zones >= self.geo.segment_count as u64
+        });
+        if !fits {
+            return Err(EngineError::Invalid(format!(
+                "{} is not zoned like the array's members ({} conventional bytes, then zones of {} bytes, at least {} of them)",
+                device.describe(),
+                self.geo.data_offset,
+                chunk,
+                self.geo.segment_count
+            )));
+        }
+        crate::recovery::empty_zones(&*device)?;
+        Ok(device)
     }
 
     fn finish_sync(&mut self, t: SyncTarget) {

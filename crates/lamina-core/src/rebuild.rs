@@ -76,6 +76,8 @@ pub fn rebuild(
         .ok_or_else(|| EngineError::Invalid("not a striped array".into()))?;
     let stripes = shared.geo.segment_count as u64;
     let chunk_bytes = st.shape().chunk_blocks * 4096;
+    let stripe_bytes = chunk_bytes * st.shape().data as u64;
+    let zoned = shared.devices[shared.geo.members].zone_layout().is_some();
     let t0 = Instant::now();
     let mut report = RebuildReport {
         member: index,
@@ -120,10 +122,41 @@ pub fn rebuild(
                 "member {index} failed during its rebuild (stripe {s})"
             )));
         }
-        if opts.all_stripes || !shared.segment_free(s as u32) {
-            let n = st
-                .rebuild_stripe(index, s)
-                .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;
+        let rebuilt = if zoned {
+            // Zoned members: the stripe is held quiet at its write plug, rebuilt up
+            // to its write pointer (nothing if it is free), and handed over (cursor
+            // past it) before the next write of it goes through, which then lands
+            // on the new member at its write pointer too. A free stripe taken for
+            // reuse meanwhile has its zones reset after the hand-over.
+            let data = &shared.devices[shared.geo.members];
+            let start = shared.geo.data_offset + s * stripe_bytes;
+            let mut n = None;
+            data.with_zone_held(start, &mut |wp| {
+                let rows = match wp {
+                    _ if shared.segment_free(s as u32) && !opts.all_stripes => 0,
+                    Some(wp) => (wp - start) / 4096 / st.shape().data as u64,
+                    None => st.shape().chunk_blocks,
+                };
+                n = Some(st.rebuild_stripe_rows(index, s, rows)?).filter(|_| rows > 0);
+                if !st.set_rebuild_cursor_if(index, generation, Some(s + 1)) {
+                    return Err(lamina_device::DeviceError::Open {
+                        device: st.member(index).describe(),
+                        detail: "replaced during its rebuild".into(),
+                    });
+                }
+                Ok(())
+            })
+            .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;
+            n
+        } else if opts.all_stripes || !shared.segment_free(s as u32) {
+            Some(
+                st.rebuild_stripe(index, s)
+                    .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?,
+            )
+        } else {
+            None
+        };
+        if let Some(n) = rebuilt {
             report.bytes_written += n;
             report.stripes_rebuilt += 1;
             if let Some(rate) = opts.rate_bytes_per_s.filter(|&r| r > 0) {

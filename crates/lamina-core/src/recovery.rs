@@ -283,18 +283,7 @@ pub fn format(
         // Start from empty zones: whatever an earlier user left would hold zones
         // open against the device's limits.
         for d in devices {
-            for z in d.report_zones()? {
-                // Offline and read-only zones are left as they are: the engine sets
-                // their segments aside when it fails to reset them.
-                if z.ty == ZoneType::SequentialRequired
-                    && !matches!(
-                        z.cond,
-                        ZoneCond::Empty | ZoneCond::Offline | ZoneCond::ReadOnly
-                    )
-                {
-                    d.reset_zone(z.start)?;
-                }
-            }
+            empty_zones(&**d)?;
         }
     }
     for off in SUPERBLOCK_OFFSETS {
@@ -308,6 +297,23 @@ pub fn format(
         }
     }
     Ok(sb)
+}
+
+/// Resets every sequential zone of `d` that holds anything. Offline and read-only
+/// zones are left as they are: the engine sets their segments aside when it fails
+/// to reset them.
+pub(crate) fn empty_zones(d: &dyn BlockDevice) -> Result<(), EngineError> {
+    for z in d.report_zones()? {
+        if z.ty == ZoneType::SequentialRequired
+            && !matches!(
+                z.cond,
+                ZoneCond::Empty | ZoneCond::Offline | ZoneCond::ReadOnly
+            )
+        {
+            d.reset_zone(z.start)?;
+        }
+    }
+    Ok(())
 }
 
 /// The zone layout shared by the devices of a new array, if they are zoned; an

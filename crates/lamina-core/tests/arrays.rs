@@ -210,21 +210,12 @@ fn losing_more_than_the_parity_stops_writes_but_keeps_reads() {
     assert!(err.to_string().contains("tolerates 1"), "{err}");
 }
 
-/// Runs a rebuild of member `index` against an engine driven inline.
 fn rebuild(
     e: &mut lamina_core::Engine,
     index: usize,
     max: Option<u64>,
 ) -> lamina_core::rebuild::RebuildReport {
-    let shared = e.shared().clone();
-    let cell = std::cell::RefCell::new(e);
-    let call = |r: Request| call(&mut cell.borrow_mut(), r).result;
-    let opts = lamina_core::rebuild::RebuildOptions {
-        record_every: std::time::Duration::ZERO,
-        max_stripes: max,
-        ..Default::default()
-    };
-    lamina_core::rebuild::rebuild(&shared, index, &call, &opts, &mut |_, _| {}).expect("rebuild")
+    rebuild_member(e, index, max)
 }
 
 fn replace(e: &mut lamina_core::Engine, index: usize, size: u64) -> Arc<FaultDevice> {

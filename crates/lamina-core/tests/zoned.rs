@@ -349,3 +349,81 @@ fn small_flushed_writes_go_to_conventional_zones() {
     verify_model(&e, vol, &model);
     within_the_rules(&z, 12);
 }
+
+/// A failed member of a SAID5 array on SMR is replaced by a new zoned device and
+/// rebuilt while writes go on: each stripe's zone on the new member is written from
+/// its start, up to the stripe's write pointer, then the stripe's later writes
+/// continue there. The rebuilt member then carries its share alone.
+#[test]
+fn zoned_member_is_replaced_and_rebuilt_under_writes() {
+    let z = zoned(4, 40, ZONE, 8);
+    let devs = dyn_devs(&z);
+    format_devices(&devs, &layout_params(Layout::Said5));
+    let mut e = open_rw(&devs, config());
+    let blocks = (e.status().usable_bytes / BS as u64) * 6 / 10;
+    let vol = create_volume(&mut e, "v", blocks * BS as u64);
+    let mut model = HashMap::new();
+    run(&mut e, vol, &mut model, blocks, blocks * 2, 31);
+    call(&mut e, Request::FailMember { index: 1 })
+        .result
+        .unwrap();
+    run(&mut e, vol, &mut model, blocks, blocks / 2, 32);
+    // A device zoned unlike the members is refused with the reason.
+    let odd = Arc::new(
+        ZonedDevice::new(
+            Arc::new(MemDevice::new("odd", 40 * ZONE)),
+            ZonedConfig {
+                zone_bytes: ZONE / 2,
+                zone_capacity_bytes: ZONE / 2,
+                conventional_zones: 8,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let r = call(
+        &mut e,
+        Request::ReplaceMember {
+            index: 1,
+            device: lamina_core::NewDevice(odd),
+            uuid: [9; 16],
+        },
+    );
+    assert!(r.result.unwrap_err().to_string().contains("not zoned like"));
+    let new = zoned(1, 40, ZONE, 8).remove(0);
+    call(
+        &mut e,
+        Request::ReplaceMember {
+            index: 1,
+            device: lamina_core::NewDevice(new.clone()),
+            uuid: [8; 16],
+        },
+    )
+    .result
+    .expect("replace");
+    let st = e.shared().striped.clone().unwrap();
+    // Half the stripes, then more writes (into stripes on both sides of the
+    // cursor, and the open ones), then the rest.
+    let part = rebuild_member(&mut e, 1, Some(18));
+    assert!(!part.finished);
+    run(&mut e, vol, &mut model, blocks, blocks, 33);
+    let rest = rebuild_member(&mut e, 1, None);
+    assert!(rest.finished && part.stripes_rebuilt + rest.stripes_rebuilt > 0);
+    assert_eq!(st.rebuild_cursor(1), None);
+    run(&mut e, vol, &mut model, blocks, blocks / 2, 34);
+    for d in z.iter().chain([&new]) {
+        assert_eq!(d.rejected_writes(), 0, "{}", d.describe());
+    }
+    // The new member carries its share: lose another one and read everything.
+    call(&mut e, Request::FailMember { index: 3 })
+        .result
+        .unwrap();
+    verify_model(&e, vol, &model);
+    // And after a restart.
+    drop(e);
+    let devs2: Vec<Arc<dyn BlockDevice>> =
+        vec![z[0].clone(), new.clone(), z[2].clone(), z[3].clone()];
+    let e = open_rw(&devs2, config());
+    verify_model(&e, vol, &model);
+    assert_eq!(new.rejected_writes(), 0);
+}

@@ -87,6 +87,17 @@ pub trait BlockDevice: Send + Sync + 'static {
         let _ = (offset, len);
         Ok(())
     }
+    /// Runs `f` with the zone holding `offset` quiet: no write of it in flight and
+    /// none let through until `f` returns; `f` gets the zone's write pointer as
+    /// the host tracks it (`None` for devices without a host-side write plug).
+    fn with_zone_held(
+        &self,
+        offset: u64,
+        f: &mut dyn FnMut(Option<u64>) -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        let _ = offset;
+        f(None)
+    }
     /// How the device is zoned; `None` for a device that takes writes anywhere.
     fn zone_layout(&self) -> Option<ZoneLayout> {
         None

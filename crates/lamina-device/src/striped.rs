@@ -134,6 +134,9 @@ pub struct Striped {
     rebuilt_blocks: AtomicU64,
     /// Stripes where a member failed a read (for the owner to move elsewhere).
     repairs: Mutex<Vec<u64>>,
+    /// The members are zoned: a member being rebuilt takes no writes in stripes
+    /// not yet rebuilt (its zone there is written from its start by the rebuild).
+    zoned: bool,
 }
 
 thread_local! {
@@ -180,7 +183,9 @@ impl Striped {
                 )));
             }
         }
+        let zoned = members.iter().any(|m| m.zone_layout().is_some());
         Ok(Striped {
+            zoned,
             rebuilt_below: (0..n).map(|_| AtomicU64::new(NOT_REBUILDING)).collect(),
             stripe_locks: (0..STRIPE_LOCKS).map(|_| Mutex::new(())).collect(),
             rebuild_claimed: (0..n).map(|_| AtomicBool::new(false)).collect(),
@@ -309,16 +314,30 @@ impl Striped {
     /// Rebuilds stripe `s` of member `i` from the other members and writes it to
     /// member `i`; returns the bytes written.
     pub fn rebuild_stripe(&self, i: usize, s: u64) -> Result<u64, DeviceError> {
+        self.rebuild_stripe_rows(i, s, self.shape.chunk_blocks)
+    }
+
+    /// Rebuilds rows `0..upto` of member `i`'s chunk of stripe `s`. On zoned
+    /// members the member's zone is reset first and written from its start, and
+    /// left open at `upto` when that is below the chunk (the rest of the stripe
+    /// follows through ordinary writes).
+    pub fn rebuild_stripe_rows(&self, i: usize, s: u64, upto: u64) -> Result<u64, DeviceError> {
         let sh = self.shape;
         let n = sh.members();
         let j = (0..n)
             .find(|&j| sh.member(s, j) == i)
             .expect("member in stripe");
+        if self.zoned {
+            self.member(i)
+                .reset_zone(sh.member_offset(s, 0))
+                .inspect_err(|_| self.fail_member(i))?;
+        }
         const BATCH: u64 = 64;
         let mut written = 0;
         let mut row = 0;
-        while row < sh.chunk_blocks {
-            let rows = BATCH.min(sh.chunk_blocks - row);
+        let end = upto.min(sh.chunk_blocks);
+        while row < end {
+            let rows = BATCH.min(end - row);
             let len = rows as usize * BLOCK;
             let _g = self.stripe_locks[(s as usize) % STRIPE_LOCKS]
                 .lock()
@@ -608,8 +627,11 @@ impl Striped {
         offset: u64,
         f: impl Fn(&dyn BlockDevice) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
+        let (s, _, _) = self.split(op, offset, 0)?;
         for i in 0..self.members.len() {
-            if !self.is_failed(i) && f(&*self.member(i)).is_err() {
+            // A member being rebuilt has its zone of a stripe not yet rebuilt
+            // written (from its start) by the rebuild alone.
+            if self.current(i, s) && f(&*self.member(i)).is_err() {
                 self.fail_member(i);
             }
         }
@@ -789,7 +811,11 @@ impl BlockDevice for Striped {
                 encode(&refs, p[0], q.first_mut().map(|q| &mut **q));
             }
             for (j, col) in cols.iter().enumerate() {
-                self.member_write(sh.member(s, j), col, off);
+                let m = sh.member(s, j);
+                if self.zoned && !self.current(m, s) {
+                    continue;
+                }
+                self.member_write(m, col, off);
             }
         });
         if self.unavailable_count() > sh.parity {
@@ -864,6 +890,9 @@ impl BlockDevice for Striped {
                 .into_iter()
                 .filter(|z| z.ty == ZoneType::SequentialRequired);
             for (s, mz) in seq.enumerate().take(zones.len()) {
+                if !self.current(i, s as u64) {
+                    continue;
+                }
                 let rows = (mz.wp.saturating_sub(mz.start) / BLOCK_U64).min(sh.chunk_blocks);
                 let z = &mut zones[s];
                 z.wp = z.wp.min(z.start + rows * sh.data as u64 * BLOCK_U64);

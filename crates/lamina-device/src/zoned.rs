@@ -340,6 +340,20 @@ impl ZonedDevice {
         Ok(d)
     }
 
+    /// The configuration recorded in zone state file `state` (to emulate another
+    /// device like it).
+    pub fn read_config(state: &Path) -> Result<ZonedConfig, DeviceError> {
+        let bad = |detail: String| DeviceError::Open {
+            device: state.display().to_string(),
+            detail,
+        };
+        let f = std::fs::File::open(state).map_err(|e| bad(e.to_string()))?;
+        let mut h = [0u8; 64];
+        f.read_exact_at(&mut h, 0)
+            .map_err(|e| bad(format!("cannot read the header: {e}")))?;
+        Ok(parse_header(&h).map_err(bad)?.0)
+    }
+
     /// Opens an emulated zoned device whose configuration and zone state are in
     /// `state`. A zone whose record fails its checksum is taken offline (its data
     /// is never served) and listed by [`ZonedDevice::damaged_zones`].

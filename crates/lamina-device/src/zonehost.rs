@@ -293,6 +293,27 @@ impl BlockDevice for Plug {
         };
         Ok(())
     }
+    fn with_zone_held(
+        &self,
+        offset: u64,
+        f: &mut dyn FnMut(Option<u64>) -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        let Some(z) = self.l.zone_of(offset) else {
+            return f(None);
+        };
+        let z = z as usize;
+        let mut g = self.zones.lock().unwrap();
+        while g[z].busy {
+            g = self.cv.wait(g).unwrap();
+        }
+        g[z].busy = true;
+        let wp = g[z].wp;
+        drop(g);
+        let r = f(Some(wp));
+        self.zones.lock().unwrap()[z].busy = false;
+        self.cv.notify_all();
+        r
+    }
     /// Finishes the zone once every write below `offset` in it has completed.
     fn finish_zone(&self, offset: u64) -> Result<(), DeviceError> {
         let z = self.l.zone_of(offset).ok_or_else(|| {

@@ -389,6 +389,11 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
                 before.members.len()
             )
         })?;
+    let size = if rebuild::prepare_zoned(&old_name, &path, size)? {
+        None
+    } else {
+        size
+    };
     let req = json!({"op": "member-replace", "index": a.old, "path": path, "size": size,
                      "force": a.force, "rate": rate});
     let bar = |quiet: bool| {

@@ -19,8 +19,8 @@ pub fn open_new_device(
     size: Option<u64>,
     force: bool,
 ) -> Result<Arc<dyn BlockDevice>> {
-    let dev = if path.exists() {
-        FileDevice::open(path, DevMode::ReadWrite)?
+    let dev: Arc<dyn BlockDevice> = if path.exists() {
+        crate::devices::open_device(path, DevMode::ReadWrite)?
     } else {
         let Some(size) = size else {
             bail!(
@@ -28,7 +28,7 @@ pub fn open_new_device(
                 path.display()
             );
         };
-        FileDevice::create_sparse(path, size)?
+        Arc::new(FileDevice::create_sparse(path, size)?)
     };
     if !force {
         for off in SUPERBLOCK_OFFSETS {
@@ -44,7 +44,36 @@ pub fn open_new_device(
             }
         }
     }
-    Ok(Arc::new(dev))
+    Ok(dev)
+}
+
+/// The path in a member's name (emulated zoned members are named `zoned(PATH)`).
+pub fn member_path(name: &str) -> &str {
+    name.strip_prefix("zoned(")
+        .and_then(|s| s.strip_suffix(')'))
+        .unwrap_or(name)
+}
+
+/// Before replacing a member of an array of emulated zoned devices: a new file
+/// is created as a zoned device emulated like the old member (`old_name`).
+/// Returns whether it did (the file then exists, so no size is needed).
+pub fn prepare_zoned(old_name: &str, path: &Path, size: Option<u64>) -> Result<bool> {
+    use lamina_device::zoned::{state_path, ZonedDevice};
+    let template = state_path(Path::new(member_path(old_name)));
+    if path.exists() || !template.exists() {
+        return Ok(false);
+    }
+    let Some(size) = size else {
+        bail!(
+            "{} does not exist; give PATH:SIZE to create it (emulated zoned like the member it replaces)",
+            path.display()
+        );
+    };
+    let cfg = ZonedDevice::read_config(&template)?;
+    let f = FileDevice::create_sparse(path, size)?;
+    ZonedDevice::create_persistent(Arc::new(f), cfg, &state_path(path))
+        .with_context(|| format!("{}: cannot emulate a zoned device", path.display()))?;
+    Ok(true)
 }
 
 /// Puts `dev` in member slot `index` (recorded durably when this returns).
@@ -126,6 +155,7 @@ pub fn resume_all(rt: &Runtime, rate: Option<u64>) {
 /// any order; superblocks give each device its place).
 pub fn update_config(dir: &Path, old_name: &str, new: &Path) -> Result<()> {
     let mut cfg = Config::load(dir)?;
+    let old_name = member_path(old_name);
     let new = std::path::absolute(new).with_context(|| format!("bad path {}", new.display()))?;
     cfg.devices.retain(|p| {
         let r = Config::resolve(dir, p);

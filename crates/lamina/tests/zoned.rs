@@ -147,5 +147,40 @@ fn said5_on_emulated_zns_fio_verify_gc_kill9() {
         "wrote {w}, verified {r} after the crash"
     );
     zones_within_limits(&dir, &devs);
+
+    // A member fails and is replaced by a new emulated ZNS file (zoned like the
+    // others), rebuilt online while fio writes; then another member fails and
+    // everything still verifies: the new member carries its share.
+    lamina(&["array", "fail", dir.to_str().unwrap(), "--device", "2"]);
+    let new = t.join("z4.img");
+    let mut bg = Command::new("fio")
+        .args(job_args(&s.uri("v"), vol, &["--loops=3", "--do_verify=0"]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    lamina(&[
+        "array",
+        "replace",
+        dir.to_str().unwrap(),
+        "--old",
+        "2",
+        "--new",
+        &format!("{}:128M", new.display()),
+        "--quiet",
+    ]);
+    assert!(
+        bg.wait().unwrap().success(),
+        "fio wrote through the rebuild"
+    );
+    assert!(lamina_device::zoned::state_path(&new).exists());
+    let mut devs = devs.clone();
+    devs[2] = new;
+    zones_within_limits(&dir, &devs);
+    let (_, r) = ok(&fio(&job_args(&s.uri("v"), vol, &["--verify_only"])));
+    assert!(r >= vol);
+    lamina(&["array", "fail", dir.to_str().unwrap(), "--device", "0"]);
+    let (_, r) = ok(&fio(&job_args(&s.uri("v"), vol, &["--verify_only"])));
+    assert!(r >= vol, "verified through the rebuilt member");
     s.stop();
 }

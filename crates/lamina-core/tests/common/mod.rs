@@ -125,6 +125,24 @@ pub fn overwrite(
     call(e, Request::Flush).result.expect("flush");
 }
 
+/// Runs a rebuild of member `index` against an engine driven inline, at most
+/// `max` stripes.
+pub fn rebuild_member(
+    e: &mut Engine,
+    index: usize,
+    max: Option<u64>,
+) -> lamina_core::rebuild::RebuildReport {
+    let shared = e.shared().clone();
+    let cell = std::cell::RefCell::new(e);
+    let call = |r: Request| call(&mut cell.borrow_mut(), r).result;
+    let opts = lamina_core::rebuild::RebuildOptions {
+        record_every: std::time::Duration::ZERO,
+        max_stripes: max,
+        ..Default::default()
+    };
+    lamina_core::rebuild::rebuild(&shared, index, &call, &opts, &mut |_, _| {}).expect("rebuild")
+}
+
 /// Every block of the model reads back with its generation.
 pub fn verify_model(e: &Engine, vol: VolumeId, model: &std::collections::HashMap<u64, u64>) {
     for (&lba, &gen) in model {
