@@ -589,6 +589,9 @@ pub struct Engine {
     /// join the free queue in release order once done.
     pub(crate) discards: std::collections::HashMap<u32, bool>,
     pub(crate) segments_discarded: u64,
+    /// Start version of the checkpoint the durable superblocks name (recovery
+    /// would start from it now).
+    pub(crate) durable_ckpt_version: u64,
     /// Per device: where its sequential zones start. Segments below lie in
     /// conventional zones (SALSA 3.2): no zone rules, and the metadata stream's
     /// preferred home.
@@ -723,6 +726,7 @@ impl Engine {
             small_units_moved: 0,
             discards: Default::default(),
             segments_discarded: 0,
+            durable_ckpt_version: sb.checkpoint.as_ref().map_or(0, |c| c.version),
             conventional_end: shared
                 .devices
                 .iter()
@@ -2212,6 +2216,15 @@ impl Engine {
         self.cfg.discard && !self.zoned
     }
 
+    /// A released segment may be discarded if it was opened before the durable
+    /// checkpoint started: recovery from that checkpoint walks the segments opened
+    /// after it in free-queue order and takes a run of empty ones for the end of
+    /// what was allocated, so those must keep their units until reused (a segment
+    /// opened before the checkpoint reads as stale to the walk either way).
+    fn discardable(&self, seg: u32) -> bool {
+        self.discard_enabled() && self.segs[seg as usize].incarnation < self.durable_ckpt_version
+    }
+
     /// Queues the discard of segment `seg`'s whole extent.
     fn submit_discard(&mut self, seg: u32, wait: bool) {
         let (dev, off) = self.geo.locate(SegmentId(seg), 0);
@@ -2458,11 +2471,12 @@ impl Engine {
                 "only striped arrays (said0/5/6) replace members".into(),
             ));
         };
-        let device = if self.zoned {
-            self.zoned_replacement(device)?
-        } else {
-            device
-        };
+        if !self.zoned && device.zone_layout().is_some() {
+            return Err(EngineError::Invalid(format!(
+                "{} is a zoned device; this array's members are not",
+                device.describe()
+            )));
+        }
         if index >= self.geo.members {
             return Err(EngineError::Invalid(format!(
                 "no member {index}: the array has members 0 to {}",
@@ -2479,6 +2493,12 @@ impl Engine {
                 "said0 has no parity to rebuild a member from".into(),
             ));
         }
+        // Zoned: checked, and emptied, once everything else is known to be right.
+        let device = if self.zoned {
+            self.zoned_replacement(device)?
+        } else {
+            device
+        };
         st.replace(index, device.clone(), 0)
             .map_err(|e| EngineError::Invalid(e.to_string()))?;
         let e = &mut self.sb.devices[index];
@@ -2502,14 +2522,16 @@ impl Engine {
             l.conventional_bytes == self.geo.data_offset
                 && l.zone_bytes == chunk
                 && l.zones >= self.geo.segment_count as u64
+                && (l.open_limit() == 0 || l.open_limit() >= self.zone_limit)
         });
         if !fits {
             return Err(EngineError::Invalid(format!(
-                "{} is not zoned like the array's members ({} conventional bytes, then zones of {} bytes, at least {} of them)",
+                "{} is not zoned like the array's members ({} conventional bytes, then zones of {} bytes, at least {} of them, at least {} open at once)",
                 device.describe(),
                 self.geo.data_offset,
                 chunk,
-                self.geo.segment_count
+                self.geo.segment_count,
+                self.zone_limit
             )));
         }
         crate::recovery::empty_zones(&*device)?;
@@ -2550,17 +2572,20 @@ impl Engine {
             }
         }
         // Released segments are discarded first (once no reader holds them), all
-        // those whose release is durable at once.
-        if self.discard_enabled() {
-            for i in 0..self.releasing.len() {
-                let s = self.releasing[i];
-                if self.segs[s as usize].gen > synced {
-                    break;
-                }
-                if !self.discards.contains_key(&s) && !self.shared.segment_pinned(SegmentId(s)) {
-                    self.discards.insert(s, false);
-                    self.submit_discard(s, true);
-                }
+        // those whose release is durable at once; see `discardable`.
+        for i in 0..self.releasing.len() {
+            let s = self.releasing[i];
+            if self.segs[s as usize].gen > synced {
+                break;
+            }
+            // Released: nobody reads it any more (scrub and rebuild skip it).
+            self.shared.set_segment_free(s, true);
+            if self.discardable(s)
+                && !self.discards.contains_key(&s)
+                && !self.shared.segment_pinned(SegmentId(s))
+            {
+                self.discards.insert(s, false);
+                self.submit_discard(s, true);
             }
         }
         // Segments are freed in the order their release records were sealed, which
@@ -2569,7 +2594,7 @@ impl Engine {
             if self.segs[s as usize].gen > synced {
                 break;
             }
-            if self.discard_enabled() && self.discards.get(&s) != Some(&true) {
+            if self.discardable(s) && self.discards.get(&s) != Some(&true) {
                 break;
             }
             self.discards.remove(&s);
@@ -2582,10 +2607,13 @@ impl Engine {
         // When free segments run low, run a flush to move the protocol forward.
         let low = self.free.len() < self.gc_start_segments();
         let stalled = !self.pending.is_empty() || !self.gc.is_idle();
+        // (Released segments waiting only for their discard need no flush.)
+        let releasing_unsynced = self
+            .releasing
+            .iter()
+            .any(|&s| self.segs[s as usize].gen > synced);
         if (low || stalled)
-            && (!self.draining.is_empty()
-                || !self.release_ready.is_empty()
-                || !self.releasing.is_empty())
+            && (!self.draining.is_empty() || !self.release_ready.is_empty() || releasing_unsynced)
             && self.sync_inflight.is_none()
             && self.sync_wanted.is_none()
             && self.failed.is_none()

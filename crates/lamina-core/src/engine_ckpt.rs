@@ -376,6 +376,7 @@ impl Engine {
         }
         let w = self.ckpt.writer.take().unwrap();
         self.ckpt.last_gen = w.gen;
+        self.durable_ckpt_version = w.start_version;
         self.counters.checkpoints += 1;
         self.volumes_committed(w.gen);
         // Metadata segments of earlier generations are superseded now.

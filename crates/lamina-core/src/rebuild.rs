@@ -18,6 +18,9 @@ use crate::shared::Shared;
 use std::time::{Duration, Instant};
 
 /// How a rebuild runs.
+/// Zoned rebuilds hold a stripe quiet for at most about this many rows.
+const HELD_ROWS: u64 = 16;
+
 #[derive(Clone, Debug)]
 pub struct RebuildOptions {
     /// Bytes per second written to the new member at most (`None`: no limit), so
@@ -123,21 +126,46 @@ pub fn rebuild(
             )));
         }
         let rebuilt = if zoned {
-            // Zoned members: the stripe is held quiet at its write plug, rebuilt up
-            // to its write pointer (nothing if it is free), and handed over (cursor
-            // past it) before the next write of it goes through, which then lands
-            // on the new member at its write pointer too. A free stripe taken for
-            // reuse meanwhile has its zones reset after the hand-over.
+            // Zoned members: the new member's zone of the stripe is written from its
+            // start. Most of it is caught up while writes of the stripe go on (rows
+            // below the write pointer never change; writes skip the new member
+            // until the hand-over); then the stripe is held quiet at its write
+            // plug for the last rows and handed over (cursor past it), so that its
+            // next write lands on the new member at its write pointer too.
             let data = &shared.devices[shared.geo.members];
             let start = shared.geo.data_offset + s * stripe_bytes;
-            let mut n = None;
-            data.with_zone_held(start, &mut |wp| {
-                let rows = match wp {
-                    _ if shared.segment_free(s as u32) && !opts.all_stripes => 0,
-                    Some(wp) => (wp - start) / 4096 / st.shape().data as u64,
-                    None => st.shape().chunk_blocks,
+            let k = st.shape().data as u64;
+            let rows_at = |wp: u64| (wp - start) / 4096 / k;
+            let (mut done, mut seen, mut n) = (0u64, None, 0u64);
+            while !shared.segment_free(s as u32) || opts.all_stripes {
+                let Some((wp, resets)) = data.zone_progress(start) else {
+                    break;
                 };
-                n = Some(st.rebuild_stripe_rows(index, s, rows)?).filter(|_| rows > 0);
+                if seen.is_some_and(|r| r != resets) {
+                    done = 0;
+                }
+                seen = Some(resets);
+                let rows = rows_at(wp);
+                if rows <= done + HELD_ROWS {
+                    break;
+                }
+                n += st
+                    .rebuild_stripe_range(index, s, done, rows)
+                    .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;
+                done = rows;
+            }
+            data.with_zone_held(start, &mut |held| {
+                let free = shared.segment_free(s as u32) && !opts.all_stripes;
+                let (rows, from) = match held {
+                    _ if free => (0, 0),
+                    Some((wp, resets)) => {
+                        let rows = rows_at(wp);
+                        let same = seen.is_none_or(|r| r == resets) && rows >= done;
+                        (rows, if same { done } else { 0 })
+                    }
+                    None => (st.shape().chunk_blocks, 0),
+                };
+                n += st.rebuild_stripe_range(index, s, from, rows)?;
                 if !st.set_rebuild_cursor_if(index, generation, Some(s + 1)) {
                     return Err(lamina_device::DeviceError::Open {
                         device: st.member(index).describe(),
@@ -147,7 +175,7 @@ pub fn rebuild(
                 Ok(())
             })
             .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;
-            n
+            (n > 0).then_some(n)
         } else if opts.all_stripes || !shared.segment_free(s as u32) {
             Some(
                 st.rebuild_stripe(index, s)

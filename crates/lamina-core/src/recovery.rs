@@ -539,6 +539,7 @@ fn data_path(
     sb: &Superblock,
     geo: &Geometry,
     members: Vec<Arc<dyn BlockDevice>>,
+    writable: bool,
     warnings: &mut Vec<String>,
 ) -> Result<
     (
@@ -590,6 +591,23 @@ fn data_path(
     for (i, e) in sb.devices.iter().enumerate() {
         if e.state == MEMBER_REBUILDING && !failed[i] {
             striped.set_rebuild_cursor(i, Some(e.rebuild_cursor as u64));
+            // Zoned: what a killed rebuild wrote past its recorded cursor would
+            // hold zones of the new member open; the resumed rebuild rewrites
+            // those stripes from their start anyway.
+            if writable && members[i].zone_layout().is_some() {
+                let from = shape.member_offset(e.rebuild_cursor as u64, 0);
+                for z in members[i].report_zones()? {
+                    if z.ty == lamina_device::zoned::ZoneType::SequentialRequired
+                        && z.start >= from
+                        && matches!(
+                            z.cond,
+                            ZoneCond::ImplicitOpen | ZoneCond::ExplicitOpen | ZoneCond::Closed
+                        )
+                    {
+                        members[i].reset_zone(z.start)?;
+                    }
+                }
+            }
             warnings.push(format!(
                 "member {i} ({}) is being rebuilt: {} of {} stripes done",
                 members[i].describe(),
@@ -861,7 +879,13 @@ pub fn open_unfinished(
     }
     let (sb, devices) = read_superblocks(devices, &mut report.warnings)?;
     let geo = Geometry::from_superblock(&sb);
-    let (devices, striped) = data_path(&sb, &geo, devices, &mut report.warnings)?;
+    let (devices, striped) = data_path(
+        &sb,
+        &geo,
+        devices,
+        mode == OpenMode::ReadWrite,
+        &mut report.warnings,
+    )?;
     for (name, e) in sync_failed {
         let member = devices[..geo.members]
             .iter()

@@ -88,15 +88,23 @@ pub trait BlockDevice: Send + Sync + 'static {
         Ok(())
     }
     /// Runs `f` with the zone holding `offset` quiet: no write of it in flight and
-    /// none let through until `f` returns; `f` gets the zone's write pointer as
-    /// the host tracks it (`None` for devices without a host-side write plug).
+    /// none let through until `f` returns; `f` gets the zone's progress (see
+    /// [`BlockDevice::zone_progress`]), `None` for devices without a host-side
+    /// write plug.
     fn with_zone_held(
         &self,
         offset: u64,
-        f: &mut dyn FnMut(Option<u64>) -> Result<(), DeviceError>,
+        f: &mut dyn FnMut(Option<(u64, u64)>) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
         let _ = offset;
         f(None)
+    }
+    /// The write pointer of the zone holding `offset` as the host-side write plug
+    /// tracks it, and how many times the zone was reset (so that a caller can tell
+    /// that what it saw below the write pointer was replaced).
+    fn zone_progress(&self, offset: u64) -> Option<(u64, u64)> {
+        let _ = offset;
+        None
     }
     /// How the device is zoned; `None` for a device that takes writes anywhere.
     fn zone_layout(&self) -> Option<ZoneLayout> {

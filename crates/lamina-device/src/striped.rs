@@ -322,19 +322,32 @@ impl Striped {
     /// left open at `upto` when that is below the chunk (the rest of the stripe
     /// follows through ordinary writes).
     pub fn rebuild_stripe_rows(&self, i: usize, s: u64, upto: u64) -> Result<u64, DeviceError> {
+        self.rebuild_stripe_range(i, s, 0, upto)
+    }
+
+    /// Rebuilds rows `from..upto` of member `i`'s chunk of stripe `s` (zoned
+    /// members: the zone is reset first when `from` is 0, else continued at
+    /// `from`, where an earlier call stopped).
+    pub fn rebuild_stripe_range(
+        &self,
+        i: usize,
+        s: u64,
+        from: u64,
+        upto: u64,
+    ) -> Result<u64, DeviceError> {
         let sh = self.shape;
         let n = sh.members();
         let j = (0..n)
             .find(|&j| sh.member(s, j) == i)
             .expect("member in stripe");
-        if self.zoned {
+        if self.zoned && from == 0 {
             self.member(i)
                 .reset_zone(sh.member_offset(s, 0))
                 .inspect_err(|_| self.fail_member(i))?;
         }
         const BATCH: u64 = 64;
         let mut written = 0;
-        let mut row = 0;
+        let mut row = from;
         let end = upto.min(sh.chunk_blocks);
         while row < end {
             let rows = BATCH.min(end - row);

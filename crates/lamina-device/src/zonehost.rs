@@ -156,6 +156,8 @@ struct PlugZone {
     busy: bool,
     /// A write failed: later writes of the zone fail too, until a reset.
     broken: bool,
+    /// Resets so far.
+    resets: u64,
 }
 
 /// Keeps each zone's writes in issue order (see the module documentation).
@@ -289,14 +291,20 @@ impl BlockDevice for Plug {
         self.inner.reset_zone(offset)?;
         g[z] = PlugZone {
             wp: self.l.zone_start(z as u64),
+            resets: g[z].resets + 1,
             ..Default::default()
         };
         Ok(())
     }
+    fn zone_progress(&self, offset: u64) -> Option<(u64, u64)> {
+        let z = self.l.zone_of(offset)? as usize;
+        let g = self.zones.lock().unwrap();
+        Some((g[z].wp, g[z].resets))
+    }
     fn with_zone_held(
         &self,
         offset: u64,
-        f: &mut dyn FnMut(Option<u64>) -> Result<(), DeviceError>,
+        f: &mut dyn FnMut(Option<(u64, u64)>) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
         let Some(z) = self.l.zone_of(offset) else {
             return f(None);
@@ -307,9 +315,9 @@ impl BlockDevice for Plug {
             g = self.cv.wait(g).unwrap();
         }
         g[z].busy = true;
-        let wp = g[z].wp;
+        let progress = (g[z].wp, g[z].resets);
         drop(g);
-        let r = f(Some(wp));
+        let r = f(Some(progress));
         self.zones.lock().unwrap()[z].busy = false;
         self.cv.notify_all();
         r
