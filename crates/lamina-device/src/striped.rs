@@ -314,20 +314,13 @@ impl Striped {
     /// Rebuilds stripe `s` of member `i` from the other members and writes it to
     /// member `i`; returns the bytes written.
     pub fn rebuild_stripe(&self, i: usize, s: u64) -> Result<u64, DeviceError> {
-        self.rebuild_stripe_rows(i, s, self.shape.chunk_blocks)
+        self.rebuild_stripe_range(i, s, 0, self.shape.chunk_blocks)
     }
 
-    /// Rebuilds rows `0..upto` of member `i`'s chunk of stripe `s`. On zoned
-    /// members the member's zone is reset first and written from its start, and
-    /// left open at `upto` when that is below the chunk (the rest of the stripe
-    /// follows through ordinary writes).
-    pub fn rebuild_stripe_rows(&self, i: usize, s: u64, upto: u64) -> Result<u64, DeviceError> {
-        self.rebuild_stripe_range(i, s, 0, upto)
-    }
-
-    /// Rebuilds rows `from..upto` of member `i`'s chunk of stripe `s` (zoned
-    /// members: the zone is reset first when `from` is 0, else continued at
-    /// `from`, where an earlier call stopped).
+    /// Rebuilds rows `from..upto` of member `i`'s chunk of stripe `s`. On zoned
+    /// members the zone is reset first when `from` is 0, else continued at `from`,
+    /// where an earlier call stopped; it is left open at `upto` when that is below
+    /// the chunk (the rest of the stripe follows through ordinary writes).
     pub fn rebuild_stripe_range(
         &self,
         i: usize,

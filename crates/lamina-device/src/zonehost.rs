@@ -95,15 +95,7 @@ impl BlockDevice for Compact {
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
         let inner = &self.inner;
-        let mut pieces = Vec::new();
-        self.pieces(offset, buf.len(), |o, r| {
-            pieces.push((o, r));
-            Ok(())
-        })?;
-        for (o, r) in pieces {
-            inner.read_at(&mut buf[r], o)?;
-        }
-        Ok(())
+        self.pieces(offset, buf.len(), |o, r| inner.read_at(&mut buf[r], o))
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
         let inner = &self.inner;
@@ -192,6 +184,20 @@ impl Plug {
         })
     }
 
+    /// The sequential zone holding `offset`, for a zone operation `op`.
+    fn seq_zone(&self, op: &'static str, offset: u64) -> Result<usize, DeviceError> {
+        let z = self.l.zone_of(offset).ok_or_else(|| {
+            error(
+                self.describe(),
+                op,
+                offset,
+                0,
+                "not in a sequential zone".into(),
+            )
+        })?;
+        Ok(z as usize)
+    }
+
     /// Waits until zone `z` is idle and its write pointer is at `offset`.
     fn wait_turn<'a>(
         &'a self,
@@ -275,15 +281,7 @@ impl BlockDevice for Plug {
         self.inner.report_zones()
     }
     fn reset_zone(&self, offset: u64) -> Result<(), DeviceError> {
-        let z = self.l.zone_of(offset).ok_or_else(|| {
-            error(
-                self.describe(),
-                "reset zone",
-                offset,
-                0,
-                "not in a sequential zone".into(),
-            )
-        })? as usize;
+        let z = self.seq_zone("reset zone", offset)?;
         let mut g = self.zones.lock().unwrap();
         while g[z].busy {
             g = self.cv.wait(g).unwrap();
@@ -324,15 +322,7 @@ impl BlockDevice for Plug {
     }
     /// Finishes the zone once every write below `offset` in it has completed.
     fn finish_zone(&self, offset: u64) -> Result<(), DeviceError> {
-        let z = self.l.zone_of(offset).ok_or_else(|| {
-            error(
-                self.describe(),
-                "finish zone",
-                offset,
-                0,
-                "not in a sequential zone".into(),
-            )
-        })? as usize;
+        let z = self.seq_zone("finish zone", offset)?;
         let g = self.zones.lock().unwrap();
         let mut g = self.wait_turn(g, z, "finish zone", offset, 0)?;
         self.inner.finish_zone(offset)?;

@@ -646,19 +646,11 @@ fn random_offsets(bytes: u64, io: u64, passes: u32) -> impl Iterator<Item = u64>
     (0..passes as u64 * slots).map(move |_| rng.gen_range(0..slots) * io)
 }
 
-/// The host-managed SMR emulator `lamina bench smr` and `geometry` use: about 1%
-/// conventional zones (at least Lamina's first megabyte), 128 open zones.
-fn hm_smr_config(capacity: u64, zone: u64) -> lamina_device::zoned::ZonedConfig {
-    lamina_device::zoned::ZonedConfig {
-        zone_bytes: zone,
-        zone_capacity_bytes: zone,
-        conventional_zones: (capacity / zone)
-            .div_ceil(100)
-            .max((1u64 << 20).div_ceil(zone)) as u32,
-        max_open: 128,
-        max_active: 0,
-        ..Default::default()
-    }
+/// The host-managed SMR emulator `lamina bench smr` and `geometry` use: the one
+/// `array create --zoned smr` makes (about 1% conventional zones, at least Lamina's
+/// first megabyte, 128 open zones), with `zone`-byte zones.
+fn hm_smr_config(capacity: u64, zone: u64) -> Result<lamina_device::zoned::ZonedConfig> {
+    crate::devices::parse_zoned(&format!("smr,zone={zone}"), capacity)
 }
 
 /// One run of the geometry bench: (hot read MB/s, mean offset of the hot data
@@ -670,7 +662,7 @@ fn geometry_run(capacity: u64, zone: u64, io: u64, rounds: u32, on: bool) -> Res
     use rand::{Rng, SeedableRng};
     let hm = Arc::new(ZonedDevice::new(
         Arc::new(MemDevice::new("hm-smr", capacity)),
-        hm_smr_config(capacity, zone),
+        hm_smr_config(capacity, zone)?,
     )?);
     let params = lamina_core::FormatParams {
         name: "geometry".into(),
@@ -792,7 +784,7 @@ fn smr(
     if io == 0 || !io.is_multiple_of(4096) || zone % io != 0 {
         anyhow::bail!("the write size must be a multiple of 4 KiB dividing the zone size");
     }
-    let hm_cfg = hm_smr_config(capacity, zone);
+    let hm_cfg = hm_smr_config(capacity, zone)?;
     let mbps = |bytes: u64, us: u64| bytes as f64 / us.max(1) as f64;
     // The ideal: every zone written front to back in `io` pieces, nothing else.
     let timing = SmrTiming {
