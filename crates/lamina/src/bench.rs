@@ -653,29 +653,53 @@ fn hm_smr_config(capacity: u64, zone: u64) -> Result<lamina_device::zoned::Zoned
     crate::devices::parse_zoned(&format!("smr,zone={zone}"), capacity)
 }
 
-/// One run of the geometry bench: (hot read MB/s, mean offset of the hot data
-/// over the disk's size).
-fn geometry_run(capacity: u64, zone: u64, io: u64, rounds: u32, on: bool) -> Result<(f64, f64)> {
-    use lamina_device::mem::MemDevice;
-    use lamina_device::zoned::ZonedDevice;
-    use rand::seq::SliceRandom;
-    use rand::{Rng, SeedableRng};
-    let hm = Arc::new(ZonedDevice::new(
-        Arc::new(MemDevice::new("hm-smr", capacity)),
-        hm_smr_config(capacity, zone)?,
+/// Lamina, in this process, on an emulated host-managed SMR disk: `op` spare,
+/// disk-sized write units of `unit` bytes (a seek costs as much as a few megabytes
+/// of transfer), GC reading across gaps of dead blocks up to `gap` bytes rather
+/// than seek around them.
+fn lamina_on_hm_smr(
+    zoned: lamina_device::zoned::ZonedConfig,
+    capacity: u64,
+    op: f64,
+    unit: u64,
+    gap: u64,
+    cfg: lamina_core::EngineConfig,
+) -> Result<(Arc<lamina_device::zoned::ZonedDevice>, Inline)> {
+    let hm = Arc::new(lamina_device::zoned::ZonedDevice::new(
+        Arc::new(lamina_device::mem::MemDevice::new("hm-smr", capacity)),
+        zoned,
     )?);
     let params = lamina_core::FormatParams {
-        name: "geometry".into(),
-        overprovision: 0.25,
-        write_unit_blocks: 1024,
+        name: "smr".into(),
+        overprovision: op,
+        write_unit_blocks: (unit / 4096) as u32,
         ..Default::default()
     };
     let cfg = lamina_core::EngineConfig {
-        gc_read_gap_blocks: 1024,
+        gc_read_gap_blocks: (gap / 4096) as u32,
+        ..cfg
+    };
+    let l = Inline::new(vec![hm.clone() as Arc<dyn BlockDevice>], &params, cfg)?;
+    Ok((hm, l))
+}
+
+/// One run of the geometry bench: (hot read MB/s, mean offset of the hot data
+/// over the disk's size).
+fn geometry_run(capacity: u64, zone: u64, io: u64, rounds: u32, on: bool) -> Result<(f64, f64)> {
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    let cfg = lamina_core::EngineConfig {
         geometry_aware: Some(on),
         ..Default::default()
     };
-    let mut l = Inline::new(vec![hm.clone() as Arc<dyn BlockDevice>], &params, cfg)?;
+    let (hm, mut l) = lamina_on_hm_smr(
+        hm_smr_config(capacity, zone)?,
+        capacity,
+        0.25,
+        4 << 20,
+        4 << 20,
+        cfg,
+    )?;
     let extents = l.volume_bytes / io;
     let mut rng = rand::rngs::StdRng::seed_from_u64(31);
     let mut all: Vec<u64> = (0..extents).collect();
@@ -771,8 +795,8 @@ fn smr(
     json_out: bool,
 ) -> Result<()> {
     use lamina_device::dmsmr::{DmSmrConfig, DriveManagedSmr};
-    use lamina_device::mem::{MemDevice, NullDevice};
-    use lamina_device::zoned::{SmrTiming, ZonedDevice};
+    use lamina_device::mem::NullDevice;
+    use lamina_device::zoned::SmrTiming;
     let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
     let (capacity, zone, io, unit, gap) = (
         size(capacity)?,
@@ -803,24 +827,8 @@ fn smr(
     };
 
     // Lamina on host-managed SMR: the real engine, in this process.
-    let hm = Arc::new(ZonedDevice::new(
-        Arc::new(MemDevice::new("hm-smr", capacity)),
-        hm_cfg.clone(),
-    )?);
-    // Disk-sized write units: a seek costs as much as a few megabytes of transfer.
-    let params = lamina_core::FormatParams {
-        name: "smr".into(),
-        overprovision: op,
-        write_unit_blocks: (unit / 4096) as u32,
-        ..Default::default()
-    };
-    // A disk: GC reads a victim's live blocks with the dead ones between them
-    // rather than seek around them.
-    let cfg = lamina_core::EngineConfig {
-        gc_read_gap_blocks: (gap / 4096) as u32,
-        ..Default::default()
-    };
-    let mut l = Inline::new(vec![hm.clone() as Arc<dyn BlockDevice>], &params, cfg)?;
+    let (hm, mut l) =
+        lamina_on_hm_smr(hm_cfg.clone(), capacity, op, unit, gap, Default::default())?;
     let vol = l.volume_bytes;
     let t0 = hm.clock_us();
     for off in (0..vol).step_by(io as usize) {
