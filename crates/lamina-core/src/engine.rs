@@ -2784,8 +2784,11 @@ impl Engine {
                 "volume size {size_bytes} must be a positive multiple of 4096 bytes"
             )));
         }
-        if size_bytes / BLOCK_SIZE_U64 > lamina_format::unit::MAX_RECORD_LBA {
-            return Err(EngineError::Invalid("volume too large".into()));
+        if size_bytes / BLOCK_SIZE_U64 > crate::map::MAX_BLOCKS {
+            return Err(EngineError::Invalid(format!(
+                "volume size {size_bytes} is too large: at most {} (16 PiB)",
+                crate::map::MAX_BLOCKS * BLOCK_SIZE_U64
+            )));
         }
         if self
             .volumes

@@ -143,10 +143,7 @@ impl Engine {
             .filter(|v| v.deleting.is_none())
         {
             let map = &v.shared.map;
-            let used: Vec<u32> = (0..map.pages())
-                .filter(|&p| map.page_in_use(p))
-                .map(|p| p as u32)
-                .collect();
+            let used = map.used_pages();
             pages.extend(used.iter().map(|&p| (vols.len(), p)));
             vols.push(v.shared.clone());
             volumes.push(VolumeRecord {

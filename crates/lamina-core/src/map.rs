@@ -11,11 +11,11 @@
 //! That is the logical value every caller sees. In memory, entries are bit-packed at
 //! the width the array needs (see [`Map`]): at most four bytes per 4 KiB block, 29
 //! bits for a 1 TiB array, which is what keeps memory under 1 GiB of map per TiB of
-//! volume. Client threads read the map while the engine thread, its only writer,
+//! data, in pages made only where data was written. Client threads read the map while the engine thread, its only writer,
 //! updates it.
 
 use crate::types::Pba;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicPtr, AtomicU64, Ordering};
 
 pub const UNMAPPED: u32 = 0;
 pub const BAD: u32 = u32::MAX;
@@ -57,46 +57,68 @@ pub fn encode_buffer(slot: u32) -> u32 {
 
 /// Entries per seqlock page, the same as a checkpoint map page.
 pub const PAGE_ENTRIES: usize = lamina_format::checkpoint::MAP_ENTRIES_PER_PAGE;
+const PAGE_SHIFT: u32 = PAGE_ENTRIES.trailing_zeros();
+/// Children of an inner node of the page tree.
+const FAN_BITS: u32 = 10;
+const FAN: usize = 1 << FAN_BITS;
+/// Largest root: up to this many children the tree grows no deeper.
+const ROOT_MAX: u64 = 4096;
+/// Words at the head of a page: the sequence counter, then the read bits.
+const SEQ_WORD: usize = 0;
+const READ_WORDS: usize = PAGE_ENTRIES / 64;
+const HEAD_WORDS: usize = 1 + READ_WORDS;
+/// Largest volume a map can describe: checkpoints name map pages by a `u32`.
+pub const MAX_BLOCKS: u64 = (u32::MAX as u64 + 1) * PAGE_ENTRIES as u64;
 
-/// The map of one volume, bit-packed.
+/// The map of one volume: a tree of pages, bit-packed.
+///
+/// **Memory follows what is stored.** Entries live in pages of 1024, and a page
+/// exists only once an entry in it was mapped: an unwritten (thin) range costs
+/// nothing, whatever the volume's size. Pages hang from a tree of inner nodes of
+/// 1024 children; its height follows the volume's size (one level up to 16 GiB,
+/// two up to 16 TiB, three beyond), so a lookup is one to three pointer loads plus
+/// the page. Pages and nodes, once made, live as long as the map (readers hold no
+/// lock, so nothing is freed under them); a page emptied by trims is dropped at the
+/// next start, which rebuilds the map from the checkpoint's used pages.
 ///
 /// An entry needs only enough bits for the array's block count plus the write-buffer
 /// slots plus two special values: 25 bits for a 64 GiB array, 29 for 1 TiB, 32 at the
 /// 16 TiB limit. Entries are packed at that width into 64-bit words, and an entry may
 /// straddle two words, so a reader cannot load it with one atomic operation. Instead
-/// each page of 1024 entries has a sequence counter (a seqlock): the engine, the only
-/// writer, makes it odd while it changes an entry of the page and even again after;
-/// a reader retries when the counter was odd or changed while it read. Writes are
-/// rare enough per page that readers practically never retry.
+/// each page has a sequence counter (a seqlock): the engine, the only writer, makes it
+/// odd while it changes an entry of the page and even again after; a reader retries
+/// when the counter was odd or changed while it read. Writes are rare enough per page
+/// that readers practically never retry.
 pub struct Map {
-    words: Box<[AtomicU64]>,
-    seqs: Box<[AtomicU32]>,
+    root: Box<[AtomicPtr<AtomicU64>]>,
+    /// Pointer levels from the root to the pages (1: the root holds pages).
+    height: u32,
+    /// Words of one page: head, then the packed entries and a spare word so that a
+    /// straddling read of the last entry stays in bounds.
+    page_words: usize,
     len: u64,
     width: u32,
     mask: u64,
     /// Largest device code: the array's block count (codes 1..=pba_codes are PBA+1).
     pba_codes: u32,
     buffer_slots: u32,
-    /// One bit per block: read from the device since GC last moved it (read heat
-    /// for geometry-aware placement; only kept when that is on).
-    read: Box<[AtomicU64]>,
 }
 
-fn zeroed_atomics<T>(n: usize) -> Box<[T]> {
-    if n == 0 {
-        return Vec::new().into_boxed_slice();
-    }
-    let layout = std::alloc::Layout::array::<T>(n).expect("map too large");
-    // SAFETY: the atomics used here are valid when zeroed; the box owns an allocation
-    // made with the layout of exactly `n` elements. Zeroed memory is backed by the
-    // kernel only once written, so an unwritten (thin) map costs no RAM.
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout) as *mut T;
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n))
-    }
+/// A zeroed array of `n` words or pointers, leaked: the tree owns it until `Drop`.
+fn zeroed_block<T>(n: usize) -> *mut T {
+    let v: Vec<u64> = vec![0; n];
+    debug_assert_eq!(std::mem::size_of::<T>(), 8);
+    Box::into_raw(v.into_boxed_slice()) as *mut T
+}
+
+/// Frees what [`zeroed_block`] made.
+///
+/// SAFETY: `p` came from `zeroed_block::<T>(n)` and is freed once.
+unsafe fn free_block<T>(p: *mut T, n: usize) {
+    drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+        p as *mut u64,
+        n,
+    )));
 }
 
 impl Map {
@@ -104,19 +126,127 @@ impl Map {
     /// blocks and `buffer_slots` write-buffer slots.
     pub fn new(blocks: u64, array_blocks: u32, buffer_slots: u32) -> Self {
         assert!(array_blocks < PBA_LIMIT && buffer_slots < BAD - BUFFER_BASE);
+        assert!(
+            blocks <= MAX_BLOCKS,
+            "volume of {blocks} blocks beyond the map's limit"
+        );
         let largest = array_blocks as u64 + buffer_slots as u64 + 1;
         let width = 64 - largest.leading_zeros();
-        let bits = blocks * width as u64;
+        let pages = blocks.div_ceil(PAGE_ENTRIES as u64).max(1);
+        let mut height = 1;
+        let mut span = 1u64; // pages under one root child
+        while pages.div_ceil(span) > ROOT_MAX {
+            span <<= FAN_BITS;
+            height += 1;
+        }
+        let root = (0..pages.div_ceil(span))
+            .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+            .collect();
         Map {
-            // One spare word so a straddling read of the last entry stays in bounds.
-            words: zeroed_atomics(bits.div_ceil(64) as usize + 1),
-            seqs: zeroed_atomics(blocks.div_ceil(PAGE_ENTRIES as u64) as usize),
+            root,
+            height,
+            page_words: HEAD_WORDS + PAGE_ENTRIES * width as usize / 64 + 1,
             len: blocks,
             width,
             mask: (1u64 << width) - 1,
             pba_codes: array_blocks,
             buffer_slots,
-            read: zeroed_atomics(blocks.div_ceil(64) as usize),
+        }
+    }
+
+    /// The page holding `lba`, if one was made.
+    #[inline]
+    fn page_of(&self, lba: u64) -> Option<&[AtomicU64]> {
+        let page = lba >> PAGE_SHIFT;
+        let mut level = self.height - 1;
+        let mut p = self.root[(page >> (FAN_BITS * level)) as usize].load(Ordering::Acquire);
+        while level > 0 {
+            if p.is_null() {
+                return None;
+            }
+            level -= 1;
+            // SAFETY: a non-null child of an inner level is an inner node of FAN
+            // pointers made by `page_mut`, alive as long as `self`.
+            let node = p as *const AtomicPtr<AtomicU64>;
+            let i = ((page >> (FAN_BITS * level)) as usize) & (FAN - 1);
+            p = unsafe { &*node.add(i) }.load(Ordering::Acquire);
+        }
+        // SAFETY: a non-null child of the last level is a page of `page_words` words,
+        // published with Release after it was zeroed, alive as long as `self`.
+        (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, self.page_words) })
+    }
+
+    /// The page holding `lba`, made if missing (the engine thread, or recovery).
+    fn page_mut(&self, lba: u64) -> &[AtomicU64] {
+        let page = lba >> PAGE_SHIFT;
+        let mut level = self.height - 1;
+        let mut slot = &self.root[(page >> (FAN_BITS * level)) as usize];
+        loop {
+            let n = if level == 0 { self.page_words } else { FAN };
+            let mut p = slot.load(Ordering::Acquire);
+            if p.is_null() {
+                let fresh = zeroed_block::<AtomicU64>(n);
+                p = match slot.compare_exchange(
+                    std::ptr::null_mut(),
+                    fresh,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => fresh,
+                    Err(theirs) => {
+                        // SAFETY: `fresh` was never published.
+                        unsafe { free_block(fresh, n) };
+                        theirs
+                    }
+                };
+            }
+            if level == 0 {
+                // SAFETY: as in `page_of`.
+                return unsafe { std::slice::from_raw_parts(p, n) };
+            }
+            level -= 1;
+            let node = p as *const AtomicPtr<AtomicU64>;
+            let i = ((page >> (FAN_BITS * level)) as usize) & (FAN - 1);
+            // SAFETY: as in `page_of`.
+            slot = unsafe { &*node.add(i) };
+        }
+    }
+
+    /// Calls `f` with every page made so far, in LBA order (the engine thread).
+    fn for_each_page(&self, mut f: impl FnMut(u64, &[AtomicU64])) {
+        fn walk(
+            map: &Map,
+            p: *mut AtomicU64,
+            level: u32,
+            first: u64,
+            f: &mut dyn FnMut(u64, &[AtomicU64]),
+        ) {
+            if p.is_null() {
+                return;
+            }
+            if level == 0 {
+                // SAFETY: as in `page_of`.
+                return f(first, unsafe {
+                    std::slice::from_raw_parts(p, map.page_words)
+                });
+            }
+            let node = p as *const AtomicPtr<AtomicU64>;
+            for i in 0..FAN {
+                // SAFETY: as in `page_of`.
+                let c = unsafe { &*node.add(i) }.load(Ordering::Acquire);
+                walk(
+                    map,
+                    c,
+                    level - 1,
+                    first + ((i as u64) << (FAN_BITS * (level - 1))),
+                    f,
+                );
+            }
+        }
+        let level = self.height - 1;
+        for (i, c) in self.root.iter().enumerate() {
+            let first = (i as u64) << (FAN_BITS * level);
+            walk(self, c.load(Ordering::Acquire), level, first, &mut f);
         }
     }
 
@@ -125,30 +255,43 @@ impl Map {
         let mut l = lba;
         let end = (lba + n).min(self.len);
         while l < end {
-            let w = (l / 64) as usize;
             let hi = end.min((l / 64 + 1) * 64);
             let bits = if hi - l == 64 {
                 u64::MAX
             } else {
                 ((1u64 << (hi - l)) - 1) << (l % 64)
             };
-            if self.read[w].load(Ordering::Relaxed) & bits != bits {
-                self.read[w].fetch_or(bits, Ordering::Relaxed);
+            // Blocks read from a device are mapped, so their page exists.
+            if let Some(page) = self.page_of(l) {
+                let w = &page[1 + (l as usize % PAGE_ENTRIES) / 64];
+                if w.load(Ordering::Relaxed) & bits != bits {
+                    w.fetch_or(bits, Ordering::Relaxed);
+                }
             }
             l = hi;
         }
     }
 
+    fn read_word(&self, lba: u64) -> Option<&AtomicU64> {
+        if lba >= self.len {
+            return None;
+        }
+        self.page_of(lba)
+            .map(|p| &p[1 + (lba as usize % PAGE_ENTRIES) / 64])
+    }
+
     /// Whether `lba` was read since its mark was last cleared.
     pub fn was_read(&self, lba: u64) -> bool {
-        let (w, bit) = ((lba / 64) as usize, 1u64 << (lba % 64));
-        w < self.read.len() && self.read[w].load(Ordering::Relaxed) & bit != 0
+        self.read_word(lba)
+            .is_some_and(|w| w.load(Ordering::Relaxed) & (1 << (lba % 64)) != 0)
     }
 
     /// Whether `lba` was read since the last call for it (and clears the mark).
     pub fn take_read(&self, lba: u64) -> bool {
-        let (w, bit) = ((lba / 64) as usize, 1u64 << (lba % 64));
-        w < self.read.len() && self.read[w].fetch_and(!bit, Ordering::Relaxed) & bit != 0
+        let bit = 1u64 << (lba % 64);
+        self.read_word(lba).is_some_and(|w| {
+            w.load(Ordering::Relaxed) & bit != 0 && w.fetch_and(!bit, Ordering::Relaxed) & bit != 0
+        })
     }
 
     /// Bits per entry.
@@ -194,14 +337,15 @@ impl Map {
         }
     }
 
+    /// The packed code of entry `i` of `page`.
     #[inline]
-    fn raw(&self, lba: u64) -> u64 {
-        let bit = lba * self.width as u64;
-        let w = (bit / 64) as usize;
+    fn raw(&self, page: &[AtomicU64], i: usize) -> u64 {
+        let bit = i * self.width as usize;
+        let w = HEAD_WORDS + bit / 64;
         let o = (bit % 64) as u32;
-        let lo = self.words[w].load(Ordering::Relaxed) >> o;
+        let lo = page[w].load(Ordering::Relaxed) >> o;
         let v = if o + self.width > 64 {
-            lo | (self.words[w + 1].load(Ordering::Relaxed) << (64 - o))
+            lo | (page[w + 1].load(Ordering::Relaxed) << (64 - o))
         } else {
             lo
         };
@@ -211,14 +355,18 @@ impl Map {
     #[inline]
     fn read(&self, lba: u64, first: Ordering) -> u32 {
         assert!(lba < self.len, "map index {lba} out of range");
-        let seq = &self.seqs[lba as usize / PAGE_ENTRIES];
+        let Some(page) = self.page_of(lba) else {
+            return UNMAPPED;
+        };
+        let seq = &page[SEQ_WORD];
+        let i = lba as usize % PAGE_ENTRIES;
         loop {
             let s1 = seq.load(first);
             if s1 & 1 == 1 {
                 std::hint::spin_loop();
                 continue;
             }
-            let v = self.raw(lba);
+            let v = self.raw(page, i);
             fence(Ordering::Acquire);
             if seq.load(Ordering::Relaxed) == s1 {
                 return self.decode_code(v);
@@ -242,21 +390,30 @@ impl Map {
     #[inline]
     pub fn store(&self, lba: u64, e: u32) {
         assert!(lba < self.len, "map index {lba} out of range");
+        let page = if e == UNMAPPED {
+            // Unmapping where nothing was mapped makes no page.
+            match self.page_of(lba) {
+                Some(p) => p,
+                None => return,
+            }
+        } else {
+            self.page_mut(lba)
+        };
         let code = self.encode_code(e);
-        let seq = &self.seqs[lba as usize / PAGE_ENTRIES];
+        let seq = &page[SEQ_WORD];
         let s = seq.load(Ordering::Relaxed);
         seq.store(s.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
-        let bit = lba * self.width as u64;
-        let w = (bit / 64) as usize;
+        let bit = (lba as usize % PAGE_ENTRIES) * self.width as usize;
+        let w = HEAD_WORDS + bit / 64;
         let o = (bit % 64) as u32;
-        let word = self.words[w].load(Ordering::Relaxed);
-        self.words[w].store((word & !(self.mask << o)) | (code << o), Ordering::Relaxed);
+        let word = page[w].load(Ordering::Relaxed);
+        page[w].store((word & !(self.mask << o)) | (code << o), Ordering::Relaxed);
         if o + self.width > 64 {
             let spill = o + self.width - 64;
             let hi_mask = (1u64 << spill) - 1;
-            let word = self.words[w + 1].load(Ordering::Relaxed);
-            self.words[w + 1].store((word & !hi_mask) | (code >> (64 - o)), Ordering::Relaxed);
+            let word = page[w + 1].load(Ordering::Relaxed);
+            page[w + 1].store((word & !hi_mask) | (code >> (64 - o)), Ordering::Relaxed);
         }
         // Sequentially consistent, so that a reader's pin is ordered with it.
         seq.store(s.wrapping_add(2), Ordering::SeqCst);
@@ -265,25 +422,79 @@ impl Map {
     /// Entries of one 1024-entry page, for checkpoints (engine thread).
     pub fn page(&self, page: u64, out: &mut [u32; PAGE_ENTRIES]) {
         let start = page * PAGE_ENTRIES as u64;
+        let p = self.page_of(start);
         for (i, o) in out.iter_mut().enumerate() {
-            let lba = start + i as u64;
-            *o = if lba < self.len {
-                self.decode_code(self.raw(lba))
-            } else {
-                UNMAPPED
+            *o = match p {
+                Some(p) if start + (i as u64) < self.len => self.decode_code(self.raw(p, i)),
+                _ => UNMAPPED,
             };
         }
     }
 
-    /// True when a page has any mapped entry (engine thread).
-    pub fn page_in_use(&self, page: u64) -> bool {
-        let start = page * PAGE_ENTRIES as u64;
-        let end = (start + PAGE_ENTRIES as u64).min(self.len);
-        (start..end).any(|lba| self.raw(lba) != 0)
+    /// The pages that hold a mapped entry, in order (engine thread, for checkpoints).
+    pub fn used_pages(&self) -> Vec<u32> {
+        let mut used = Vec::new();
+        self.for_each_page(|page, p| {
+            if (0..PAGE_ENTRIES).any(|i| self.raw(p, i) != 0) {
+                used.push(page as u32);
+            }
+        });
+        used
     }
 
-    pub fn pages(&self) -> u64 {
-        self.len.div_ceil(PAGE_ENTRIES as u64)
+    /// Calls `f(lba, entry)` for every mapped entry, in LBA order, walking only the
+    /// pages that exist (engine thread or recovery; `f` may store into the map).
+    pub fn for_each_mapped(&self, mut f: impl FnMut(u64, u32)) {
+        self.for_each_page(|page, p| {
+            let first = page * PAGE_ENTRIES as u64;
+            for i in 0..PAGE_ENTRIES.min((self.len - first) as usize) {
+                let c = self.raw(p, i);
+                if c != 0 {
+                    f(first + i as u64, self.decode_code(c));
+                }
+            }
+        });
+    }
+
+    /// Pages made so far (memory: each is `page_bytes()`).
+    pub fn pages_made(&self) -> u64 {
+        let mut n = 0;
+        self.for_each_page(|_, _| n += 1);
+        n
+    }
+
+    /// Bytes of one page in memory.
+    pub fn page_bytes(&self) -> usize {
+        self.page_words * 8
+    }
+}
+
+impl Drop for Map {
+    fn drop(&mut self) {
+        fn free(map: &Map, p: *mut AtomicU64, level: u32) {
+            if p.is_null() {
+                return;
+            }
+            if level > 0 {
+                let node = p as *const AtomicPtr<AtomicU64>;
+                for i in 0..FAN {
+                    // SAFETY: as in `page_of`; children are freed before their node.
+                    free(
+                        map,
+                        unsafe { &*node.add(i) }.load(Ordering::Relaxed),
+                        level - 1,
+                    );
+                }
+                // SAFETY: made by `page_mut` with FAN words, freed once.
+                unsafe { free_block(p, FAN) };
+            } else {
+                // SAFETY: made by `page_mut` with `page_words` words, freed once.
+                unsafe { free_block(p, map.page_words) };
+            }
+        }
+        for c in self.root.iter() {
+            free(self, c.load(Ordering::Relaxed), self.height - 1);
+        }
     }
 }
 
@@ -369,6 +580,95 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         for r in readers {
             assert!(r.join().unwrap() > 0);
+        }
+    }
+
+    #[test]
+    fn a_huge_thin_map_costs_memory_only_where_written() {
+        // 100 TiB of volume: three levels, nothing made until written.
+        let blocks = 100u64 << 28;
+        let m = Map::new(blocks, 1 << 18, 1024);
+        assert_eq!(m.pages_made(), 0);
+        assert!(m.used_pages().is_empty());
+        for lba in [0, 12345, blocks / 2, blocks - 1] {
+            assert_eq!(m.load(lba), UNMAPPED);
+            m.store(lba, UNMAPPED); // makes nothing
+        }
+        assert_eq!(m.pages_made(), 0);
+        let far = [blocks - 1, blocks / 3, 5];
+        for (i, &lba) in far.iter().enumerate() {
+            m.store(lba, encode_device(Pba(i as u32 + 7)));
+        }
+        for (i, &lba) in far.iter().enumerate() {
+            assert_eq!(m.load(lba), encode_device(Pba(i as u32 + 7)));
+            assert_eq!(m.load(lba ^ 1), UNMAPPED);
+        }
+        assert_eq!(m.pages_made(), 3);
+        let mut want: Vec<u32> = far
+            .iter()
+            .map(|l| (l / PAGE_ENTRIES as u64) as u32)
+            .collect();
+        want.sort();
+        assert_eq!(m.used_pages(), want);
+        let mut out = [0u32; PAGE_ENTRIES];
+        m.page((blocks - 1) / PAGE_ENTRIES as u64, &mut out);
+        assert_eq!(
+            out[((blocks - 1) % PAGE_ENTRIES as u64) as usize],
+            encode_device(Pba(7))
+        );
+        assert_eq!(out.iter().filter(|&&e| e != UNMAPPED).count(), 1);
+        let mut seen = Vec::new();
+        m.for_each_mapped(|lba, e| seen.push((lba, e)));
+        assert_eq!(
+            seen,
+            vec![
+                (5, encode_device(Pba(9))),
+                (blocks / 3, encode_device(Pba(8))),
+                (blocks - 1, encode_device(Pba(7)))
+            ]
+        );
+        // Unmapped again: the page stays made, but checkpoints skip it.
+        m.store(5, UNMAPPED);
+        assert_eq!(m.used_pages().len(), 2);
+        // Read marks live in the pages too.
+        m.mark_read(blocks - 2, 2);
+        assert!(m.was_read(blocks - 1) && m.take_read(blocks - 1) && !m.was_read(blocks - 1));
+        assert!(!m.was_read(77) && !m.take_read(77));
+    }
+
+    #[test]
+    fn every_tree_height_finds_its_entries() {
+        // One, two and three levels (the root holds at most 4096 children).
+        for blocks in [
+            1u64,
+            1000,
+            4096 * 1024,
+            4096 * 1024 + 1,
+            1 << 33,
+            (1 << 42) - 3,
+        ] {
+            let m = Map::new(blocks, 1 << 20, 16);
+            let lbas: Vec<u64> = (0..64u64)
+                .map(|i| (i * 0x9E37_79B9_7F4A_7C15) % blocks)
+                .chain([0, blocks - 1])
+                .collect();
+            for &l in &lbas {
+                m.store(l, encode_device(Pba((l % (1 << 20)) as u32)));
+            }
+            for &l in &lbas {
+                assert_eq!(
+                    m.load(l),
+                    encode_device(Pba((l % (1 << 20)) as u32)),
+                    "{l} of {blocks}"
+                );
+            }
+            let used = m.used_pages();
+            assert!(used.windows(2).all(|w| w[0] < w[1]));
+            for &l in &lbas {
+                assert!(used
+                    .binary_search(&((l / PAGE_ENTRIES as u64) as u32))
+                    .is_ok());
+            }
         }
     }
 }

@@ -89,6 +89,12 @@ pub struct RecoveryReport {
     pub trims_replayed: u64,
     pub releases_seen: u64,
     pub torn_blocks_ignored: u64,
+    /// Parity resync of the rows written after the last durable point (striped
+    /// layouts with parity): rows checked, rows whose parity did not match, and rows
+    /// left unprotected (sent to GC to be moved).
+    pub resync_rows: u64,
+    pub resync_mismatched: u64,
+    pub resync_unprotected: u64,
     pub bytes_read: u64,
     pub warnings: Vec<String>,
 }
@@ -1150,6 +1156,51 @@ pub fn open_unfinished(
         }
     }
 
+    // ---- the write hole: rows written after the last durable point may hold new
+    // data on some members and old content on others, so their parity is made to
+    // match what the members hold before anything is trusted to it (docs/design.md,
+    // "The write hole"). Units vouched for were synced whole, and rows are never
+    // rewritten in place, so only the units checked above, and summaries (written
+    // after their segment's last unit, with no mark of their own), need it.
+    if let Some(st) = shared.striped.as_ref().filter(|st| st.shape().parity > 0) {
+        let mut total = lamina_device::striped::ResyncStats::default();
+        for f in found
+            .iter()
+            .filter(|f| !released.contains(&(f.seg, f.incarnation)))
+        {
+            // (first block, blocks) of each range to resync
+            let mut ranges: Vec<(u32, u32)> = Vec::new();
+            if let Some(u) = f.units.iter().find(|u| !vouched(u)) {
+                ranges.push((u.offset, f.end - u.offset));
+            }
+            if f.has_summary {
+                ranges.push((geo.data_end, geo.summary_blocks));
+            }
+            for (from, len) in ranges {
+                let (_, off) = geo.locate(SegmentId(f.seg), from);
+                let r = st.resync(off, len as usize * BLOCK_SIZE).map_err(|e| {
+                    EngineError::Io(format!("parity resync of segment {}: {e}", f.seg))
+                })?;
+                total.add(&r);
+            }
+        }
+        report.resync_rows = total.rows;
+        report.resync_mismatched = total.rows_mismatched;
+        report.resync_unprotected = total.unprotected;
+        if total.parity_rewritten > 0 {
+            shared.devices[geo.members]
+                .sync()
+                .map_err(|e| EngineError::Io(format!("sync after parity resync: {e}")))?;
+        }
+        if total.unprotected > 0 {
+            report.warnings.push(format!(
+                "{} rows written before the crash could not get matching parity (a member \
+                 unavailable, or zoned members); their live blocks will be moved by GC",
+                total.unprotected
+            ));
+        }
+    }
+
     // ---- replay in version order
     enum Ev {
         Data { volume: u16, lba: u64, pba: u32 },
@@ -1301,14 +1352,10 @@ pub fn open_unfinished(
     let mut live_per_volume = Vec::new();
     for (v, _) in &volumes {
         let mut live = 0u64;
-        for lba in 0..v.map.len() {
-            let e = v.map.load(lba);
-            if e == UNMAPPED {
-                continue;
-            }
+        v.map.for_each_mapped(|lba, e| {
             live += 1;
             if e == BAD {
-                continue;
+                return;
             }
             let pba = (e - 1) as u64;
             let ok = pba < limit_blocks && {
@@ -1324,7 +1371,7 @@ pub fn open_unfinished(
                 ));
                 v.map.store(lba, BAD);
             }
-        }
+        });
         live_per_volume.push(live);
     }
     for s in segs.iter_mut() {

@@ -10,13 +10,22 @@
 //! * that version is the one acknowledged before the last completed flush, or a
 //!   version written after it (the NBD durability contract).
 //!
+//! Parity arrays run the same workload over one simulated disk per member. A power
+//! cut then keeps or drops each member's unsynced writes on its own (members synced
+//! in any order), and after recovery every single member (for SAID6, every pair) is
+//! lost in turn: each block must still read back exactly as it did after recovery.
+//! That is the RAID write hole; recovery closes it by resyncing the parity of rows
+//! written after the last durable point.
+//!
 //! Failures print the seed; `LAMINA_CRASH_SEED=<seed>` replays one case.
 
 mod common;
 use common::*;
 use lamina_core::{Request, Token, VolumeId};
 use lamina_device::crash::{CrashDevice, PowerCut};
-use lamina_device::BlockDevice;
+use lamina_device::fault::FaultDevice;
+use lamina_device::mem::MemDevice;
+use lamina_format::superblock::Layout;
 use lamina_testkit::{FlushMark, Oracle, WriteMark};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
@@ -31,7 +40,8 @@ struct Outstanding {
 
 struct Run {
     rng: rand::rngs::StdRng,
-    dev: Arc<CrashDevice>,
+    devs: Vec<Arc<CrashDevice>>,
+    layout: Layout,
     engine: lamina_core::Engine,
     driver: Driver,
     vol: VolumeId,
@@ -119,23 +129,43 @@ impl Run {
         self.outstanding.writes.insert(h, (first, mark));
     }
 
+    /// Images a power cut leaves: each member keeps its unsynced sectors with its
+    /// own probability (one member may have synced everything, another nothing).
+    fn power_cut(&mut self, devs: &[Arc<CrashDevice>]) -> (Vec<Arc<CrashDevice>>, String) {
+        let shared_keep = [0.0, 0.5, 0.9, 1.0][self.rng.gen_range(0..4)];
+        let mut keeps = Vec::new();
+        let out = devs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let keep = if devs.len() == 1 {
+                    shared_keep
+                } else {
+                    [0.0, 0.5, 1.0][self.rng.gen_range(0..3)]
+                };
+                keeps.push(keep);
+                let image = d.power_cut(
+                    &mut self.rng,
+                    PowerCut {
+                        keep_probability: keep,
+                    },
+                );
+                Arc::new(CrashDevice::from_image(format!("crash{i}"), image))
+            })
+            .collect();
+        (out, format!("keep {keeps:?}"))
+    }
+
     /// Cuts the power, recovers from the surviving image and checks every block.
     fn crash_and_check(&mut self, round: usize) {
-        let keep = [0.0, 0.5, 0.9, 1.0][self.rng.gen_range(0..4)];
-        let image = self.dev.power_cut(
-            &mut self.rng,
-            PowerCut {
-                keep_probability: keep,
-            },
-        );
+        let devs = self.devs.clone();
+        let (mut devs, mut keep) = self.power_cut(&devs);
         self.driver.queue.clear();
-        let mut dev = Arc::new(CrashDevice::from_image("crash0", image));
         // Sometimes the power fails again while recovery writes the checkpoint of
         // what it recovered: the next recovery must still find exactly the same.
         if self.rng.gen_bool(0.3) {
-            let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
             let (mut half, _) = lamina_core::open_unfinished(
-                devs,
+                dyn_devs(&devs),
                 small_config(),
                 lamina_core::OpenMode::ReadWrite,
             )
@@ -143,51 +173,126 @@ impl Run {
             let mut drv = Driver::new();
             let n = self.rng.gen_range(0..40);
             drv.step(&mut half, &mut self.rng, n);
-            let keep2 = [0.0, 0.5, 1.0][self.rng.gen_range(0..3)];
-            let image = dev.power_cut(
-                &mut self.rng,
-                PowerCut {
-                    keep_probability: keep2,
-                },
-            );
-            dev = Arc::new(CrashDevice::from_image("crash0", image));
+            let (d, k) = self.power_cut(&devs);
+            devs = d;
+            keep = format!("{keep}, then {k}");
         }
-        let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
-        let (engine, _report) =
-            lamina_core::open(devs, small_config(), lamina_core::OpenMode::ReadWrite)
-                .unwrap_or_else(|e| {
-                    panic!("seed {} round {round}: recovery failed: {e}", self.seed)
-                });
+        let (engine, _report) = lamina_core::open(
+            dyn_devs(&devs),
+            small_config(),
+            lamina_core::OpenMode::ReadWrite,
+        )
+        .unwrap_or_else(|e| panic!("seed {} round {round}: recovery failed: {e}", self.seed));
         self.engine = engine;
-        self.dev = dev;
+        self.devs = devs;
         let vol = self.engine.shared().volume("v").expect("volume survives");
         assert_eq!(vol.id, self.vol);
         let mut observed = Vec::new();
+        let mut contents = Vec::new();
         for lba in 0..self.blocks {
             let b = read_block(&self.engine, self.vol, lba);
             let v = self
                 .model
                 .check(lba, &b)
-                .unwrap_or_else(|e| panic!("seed {} round {round} (keep {keep}): {e}", self.seed));
+                .unwrap_or_else(|e| panic!("seed {} round {round} ({keep}): {e}", self.seed));
             observed.push(v);
+            contents.push(b);
         }
+        self.lose_members_and_check(round, &keep, &contents);
         self.model.reset_to(&observed);
         self.outstanding = Outstanding::default();
+    }
+
+    /// After recovery, loses every member (every pair, for SAID6) in turn: every
+    /// block must read back as it did with all members present.
+    fn lose_members_and_check(&mut self, round: usize, keep: &str, contents: &[Vec<u8>]) {
+        let n = self.devs.len();
+        let losses: Vec<Vec<usize>> = match self.layout {
+            Layout::Said5 => (0..n).map(|a| vec![a]).collect(),
+            Layout::Said6 => (0..n)
+                .flat_map(|a| (a + 1..n).map(move |b| vec![a, b]))
+                .collect(),
+            _ => return,
+        };
+        // The members as they are now (recovery's own writes included).
+        let images: Vec<Vec<u8>> = self
+            .devs
+            .iter()
+            .map(|d| {
+                d.power_cut(
+                    &mut self.rng,
+                    PowerCut {
+                        keep_probability: 1.0,
+                    },
+                )
+            })
+            .collect();
+        for lost in losses {
+            let members: Vec<Arc<FaultDevice>> = images
+                .iter()
+                .enumerate()
+                .map(|(i, im)| {
+                    let f = Arc::new(FaultDevice::new(Arc::new(MemDevice::from_image(
+                        format!("m{i}"),
+                        im.clone(),
+                    ))));
+                    if lost.contains(&i) {
+                        f.vanish();
+                    }
+                    f
+                })
+                .collect();
+            let (e, _) = lamina_core::open(
+                dyn_devs(&members),
+                small_config(),
+                lamina_core::OpenMode::ReadOnly,
+            )
+            .unwrap_or_else(|e| {
+                panic!(
+                    "seed {} round {round}: open without {lost:?} failed: {e}",
+                    self.seed
+                )
+            });
+            let v = e.shared().volume_by_id(self.vol).unwrap();
+            for lba in 0..self.blocks {
+                let mut b = vec![0u8; BS];
+                let r = e.shared().read(&v, lba * BS as u64, &mut b);
+                assert!(
+                    r.is_ok() && b == contents[lba as usize],
+                    "seed {} round {round} ({keep}): block {lba} changed when members {lost:?} \
+                     were lost ({:?}): the write hole",
+                    self.seed,
+                    r.err()
+                );
+            }
+        }
     }
 }
 
 fn run_seed(seed: u64, ops: usize, crashes: usize) {
+    run_layout(seed, ops, crashes, Layout::Jbod, 1);
+}
+
+fn run_layout(seed: u64, ops: usize, crashes: usize, layout: Layout, members: usize) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let dev = Arc::new(CrashDevice::new("crash0", device_bytes(48)));
-    let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
-    format_devices(&devs, &small_params());
-    let mut engine = open_rw(&devs, small_config());
+    let segments = if members == 1 { 48 } else { 24 };
+    let devs: Vec<Arc<CrashDevice>> = (0..members)
+        .map(|i| {
+            Arc::new(CrashDevice::new(
+                format!("crash{i}"),
+                device_bytes(segments),
+            ))
+        })
+        .collect();
+    format_devices(&dyn_devs(&devs), &layout_params(layout));
+    let mut engine = open_rw(&dyn_devs(&devs), small_config());
     let usable = engine.usable_bytes() / BS as u64;
     let blocks = usable * 7 / 10;
     let vol = create_volume(&mut engine, "v", blocks * BS as u64);
     let mut run = Run {
         rng: rand::rngs::StdRng::seed_from_u64(rng.gen()),
-        dev,
+        devs,
+        layout,
         engine,
         driver: Driver::new(),
         vol,
@@ -218,17 +323,39 @@ fn run_seed(seed: u64, ops: usize, crashes: usize) {
     }
 }
 
-#[test]
-fn power_cuts_never_lose_flushed_writes() {
+/// Seeds to run: `LAMINA_CRASH_SEED` replays one, `LAMINA_CRASH_SEEDS` sets how many.
+fn seeds(default: u64) -> std::ops::Range<u64> {
     if let Ok(seed) = std::env::var("LAMINA_CRASH_SEED") {
-        run_seed(seed.parse().unwrap(), 3000, 4);
-        return;
+        let s: u64 = seed.parse().unwrap();
+        return s..s + 1;
     }
-    let seeds: u64 = std::env::var("LAMINA_CRASH_SEEDS")
+    let n = std::env::var("LAMINA_CRASH_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(24);
-    for seed in 0..seeds {
+        .unwrap_or(default);
+    0..n
+}
+
+#[test]
+fn power_cuts_never_lose_flushed_writes() {
+    for seed in seeds(24) {
         run_seed(seed, 3000, 4);
+    }
+}
+
+/// The RAID write hole: SAID5 over four members, each keeping or dropping its
+/// unsynced writes on its own at a power cut; then each member is lost in turn.
+#[test]
+fn said5_power_cuts_then_a_member_loss_keep_every_block() {
+    for seed in seeds(8) {
+        run_layout(seed, 2000, 3, Layout::Said5, 4);
+    }
+}
+
+/// As above for SAID6 over five members, losing every pair in turn.
+#[test]
+fn said6_power_cuts_then_two_member_losses_keep_every_block() {
+    for seed in seeds(4) {
+        run_layout(seed, 2000, 3, Layout::Said6, 5);
     }
 }

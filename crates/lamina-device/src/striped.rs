@@ -62,6 +62,28 @@ impl StripeShape {
     }
 }
 
+/// What [`Striped::resync_rows`] found and did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ResyncStats {
+    pub rows: u64,
+    /// Rows whose parity did not match their data.
+    pub rows_mismatched: u64,
+    /// Parity blocks (rows x parity members) rewritten.
+    pub parity_rewritten: u64,
+    /// Rows whose parity could not be made to match (a data member unavailable, or
+    /// zoned members that cannot be rewritten in place).
+    pub unprotected: u64,
+}
+
+impl ResyncStats {
+    pub fn add(&mut self, o: &ResyncStats) {
+        self.rows += o.rows;
+        self.rows_mismatched += o.rows_mismatched;
+        self.parity_rewritten += o.parity_rewritten;
+        self.unprotected += o.unprotected;
+    }
+}
+
 /// What a scrub of some rows found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ScrubStats {
@@ -498,6 +520,108 @@ impl Striped {
             row0 += nr as u64;
         }
         st
+    }
+
+    /// Makes the parity of the rows under `offset..offset + len` match the data on the
+    /// members (recovery's closing of the write hole: rows written after the last
+    /// durable point may hold new data on some members and old content on others).
+    /// Data is read as it is, checksums are not consulted: whatever a member holds is
+    /// what a later reconstruction must give back. Parity that differs is rewritten
+    /// in place; on zoned members it cannot be, and such rows count as unprotected,
+    /// as do rows with a data member unavailable (their parity cannot be known).
+    /// Nothing is synced here.
+    ///
+    /// `offset` and `len` address the striped device, as reads and writes do; every
+    /// row they touch is resynced. A stripe with unprotected rows goes to the repair
+    /// list, so that GC moves its live blocks to rows whose parity is whole.
+    pub fn resync(&self, offset: u64, len: usize) -> Result<ResyncStats, DeviceError> {
+        let (s, b, blocks) = self.split("resync", offset, len)?;
+        let k = self.shape.data as u64;
+        let st = self.resync_rows(s, b / k, (b + blocks).div_ceil(k))?;
+        if st.unprotected > 0 {
+            let mut rep = self.repairs.lock().unwrap();
+            if !rep.contains(&s) {
+                rep.push(s);
+            }
+        }
+        Ok(st)
+    }
+
+    fn resync_rows(&self, s: u64, from: u64, to: u64) -> Result<ResyncStats, DeviceError> {
+        let sh = self.shape;
+        let (n, k) = (sh.members(), sh.data);
+        let mut st = ResyncStats::default();
+        if sh.parity == 0 {
+            return Ok(st);
+        }
+        const BATCH: u64 = 64;
+        let to = to.min(sh.chunk_blocks);
+        let mut row0 = from;
+        while row0 < to {
+            let nr = BATCH.min(to - row0) as usize;
+            let len = nr * BLOCK;
+            let off = sh.member_offset(s, row0);
+            st.rows += nr as u64;
+            let _g = self.stripe_locks[(s as usize) % STRIPE_LOCKS]
+                .lock()
+                .unwrap();
+            let mut cols: Vec<Vec<u8>> = vec![vec![0u8; len]; n];
+            let mut data_ok = true;
+            let mut parity_ok = vec![false; sh.parity];
+            for (j, col) in cols.iter_mut().enumerate() {
+                let m = sh.member(s, j);
+                let ok = self.current(m, s) && self.member_read(m, col, off).is_ok();
+                if j < k {
+                    data_ok &= ok;
+                } else {
+                    parity_ok[j - k] = ok;
+                }
+            }
+            if !data_ok {
+                st.unprotected += nr as u64;
+                row0 += nr as u64;
+                continue;
+            }
+            let mut computed: Vec<Vec<u8>> = vec![vec![0u8; len]; sh.parity];
+            {
+                let refs: Vec<&[u8]> = cols[..k].iter().map(|c| &c[..]).collect();
+                let (p, q) = computed.split_at_mut(1);
+                encode(&refs, &mut p[0], q.first_mut().map(|q| &mut q[..]));
+            }
+            let mut differ = 0;
+            let mut stuck = false;
+            for (pj, c) in computed.iter().enumerate() {
+                let j = k + pj;
+                let m = sh.member(s, j);
+                if parity_ok[pj] && cols[j] == *c {
+                    continue;
+                }
+                differ += (0..nr)
+                    .filter(|&r| {
+                        cols[j][r * BLOCK..(r + 1) * BLOCK] != c[r * BLOCK..(r + 1) * BLOCK]
+                    })
+                    .count() as u64;
+                if !self.current(m, s) {
+                    // A failed member: the rows have its redundancy no longer anyway.
+                    continue;
+                }
+                if self.zoned {
+                    stuck = true;
+                    continue;
+                }
+                self.member(m)
+                    .write_at(c, off)
+                    .inspect_err(|_| self.fail_member(m))?;
+                self.written[m].fetch_add(len as u64, Ordering::Relaxed);
+                st.parity_rewritten += nr as u64;
+            }
+            st.rows_mismatched += differ.min(nr as u64);
+            if stuck {
+                st.unprotected += nr as u64;
+            }
+            row0 += nr as u64;
+        }
+        Ok(st)
     }
 
     /// Reads as if member `member` were lost: its share is rebuilt from the others

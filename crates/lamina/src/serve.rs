@@ -194,7 +194,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let started = Instant::now();
     let (engine, report) = open_array(&dir, OpenMode::ReadWrite)?;
     tracing::info!(
-        "recovered array {:?} in {:.2}s: checkpoint generation {} ({} blocks), {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, {} read",
+        "recovered array {:?} in {:.2}s: checkpoint generation {} ({} blocks), {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, parity of {} rows resynced ({} mismatched), {} read",
         engine.superblock().array_name,
         started.elapsed().as_secs_f64(),
         report.checkpoint_generation,
@@ -204,6 +204,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         report.trims_replayed,
         report.segments_scanned,
         report.torn_blocks_ignored,
+        report.resync_rows,
+        report.resync_mismatched,
         human(report.bytes_read)
     );
     let status = engine.status();

@@ -605,3 +605,103 @@ fn disconnects_mid_request_leave_nothing_stuck() {
     drop(c);
     srv.stop();
 }
+
+/// Resident memory of a process, from /proc.
+fn rss_bytes(pid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kb * 1024
+}
+
+/// Memory follows what is stored, not what a client names: huge thin volumes on a
+/// 1 GiB array, the lamina classifier, writes at the far end of each. The first of
+/// these writes used to abort the server (a per-block array sized by the highest LBA
+/// written); creating the 100 TiB volume used to abort the CLI (the map was reserved
+/// by virtual size).
+#[test]
+fn huge_thin_volumes_cost_memory_for_what_is_written() {
+    let t = TempDir::new("huge");
+    let dir = t.join("arr");
+    create_array(&dir, "1G", &[]);
+    let cfg_path = dir.join("lamina.toml");
+    let cfg = std::fs::read_to_string(&cfg_path).unwrap();
+    assert!(cfg.contains("\n[engine]\n"));
+    let cfg = cfg.replace("\n[engine]\n", "\n[engine]\nclassifier = \"lamina\"\n");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let t0 = std::time::Instant::now();
+    create_volume(&dir, "big", "16T");
+    create_volume(&dir, "huge", "100T");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "creating huge thin volumes took {:?}",
+        t0.elapsed()
+    );
+    let srv = Server::start(&dir);
+    let idle = rss_bytes(srv.pid());
+    for (name, size) in [("big", 16u64 << 40), ("huge", 100u64 << 40)] {
+        let mut c = Client::connect_unix(&srv.sock, name).unwrap();
+        assert_eq!(c.size, size);
+        let blocks = size / BS as u64;
+        let lbas = [blocks - 1, blocks - 4096, blocks / 2 + 17, blocks / 3, 5];
+        for (i, &lba) in lbas.iter().enumerate() {
+            c.write(lba * BS as u64, &pattern(lba, i as u64 + 1), false)
+                .unwrap();
+            // Overwritten once: the classifier keeps state for the block.
+            c.write(lba * BS as u64, &pattern(lba, i as u64 + 2), false)
+                .unwrap();
+        }
+        c.flush().unwrap();
+        for (i, &lba) in lbas.iter().enumerate() {
+            assert_eq!(
+                decode_pattern(lba, &c.read(lba * BS as u64, BS as u32).unwrap()),
+                Ok(i as u64 + 2),
+                "{name} block {lba}"
+            );
+        }
+        assert!(c
+            .read(BS as u64 * 1000, BS as u32)
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+    }
+    let grown = rss_bytes(srv.pid()).saturating_sub(idle);
+    assert!(
+        grown < 64 << 20,
+        "ten blocks written to thin volumes grew the server by {grown} bytes"
+    );
+    // Restart: start-up does not walk the virtual size, and the blocks are there.
+    srv.stop();
+    let t0 = std::time::Instant::now();
+    let srv = Server::start(&dir);
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "restart took {:?}",
+        t0.elapsed()
+    );
+    let mut c = Client::connect_unix(&srv.sock, "huge").unwrap();
+    let last = (100u64 << 40) / BS as u64 - 1;
+    assert_eq!(
+        decode_pattern(last, &c.read(last * BS as u64, BS as u32).unwrap()),
+        Ok(2)
+    );
+    srv.stop();
+    // Beyond the map's limit: a clear refusal, not an abort.
+    let out = lamina_output(&[
+        "volume",
+        "create",
+        dir.to_str().unwrap(),
+        "x",
+        "--size",
+        "32768T",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("too large"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
