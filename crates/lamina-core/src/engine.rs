@@ -139,6 +139,10 @@ pub enum Request {
         offset: u64,
         length: u64,
         fua: bool,
+        /// Keep the range allocated (written as zero blocks) instead of unmapping
+        /// it: NBD's WRITE_ZEROES with NO_HOLE, so that a thin array cannot later
+        /// answer ENOSPC there.
+        allocate: bool,
     },
     /// Make every write acknowledged so far durable.
     Flush,
@@ -537,8 +541,12 @@ enum Pending {
         offset: u64,
         length: u64,
         fua: bool,
-        /// 0: edges not yet zeroed; 1: head done; 2: tail done.
-        stage: u8,
+        allocate: bool,
+        /// 0: edges not yet zeroed; 1: head done; 2: tail done; from 2 on, with
+        /// `allocate`, 2 + the whole blocks written so far.
+        stage: u64,
+        /// Class of the whole block waiting for room (`allocate`).
+        class: Option<u8>,
     },
     /// A metadata-only write (simulation).
     Blocks {
@@ -961,6 +969,7 @@ impl Engine {
                 offset,
                 length,
                 fua,
+                allocate,
             } => {
                 if let Err(e) = self.check_io(volume, offset, length) {
                     self.reply(token, Err(e), None);
@@ -973,7 +982,9 @@ impl Engine {
                         offset,
                         length,
                         fua,
+                        allocate,
                         stage: 0,
+                        class: None,
                     });
                 }
             }
@@ -1363,15 +1374,7 @@ impl Engine {
             .shared
             .clone();
         if !*checked_space {
-            let new_blocks = (first_lba..=last_lba)
-                .filter(|&l| vol_shared.map.load(l) == UNMAPPED)
-                .count() as u64;
-            if self.cfg.enforce_capacity && self.live_blocks + new_blocks > self.usable_blocks {
-                return Err(EngineError::NoSpace(format!(
-                    "{} of {} usable blocks are in use",
-                    self.live_blocks, self.usable_blocks
-                )));
-            }
+            self.check_space(&vol_shared, first_lba..last_lba + 1)?;
             *checked_space = true;
         }
         let mut block = [0u8; BLOCK_SIZE];
@@ -1475,6 +1478,23 @@ impl Engine {
         self.counters.user_blocks += 1;
     }
 
+    /// ENOSPC unless the array has room for the blocks of `lbas` not yet mapped
+    /// (thin provisioning: checked before a write or an allocating zero starts).
+    fn check_space(
+        &self,
+        vol: &VolumeShared,
+        lbas: std::ops::Range<u64>,
+    ) -> Result<(), EngineError> {
+        let new_blocks = lbas.filter(|&l| vol.map.load(l) == UNMAPPED).count() as u64;
+        if self.cfg.enforce_capacity && self.live_blocks + new_blocks > self.usable_blocks {
+            return Err(EngineError::NoSpace(format!(
+                "{} of {} usable blocks are in use",
+                self.live_blocks, self.usable_blocks
+            )));
+        }
+        Ok(())
+    }
+
     /// Applies a zero / trim request: unmaps whole blocks, zeroes partial edges.
     fn apply_zero(&mut self, p: &mut Pending) -> Result<bool, EngineError> {
         let Pending::Zero {
@@ -1482,6 +1502,8 @@ impl Engine {
             offset,
             length,
             stage,
+            allocate,
+            class: waiting,
             ..
         } = p
         else {
@@ -1496,6 +1518,10 @@ impl Engine {
             .unwrap()
             .shared
             .clone();
+        if *allocate && *stage == 0 {
+            // Allocated zeroes take space like a write: refuse up front, as writes do.
+            self.check_space(&vol_shared, start / bs..end.div_ceil(bs))?;
+        }
         // Partial edges first (they are writes of zeros merged into the old block).
         let edges: [(u64, u64); 2] = if full_first > full_end {
             // The whole range lies inside one block.
@@ -1510,7 +1536,9 @@ impl Engine {
             let (lo, hi) = edges[*stage as usize];
             if lo < hi {
                 let lba = lo / bs;
-                if vol_shared.map.load(lba) != UNMAPPED {
+                // An unmapped edge already reads as zeros; with `allocate` it is
+                // written all the same, so that it holds space.
+                if *allocate || vol_shared.map.load(lba) != UNMAPPED {
                     let mut class = None;
                     let stream = self.user_stream_for(*volume, lba, &mut class);
                     if self.ensure_unit(stream, 1, 0).is_err() {
@@ -1525,6 +1553,21 @@ impl Engine {
                 }
             }
             *stage += 1;
+        }
+        if *allocate {
+            // Whole blocks are written as zero blocks, like data: they keep their
+            // space. Resumable: `stage - 2` blocks are done.
+            static ZERO: [u8; BLOCK_SIZE] = [0; BLOCK_SIZE];
+            while full_first + (*stage - 2) < full_end {
+                let lba = full_first + (*stage - 2);
+                let stream = self.user_stream_for(*volume, lba, waiting);
+                if self.ensure_unit(stream, 1, 0).is_err() {
+                    return Ok(false);
+                }
+                self.append_user(stream, *volume, lba, Some(&ZERO), waiting);
+                *stage += 1;
+            }
+            return Ok(true);
         }
         if full_first < full_end {
             let count = full_end - full_first;

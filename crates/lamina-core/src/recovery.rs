@@ -391,13 +391,21 @@ pub fn read_superblocks(
     for d in &devices {
         let mut best: Option<Superblock> = None;
         let mut errors = Vec::new();
+        let mut opened = true;
         for (copy, off) in SUPERBLOCK_OFFSETS.iter().enumerate() {
             let mut b = vec![0u8; BLOCK_SIZE];
-            match d
-                .read_at(&mut b, *off)
-                .map_err(EngineError::from)
-                .and_then(|_| Superblock::decode(&b).map_err(EngineError::from))
-            {
+            let sb = match d.read_at(&mut b, *off) {
+                // Not opened at all (missing, mistyped, held by another process):
+                // say that, not that its metadata is damaged.
+                Err(lamina_device::DeviceError::Open { detail, .. }) => {
+                    errors = vec![detail];
+                    opened = false;
+                    break;
+                }
+                Err(e) => Err(EngineError::from(e)),
+                Ok(()) => Superblock::decode(&b).map_err(EngineError::from),
+            };
+            match sb {
                 Ok(sb) => {
                     if best.as_ref().is_none_or(|x| sb.generation > x.generation) {
                         best = Some(sb);
@@ -418,14 +426,21 @@ pub fn read_superblocks(
                 per_device.push(sb);
                 readable.push(d.clone());
             }
-            None => unreadable.push((d.clone(), errors.join("; "))),
+            None if !opened => {
+                unreadable.push((d.clone(), format!("cannot be opened: {}", errors[0])))
+            }
+            None => unreadable.push((
+                d.clone(),
+                format!("no valid Lamina superblock ({})", errors.join("; ")),
+            )),
         }
     }
     let no_superblock = |(d, e): &(Arc<dyn BlockDevice>, String)| {
-        EngineError::Format(format!(
-            "{}: no valid Lamina superblock ({e})",
-            d.describe()
-        ))
+        if e.starts_with("cannot be opened") {
+            EngineError::Io(format!("{}: {e}", d.describe()))
+        } else {
+            EngineError::Format(format!("{}: {e}", d.describe()))
+        }
     };
     if per_device.is_empty() {
         return Err(no_superblock(&unreadable[0]));
@@ -457,7 +472,7 @@ pub fn read_superblocks(
     }
     for (d, e) in &unreadable {
         warnings.push(format!(
-            "{}: no valid Lamina superblock ({e}); treated as a missing member",
+            "{}: {e}; treated as a missing member",
             d.describe()
         ));
     }

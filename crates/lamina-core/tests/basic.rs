@@ -66,6 +66,7 @@ fn write_flush_read_restart() {
             offset: 10 * 4096,
             length: 5 * 4096,
             fua: true,
+            allocate: false,
         },
     )
     .result

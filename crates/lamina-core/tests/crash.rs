@@ -116,6 +116,8 @@ impl Run {
                 offset: first * BS as u64,
                 length: count * BS as u64,
                 fua,
+                // WRITE_ZEROES with NO_HOLE: written as zero blocks, not unmapped.
+                allocate: self.rng.gen_bool(0.3),
             }
         } else {
             Request::Write {

@@ -103,7 +103,7 @@ proptest! {
                     model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
                 }
                 Op::Zero { offset, len } => {
-                    call(&mut e, Request::Zero { volume: vol, offset, length: len, fua: false }).result.unwrap();
+                    call(&mut e, Request::Zero { volume: vol, offset, length: len, fua: false, allocate: len % 3 == 0 }).result.unwrap();
                     model[offset as usize..(offset + len) as usize].fill(0);
                 }
                 Op::Read { offset, len } => {

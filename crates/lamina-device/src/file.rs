@@ -80,10 +80,13 @@ impl FileDevice {
         // SAFETY: flock on a file descriptor we own.
         let rc = unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) };
         if rc != 0 {
-            return Err(open_err(
-                "is in use by another Lamina process (or another program holds a lock on it)"
-                    .to_string(),
-            ));
+            return Err(open_err(match lock_holder(&meta) {
+                Some((pid, cmd)) => format!("is in use by process {pid} ({cmd})"),
+                None => {
+                    "is in use by another Lamina process (or another program holds a lock on it)"
+                        .to_string()
+                }
+            }));
         }
         Ok(FileDevice {
             path: path.to_path_buf(),
@@ -183,6 +186,42 @@ impl BlockDevice for FileDevice {
         }
         Ok(())
     }
+}
+
+/// The process holding a `flock` on the file `meta` describes, and its command line,
+/// from `/proc/locks` (lines such as `1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF`).
+fn lock_holder(meta: &std::fs::Metadata) -> Option<(u32, String)> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = meta.dev();
+    let id = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        meta.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    let pid: u32 = locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // Blocked waiters are listed with "->" and one more field.
+        let f = if f.get(1) == Some(&"->") {
+            &f[1..]
+        } else {
+            &f[..]
+        };
+        (f.get(1) == Some(&"FLOCK") && f.get(5) == Some(&id.as_str()))
+            .then(|| f.get(4)?.parse().ok())
+            .flatten()
+    })?;
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            c.split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default();
+    Some((pid, if cmd.is_empty() { "?".into() } else { cmd }))
 }
 
 #[cfg(test)]

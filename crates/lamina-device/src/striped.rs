@@ -1133,16 +1133,24 @@ impl BlockDevice for MemberSlot {
 /// The slot of a member that is missing: every operation fails, size 0.
 pub struct Absent {
     name: String,
+    reason: String,
 }
 
 impl Absent {
     pub fn new(name: impl Into<String>) -> Self {
-        Absent { name: name.into() }
+        Self::with_reason(name, "device is missing")
+    }
+    /// An absent device that says why it could not be opened.
+    pub fn with_reason(name: impl Into<String>, reason: impl Into<String>) -> Self {
+        Absent {
+            name: name.into(),
+            reason: reason.into(),
+        }
     }
     fn err(&self) -> DeviceError {
         DeviceError::Open {
             device: self.name.clone(),
-            detail: "device is missing".into(),
+            detail: self.reason.clone(),
         }
     }
 }

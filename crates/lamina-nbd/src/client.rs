@@ -205,7 +205,18 @@ impl Client {
     }
 
     pub fn write_zeroes(&mut self, offset: u64, len: u32) -> Result<(), ClientError> {
-        self.call(CMD_WRITE_ZEROES, 0, offset, len, &[]).map(|_| ())
+        self.write_zeroes_flags(offset, len, 0)
+    }
+
+    /// NBD_CMD_WRITE_ZEROES with command flags (NO_HOLE, FAST_ZERO, FUA).
+    pub fn write_zeroes_flags(
+        &mut self,
+        offset: u64,
+        len: u32,
+        flags: u16,
+    ) -> Result<(), ClientError> {
+        self.call(CMD_WRITE_ZEROES, flags, offset, len, &[])
+            .map(|_| ())
     }
 
     /// Sends NBD_CMD_DISC and closes.

@@ -49,11 +49,14 @@ pub enum Command {
         data: Vec<u8>,
         fua: bool,
     },
-    /// Trim or write-zeroes: the range reads as zeros afterwards.
+    /// Trim or write-zeroes: the range reads as zeros afterwards. `allocate`
+    /// (write-zeroes with NBD_CMD_FLAG_NO_HOLE): the range must stay allocated, so
+    /// that later writes there cannot fail for lack of space.
     Zero {
         offset: u64,
         length: u64,
         fua: bool,
+        allocate: bool,
     },
     Flush,
 }
@@ -82,6 +85,9 @@ pub trait Backend: Send + Sync + 'static {
     fn shutting_down(&self) -> bool {
         false
     }
+    /// A connection entered the transmission phase on `export`; calling `disconnect`
+    /// closes it (for a backend that must take an export away from its clients).
+    fn attach(&self, _export: &Self::Export, _disconnect: Box<dyn Fn() + Send + Sync>) {}
 }
 
 /// A stream a connection runs over.
@@ -458,6 +464,11 @@ pub fn serve_connection<B: Backend>(backend: Arc<B>, stream: Box<dyn Conn>) -> i
         return Ok(());
     };
     r.get_ref().set_read_timeout_conn(None)?;
+    let closer = Mutex::new(r.get_ref().try_clone_conn()?);
+    backend.attach(
+        &export,
+        Box::new(move || closer.lock().unwrap().shutdown_conn()),
+    );
     let result = transmission(&*backend, &export, &info, &mut r, &writer);
     r.get_ref().shutdown_conn();
     result
@@ -569,6 +580,14 @@ fn transmission<B: Backend>(
                         error_reply(EINVAL)?;
                         continue;
                     }
+                    let allocate =
+                        req.kind == CMD_WRITE_ZEROES && req.flags & CMD_FLAG_NO_HOLE != 0;
+                    if allocate && req.flags & CMD_FLAG_FAST_ZERO != 0 {
+                        // Allocated zeroes are written like data: not faster than a
+                        // write, which is what FAST_ZERO asks to be told (the spec).
+                        error_reply(ENOTSUP)?;
+                        continue;
+                    }
                     credit_rx.recv().unwrap();
                     backend.submit(
                         export,
@@ -577,6 +596,7 @@ fn transmission<B: Backend>(
                             offset,
                             length: len,
                             fua,
+                            allocate,
                         },
                         &sink,
                     );

@@ -618,6 +618,7 @@ fn submit(engine: &mut Engine, volume: VolumeId, op: Op) {
                 offset: op.lba * 4096,
                 length: op.blocks as u64 * 4096,
                 fua: false,
+                allocate: false,
             },
         );
     } else {

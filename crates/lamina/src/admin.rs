@@ -5,7 +5,7 @@
 //! {"op":"status"}                                  -> {"ok":true,"status":{...}}
 //! {"op":"metrics"}                                 -> {"ok":true,"metrics":"..."}
 //! {"op":"volume-create","name":"v","size":1073741824} -> {"ok":true}
-//! {"op":"volume-delete","name":"v"}                -> {"ok":true}
+//! {"op":"volume-delete","name":"v","force":false} -> {"ok":true} (refused while clients are connected unless force)
 //! {"op":"checkpoint"}                              -> {"ok":true}
 //! {"op":"member-fail","index":2}                   -> {"ok":true}
 //! {"op":"scrub"}                    -> {"progress":[d,t]}... {"ok":true,"scrub":{...}}
@@ -55,12 +55,10 @@ fn handle(rt: &Runtime, req: &Value) -> Value {
             }
         }
         "volume-delete" => match req.get("name").and_then(|v| v.as_str()) {
-            Some(name) => rt
-                .call(Request::DeleteVolume {
-                    name: name.to_string(),
-                })
-                .map(|_| json!({"ok": true}))
-                .map_err(|e| e.to_string()),
+            Some(name) => {
+                let force = req.get("force").and_then(|v| v.as_bool()) == Some(true);
+                delete_volume(rt, name, force)
+            }
             None => Err("volume-delete needs \"name\"".into()),
         },
         "member-fail" => match req.get("index").and_then(|v| v.as_u64()) {
@@ -292,4 +290,27 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         }
     }
     Ok(r)
+}
+
+/// Deletes a volume; one with clients connected only with `force`, which first
+/// disconnects them (as `lvremove` and `zfs destroy` refuse a busy volume).
+fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String> {
+    if let Some(v) = rt.shared.volume(name) {
+        let n = rt.clients.count(v.id);
+        if n > 0 && !force {
+            return Err(format!(
+                "volume {name:?} is in use by {n} client connection(s); disconnect them \
+                 first, or delete with --force (which disconnects them)"
+            ));
+        }
+        if n > 0 {
+            let closed = rt.clients.disconnect(v.id);
+            tracing::warn!("volume {name:?}: disconnected {closed} client(s) to delete it");
+        }
+    }
+    rt.call(Request::DeleteVolume {
+        name: name.to_string(),
+    })
+    .map(|_| json!({"ok": true}))
+    .map_err(|e| e.to_string())
 }

@@ -307,8 +307,15 @@ enum VolumeCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Delete a volume and release its space.
-    Delete { dir: PathBuf, name: String },
+    /// Delete a volume and release its space. A volume with clients connected is
+    /// refused unless --force is given.
+    Delete {
+        dir: PathBuf,
+        name: String,
+        /// Delete even while clients are connected: they are disconnected first.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(clap::Args)]
@@ -708,10 +715,17 @@ pub fn open_array(
         // with parity runs degraded without it, other layouts say what is missing.
         match devices::open_device(&p, dm) {
             Ok(d) => devices.push(d),
-            Err(e) => devices.push(Arc::new(lamina_device::striped::Absent::new(format!(
-                "{} ({e})",
-                p.display()
-            )))),
+            Err(e) => {
+                let name = p.display().to_string();
+                let e = format!("{e:#}");
+                let reason = e
+                    .strip_prefix(&format!("{name}: "))
+                    .unwrap_or(&e)
+                    .to_string();
+                devices.push(Arc::new(lamina_device::striped::Absent::with_reason(
+                    name, reason,
+                )))
+            }
         }
     }
     let ec = cfg.engine_config()?;
@@ -779,9 +793,9 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             }
             println!("created volume {name:?} ({})", human(size));
         }
-        VolumeCmd::Delete { dir, name } => {
+        VolumeCmd::Delete { dir, name, force } => {
             let dir = absolute(&dir)?;
-            let req = json!({"op": "volume-delete", "name": name});
+            let req = json!({"op": "volume-delete", "name": name, "force": force});
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
                 offline(&dir, Request::DeleteVolume { name: name.clone() })?;
             }

@@ -22,8 +22,9 @@ use lamina_core::io::{execute, IoCompletion, IoOp};
 use lamina_core::{Engine, EngineError, Request, Shared, StatusReport, Token, VolumeShared};
 use lamina_nbd::server::ReplySink;
 use lamina_nbd::{Backend, Command, Completion, ExportInfo};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Where a reply goes.
@@ -45,6 +46,77 @@ pub struct Runtime {
     pub inbox: Sender<Msg>,
     pub shared: Arc<Shared>,
     pub shutting_down: Arc<AtomicBool>,
+    pub clients: Arc<Clients>,
+}
+
+type Disconnect = Box<dyn Fn() + Send + Sync>;
+/// Per volume: (connection id, how to disconnect it once it has one).
+type VolumeClients = HashMap<u16, Vec<(u64, Option<Disconnect>)>>;
+
+/// The NBD connections open on each volume, so that a busy volume is not deleted
+/// without `--force`, and a forced delete first disconnects them. Touched when a
+/// connection opens or closes, never per request.
+#[derive(Default)]
+pub struct Clients {
+    next: AtomicU64,
+    by_volume: Mutex<VolumeClients>,
+}
+
+impl Clients {
+    fn open(self: &Arc<Self>, vol: Arc<VolumeShared>) -> ExportHandle {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.by_volume
+            .lock()
+            .unwrap()
+            .entry(vol.id.0)
+            .or_default()
+            .push((id, None));
+        ExportHandle {
+            vol,
+            id,
+            clients: self.clone(),
+        }
+    }
+
+    /// Connections open on volume `id`.
+    pub fn count(&self, id: lamina_core::VolumeId) -> usize {
+        self.by_volume
+            .lock()
+            .unwrap()
+            .get(&id.0)
+            .map_or(0, |v| v.len())
+    }
+
+    /// Closes every connection on volume `id` (their sockets are shut down: clients
+    /// see the server hang up, as at a server shutdown); returns how many.
+    pub fn disconnect(&self, id: lamina_core::VolumeId) -> usize {
+        let by = self.by_volume.lock().unwrap();
+        let conns = by.get(&id.0).map_or(&[][..], |v| &v[..]);
+        for d in conns.iter().filter_map(|(_, d)| d.as_ref()) {
+            d();
+        }
+        conns.len()
+    }
+}
+
+/// An export as one connection holds it: the volume, registered in [`Clients`]
+/// until the connection ends.
+pub struct ExportHandle {
+    vol: Arc<VolumeShared>,
+    id: u64,
+    clients: Arc<Clients>,
+}
+
+impl Drop for ExportHandle {
+    fn drop(&mut self) {
+        let mut by = self.clients.by_volume.lock().unwrap();
+        if let Some(v) = by.get_mut(&self.vol.id.0) {
+            v.retain(|(id, _)| *id != self.id);
+            if v.is_empty() {
+                by.remove(&self.vol.id.0);
+            }
+        }
+    }
 }
 
 impl Runtime {
@@ -77,6 +149,7 @@ impl Runtime {
             inbox,
             shared,
             shutting_down: Arc::new(AtomicBool::new(false)),
+            clients: Arc::default(),
         }
     }
 
@@ -216,7 +289,7 @@ pub struct LaminaBackend {
 }
 
 impl Backend for LaminaBackend {
-    type Export = Arc<VolumeShared>;
+    type Export = ExportHandle;
 
     fn exports(&self) -> Vec<ExportInfo> {
         self.rt
@@ -238,10 +311,21 @@ impl Backend for LaminaBackend {
             description: format!("Lamina volume {}", v.name),
             size: v.size_bytes,
         };
-        Some((v, info))
+        Some((self.rt.clients.open(v), info))
+    }
+
+    fn attach(&self, export: &Self::Export, disconnect: Disconnect) {
+        let mut by = self.rt.clients.by_volume.lock().unwrap();
+        if let Some(e) = by
+            .get_mut(&export.vol.id.0)
+            .and_then(|v| v.iter_mut().find(|(id, _)| *id == export.id))
+        {
+            e.1 = Some(disconnect);
+        }
     }
 
     fn read(&self, export: &Self::Export, offset: u64, buf: &mut [u8]) -> Result<(), u32> {
+        let export = &export.vol;
         if export.deleted.load(Ordering::Relaxed) {
             return Err(lamina_nbd::proto::EIO);
         }
@@ -256,7 +340,7 @@ impl Backend for LaminaBackend {
     }
 
     fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>) {
-        let volume = export.id;
+        let volume = export.vol.id;
         let req = match cmd {
             Command::Write { offset, data, fua } => Request::Write {
                 volume,
@@ -268,11 +352,13 @@ impl Backend for LaminaBackend {
                 offset,
                 length,
                 fua,
+                allocate,
             } => Request::Zero {
                 volume,
                 offset,
                 length,
                 fua,
+                allocate,
             },
             Command::Flush => Request::Flush,
         };

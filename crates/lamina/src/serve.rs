@@ -50,20 +50,27 @@ impl Write for Tee {
     }
 }
 
-fn init_logging(log_file: &Path) {
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log_file)
-        .ok();
-    let tee = Tee(Arc::new(Mutex::new(file)));
+/// Starts logging to standard error and `log_file`; the handle reopens the file
+/// (SIGHUP, after log rotation).
+fn init_logging(log_file: &Path) -> Tee {
+    let tee = Tee(Arc::new(Mutex::new(open_log(log_file))));
     let filter = tracing_subscriber::EnvFilter::try_from_env("LAMINA_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let writer = tee.clone();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(false)
-        .with_writer(move || tee.clone())
+        .with_writer(move || writer.clone())
         .try_init();
+    tee
+}
+
+fn open_log(log_file: &Path) -> Option<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file)
+        .ok()
 }
 
 /// Binds a Unix socket, replacing a stale socket file but never a live server's.
@@ -149,8 +156,9 @@ fn serve_metrics(listener: TcpListener, rt: Runtime) {
     }
 }
 
-/// Blocks SIGINT and SIGTERM in this thread (and threads spawned after), so that
-/// `wait_for_signal` receives them.
+/// Blocks SIGINT, SIGTERM and SIGHUP in this thread (and threads spawned after), so
+/// that `wait_for_signal` receives them instead of their killing the process
+/// (closing the terminal sends SIGHUP).
 pub(crate) fn block_signals() -> libc::sigset_t {
     // SAFETY: plain libc signal mask manipulation on a local set.
     unsafe {
@@ -158,6 +166,7 @@ pub(crate) fn block_signals() -> libc::sigset_t {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGHUP);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     }
@@ -174,6 +183,18 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let explicit = a.dir.is_some();
     let dir = absolute(&a.dir.unwrap_or_else(default_dir))?;
     if !Config::exists(&dir) {
+        // Only the implicit ./lamina-data is created on first use: a DIR given on
+        // the command line that holds no array is more likely a typo than a wish
+        // for a new, empty array.
+        if explicit {
+            bail!(
+                "{} holds no Lamina array (no {}); create one with `lamina array create {} \
+                 --device PATH:SIZE`, or run `lamina serve` without DIR to use ./lamina-data",
+                dir.display(),
+                crate::config::CONFIG_FILE,
+                dir.display()
+            );
+        }
         let empty = !dir.exists() || std::fs::read_dir(&dir)?.next().is_none();
         if !empty {
             bail!(
@@ -181,14 +202,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 dir.display()
             );
         }
-        if explicit {
-            eprintln!("lamina: {} does not exist yet", dir.display());
-        }
         let size = parse_size(&a.default_size).map_err(anyhow::Error::msg)?;
         create_default(&dir, size)?;
     }
     let cfg = Config::load(&dir)?;
-    init_logging(&Config::resolve(&dir, &cfg.log_file));
+    let log_file = Config::resolve(&dir, &cfg.log_file);
+    let log = init_logging(&log_file);
     let signals = block_signals();
 
     let started = Instant::now();
@@ -273,8 +292,18 @@ pub fn run(a: ServeArgs) -> Result<()> {
         tracing::info!("metrics at http://{addr}/metrics");
     }
 
+    // The banner goes to standard output, which may be closed (`lamina serve |
+    // head -1`, a closed terminal): a failed write there must not stop the server.
+    let mut out = String::new();
+    macro_rules! outln {
+        ($o:expr, $($t:tt)*) => {{
+            use std::fmt::Write as _;
+            let _ = writeln!($o, $($t)*);
+        }};
+    }
     let first = status.volumes.first().map(|v| v.name.clone());
-    println!(
+    outln!(
+        out,
         "lamina: serving array {:?} ({}, usable {}) on {}",
         status.array_name,
         status.layout,
@@ -282,36 +311,60 @@ pub fn run(a: ServeArgs) -> Result<()> {
         endpoints.join(", ")
     );
     for v in &status.volumes {
-        println!("  volume {:?}: {}", v.name, human(v.size_bytes));
+        outln!(out, "  volume {:?}: {}", v.name, human(v.size_bytes));
     }
     if let Some(vol) = first {
-        println!("\nConnect with:");
+        outln!(out, "\nConnect with:");
         if let Some(p) = &unix {
             let uri = format!("nbd+unix:///{vol}?socket={}", p.display());
-            println!("  nbdinfo '{uri}'");
-            println!("  mkdir -p /tmp/lamina && nbdfuse /tmp/lamina/{vol} '{uri}' &   # then: losetup -f --show /tmp/lamina/{vol}");
-            println!("  nbd-client -unix {} -N {vol} /dev/nbd0", p.display());
-            println!(
+            outln!(out, "  nbdinfo '{uri}'");
+            outln!(out, "  mkdir -p /tmp/lamina && nbdfuse /tmp/lamina/{vol} '{uri}' &   # then: losetup -f --show /tmp/lamina/{vol}");
+            outln!(out, "  nbd-client -unix {} -N {vol} /dev/nbd0", p.display());
+            outln!(
+                out,
                 "  qemu-system-x86_64 -drive file=nbd:unix:{}:exportname={vol},format=raw,cache=none ...",
                 p.display()
             );
         }
         if let Some(addr) = &tcp_bound {
-            println!("  nbdinfo nbd://{addr}/{vol}");
+            outln!(out, "  nbdinfo nbd://{addr}/{vol}");
         }
-        println!(
+        outln!(
+            out,
             "Status: lamina status {}   Stop: Ctrl-C (flushes and checkpoints)",
             dir.display()
         );
     } else {
-        println!(
+        outln!(
+            out,
             "The array has no volume yet: lamina volume create {} NAME --size SIZE",
             dir.display()
         );
     }
-    let _ = std::io::stdout().flush();
 
-    let sig = wait_for_signal(&signals);
+    let mut stdout = std::io::stdout();
+    let _ = stdout
+        .write_all(out.as_bytes())
+        .and_then(|_| stdout.flush());
+
+    let sig = loop {
+        match wait_for_signal(&signals) {
+            libc::SIGHUP => {
+                // As daemons do: reopen the log (after rotation) and make everything
+                // durable, then go on serving.
+                *log.0.lock().unwrap() = open_log(&log_file);
+                tracing::info!("SIGHUP: log reopened; flushing and writing a checkpoint");
+                let r = rt
+                    .call(Request::Flush)
+                    .and_then(|_| rt.call(Request::Checkpoint));
+                match r {
+                    Ok(_) => tracing::info!("SIGHUP: checkpoint written"),
+                    Err(e) => tracing::error!("SIGHUP: flush or checkpoint failed: {e}"),
+                }
+            }
+            sig => break sig,
+        }
+    };
     tracing::info!("signal {sig}: flushing and writing a checkpoint");
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let result = rt.shutdown();

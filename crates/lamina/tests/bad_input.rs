@@ -11,17 +11,6 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-fn small_array(t: &TempDir, vol: &str) -> std::path::PathBuf {
-    let dir = t.join("arr");
-    create_array(
-        &dir,
-        "128M",
-        &["--segment-size", "1M", "--write-unit", "128K"],
-    );
-    create_volume(&dir, "v", vol);
-    dir
-}
-
 /// Reads until EOF (or error); true when the server closed the connection in time.
 fn closed_by_server(s: &mut UnixStream) -> bool {
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -247,35 +236,38 @@ fn bad_requests_get_einval_and_the_connection_goes_on() {
     srv.stop();
 }
 
-#[test]
-fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
-    let t = TempDir::new("enospc");
+/// A 64 MiB array in `t/arr` with a volume `v` four times larger (thin); returns
+/// the directory and the usable bytes.
+fn thin_array(t: &TempDir) -> (std::path::PathBuf, u64) {
     let dir = t.join("arr");
     let usable = create_array(
         &dir,
         "64M",
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
-    // Thin provisioning: the volume is four times larger than the array.
     create_volume(&dir, "v", &(4 * usable / (1 << 20) * (1 << 20)).to_string());
-    let srv = Server::start(&dir);
-    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    (dir, usable)
+}
+
+/// Writes blocks holding `pattern(lba, 1)` from `first` on, in chunks, until the
+/// server answers ENOSPC (never past `usable` bytes); returns the blocks written.
+fn fill_until_enospc(c: &mut Client, first: u64, usable: u64) -> u64 {
     let chunk = 256u64;
     let mut written = 0u64;
     let mut buf = vec![0u8; chunk as usize * BS];
     loop {
         for k in 0..chunk {
             lamina_testkit::fill_pattern(
-                written + k,
+                first + written + k,
                 1,
                 &mut buf[k as usize * BS..(k as usize + 1) * BS],
             );
         }
-        match c.write(written * BS as u64, &buf, false) {
+        match c.write((first + written) * BS as u64, &buf, false) {
             Ok(()) => written += chunk,
             Err(ClientError::Nbd(e)) => {
                 assert_eq!(e, ENOSPC, "out of space must be ENOSPC");
-                break;
+                return written;
             }
             Err(e) => panic!("{e}"),
         }
@@ -284,6 +276,16 @@ fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
             "wrote more than the usable capacity"
         );
     }
+}
+
+#[test]
+fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
+    let t = TempDir::new("enospc");
+    // Thin provisioning: the volume is four times larger than the array.
+    let (dir, usable) = thin_array(&t);
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    let written = fill_until_enospc(&mut c, 0, usable);
     assert!(
         written * BS as u64 > usable / 2,
         "ENOSPC came too early: {written} blocks of {usable} bytes"
@@ -401,7 +403,7 @@ fn bad_configuration_and_commands_get_clear_messages() {
     .unwrap();
     fails_with(&["status", d], "gc_policy");
     std::fs::write(&cfg_path, "devices = [\"/nonexistent/lamina.img\"]\n").unwrap();
-    fails_with(&["status", d], "/nonexistent/lamina.img");
+    fails_with(&["status", d], "/nonexistent/lamina.img: cannot be opened");
     std::fs::write(&cfg_path, "devices = [").unwrap();
     fails_with(&["status", d], "lamina.toml");
     std::fs::write(&cfg_path, &good).unwrap();
@@ -505,7 +507,10 @@ fn bad_configuration_and_commands_get_clear_messages() {
         !x.exists() && !t.join("tiny.img").exists(),
         "refused creates leave no files behind"
     );
-    fails_with(&["serve", t.path().to_str().unwrap()], "not empty");
+    fails_with(
+        &["serve", t.path().to_str().unwrap()],
+        "holds no Lamina array",
+    );
     // Usage errors exit with 2.
     assert_eq!(lamina_output(&["frobnicate"]).status.code(), Some(2));
     assert_eq!(lamina_output(&["array", "create"]).status.code(), Some(2));
@@ -704,4 +709,52 @@ fn huge_thin_volumes_cost_memory_for_what_is_written() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// WRITE_ZEROES with NBD_CMD_FLAG_NO_HOLE keeps the range allocated: on a thin
+/// array filled to ENOSPC afterwards, writes into that range still succeed (the
+/// flag used to be dropped and the range unmapped). Without the flag the range is
+/// unmapped and holds no space; with FAST_ZERO as well, the server says ENOTSUP
+/// (allocated zeroes are no faster than a write).
+#[test]
+fn write_zeroes_no_hole_keeps_space_allocated() {
+    let t = TempDir::new("nohole");
+    let (dir, usable) = thin_array(&t);
+    let srv = Server::start(&dir);
+    let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
+    let live = |dir: &Path| status_json(dir)["live_bytes"].as_u64().unwrap();
+    let region = 4u64 << 20;
+    c.write(0, &pattern(0, 1), false).unwrap();
+    c.flush().unwrap();
+    let before = live(&dir);
+    // Plain WRITE_ZEROES: unmapped, no space held.
+    c.write_zeroes(0, region as u32).unwrap();
+    c.flush().unwrap();
+    assert!(live(&dir) < before, "plain zeroes unmap");
+    // NO_HOLE: the whole region (unaligned edges included) is allocated.
+    c.write_zeroes_flags(BS as u64 / 2, (region - BS as u64) as u32, CMD_FLAG_NO_HOLE)
+        .unwrap();
+    c.flush().unwrap();
+    assert_eq!(live(&dir), region, "NO_HOLE allocates the range");
+    assert!(c.read(0, region as u32).unwrap().iter().all(|&b| b == 0));
+    assert_eq!(
+        c.write_zeroes_flags(0, BS as u32, CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO)
+            .err()
+            .map(|e| matches!(e, ClientError::Nbd(ENOTSUP))),
+        Some(true)
+    );
+    // Fill the rest of the array until ENOSPC...
+    fill_until_enospc(&mut c, region / BS as u64, usable);
+    // ...and the allocated region still takes writes.
+    for l in (0..region / BS as u64).step_by(61) {
+        c.write(l * BS as u64, &pattern(l, 7), false)
+            .unwrap_or_else(|e| panic!("write into the NO_HOLE range at block {l}: {e}"));
+    }
+    c.flush().unwrap();
+    assert_eq!(
+        decode_pattern(61, &c.read(61 * BS as u64, BS as u32).unwrap()),
+        Ok(7)
+    );
+    drop(c);
+    srv.stop();
 }

@@ -327,13 +327,7 @@ fn power_cut_through_nbdkit_writeback_cache() {
 #[test]
 fn flush_on_one_connection_covers_writes_of_others() {
     let t = TempDir::new("multiconn");
-    let dir = t.join("arr");
-    create_array(
-        &dir,
-        "128M",
-        &["--segment-size", "1M", "--write-unit", "128K"],
-    );
-    create_volume(&dir, "v", "16M");
+    let dir = small_array(&t, "16M");
     for round in 0..5u64 {
         let server = Server::start(&dir);
         let mut a = Client::connect_unix(&server.sock, "v").unwrap();

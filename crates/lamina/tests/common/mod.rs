@@ -116,6 +116,18 @@ pub fn create_array(dir: &Path, device_size: &str, extra: &[&str]) -> u64 {
     status_json(dir)["usable_bytes"].as_u64().unwrap()
 }
 
+/// A 128 MiB array with 1 MiB segments in `t/arr`, and a volume `v` of `vol`.
+pub fn small_array(t: &TempDir, vol: &str) -> PathBuf {
+    let dir = t.join("arr");
+    create_array(
+        &dir,
+        "128M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
+    create_volume(&dir, "v", vol);
+    dir
+}
+
 /// `lamina volume create DIR NAME --size SIZE`.
 pub fn create_volume(dir: &Path, name: &str, size: &str) {
     lamina(&[
@@ -202,9 +214,15 @@ impl Server {
     }
 
     /// SIGINT: flush, checkpoint, exit. Panics unless it exits cleanly.
-    pub fn stop(mut self) {
+    pub fn stop(self) {
+        self.stop_with(libc::SIGINT)
+    }
+
+    /// Stops the server with `signal` (SIGINT or SIGTERM); panics unless it exits
+    /// cleanly.
+    pub fn stop_with(mut self, signal: i32) {
         // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.pid(), libc::SIGINT) };
+        unsafe { libc::kill(self.pid(), signal) };
         let t0 = Instant::now();
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
