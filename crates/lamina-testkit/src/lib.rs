@@ -59,6 +59,7 @@ struct Block {
 }
 
 /// What each block of a volume may hold after a crash.
+#[derive(Clone)]
 pub struct Oracle {
     blocks: Vec<Block>,
 }
