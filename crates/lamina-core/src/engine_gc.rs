@@ -109,6 +109,24 @@ impl Engine {
         Some(self.gc.repair.swap_remove(i))
     }
 
+    /// Whether GC has repairs to make (stripes on the repair list, or a victim
+    /// being moved): recovery drives the engine until none are left when a crash
+    /// left rows whose parity could not be resynced.
+    pub(crate) fn repairs_pending(&self) -> bool {
+        !self.gc.repair.is_empty()
+            || !matches!(self.gc.phase, Phase::Idle)
+            || self
+                .shared
+                .striped
+                .as_ref()
+                .is_some_and(|st| st.repairs_waiting())
+    }
+
+    /// Segments GC has moved for repair so far.
+    pub(crate) fn repaired_segments(&self) -> u64 {
+        self.gc.repaired
+    }
+
     pub(crate) fn pick_victim(&mut self) -> Option<u32> {
         // A segment closed early (half dead while open, or at shutdown) frees its
         // unwritten tail too: its capacity is the full segment.

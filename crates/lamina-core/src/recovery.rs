@@ -95,6 +95,8 @@ pub struct RecoveryReport {
     pub resync_rows: u64,
     pub resync_mismatched: u64,
     pub resync_unprotected: u64,
+    /// Segments moved at open because they held such unprotected rows.
+    pub resync_relocated_segments: u64,
     pub bytes_read: u64,
     pub warnings: Vec<String>,
 }
@@ -1210,7 +1212,7 @@ pub fn open_unfinished(
         if total.unprotected > 0 {
             report.warnings.push(format!(
                 "{} rows written before the crash could not get matching parity (a member \
-                 unavailable, or zoned members); their live blocks will be moved by GC",
+                 unavailable, or zoned members); their live blocks are moved",
                 total.unprotected
             ));
         }
@@ -1537,7 +1539,9 @@ pub fn open(
     cfg: EngineConfig,
     mode: OpenMode,
 ) -> Result<(Engine, RecoveryReport), EngineError> {
-    let (mut engine, report) = open_unfinished(devices, cfg, mode)?;
+    let (mut engine, mut report) = open_unfinished(devices, cfg, mode)?;
+    // GC may start on the repairs while the recovery checkpoint is written.
+    let repaired_before = engine.repaired_segments();
     if mode == OpenMode::ReadWrite {
         run_inline(&mut engine);
         let mut replies = Vec::new();
@@ -1550,8 +1554,57 @@ pub fn open(
                 ))
             }
         }
+        if report.resync_unprotected > 0 {
+            relocate_unprotected(&mut engine, &mut report, repaired_before)?;
+        }
     }
     Ok((engine, report))
+}
+
+/// Rows a crash left without matching parity that could not be resynced in place
+/// (zoned members) are on GC's repair list: their live blocks are moved to new rows,
+/// written whole with their parity, and made durable before the array serves, so
+/// that no member loss from then on can cost them. Bounded: one GC pass over the
+/// segments the crash left open.
+fn relocate_unprotected(
+    engine: &mut Engine,
+    report: &mut RecoveryReport,
+    before: u64,
+) -> Result<(), EngineError> {
+    let mut rounds = 0u64;
+    while engine.repairs_pending() {
+        rounds += 1;
+        if rounds > 1_000_000 {
+            return Err(EngineError::Io(
+                "moving blocks out of rows without parity did not finish".into(),
+            ));
+        }
+        // The clock stays where it is: the runtime's own starts from it.
+        engine.tick(engine.now_ms);
+        run_inline(engine);
+    }
+    let token = Token {
+        conn: u32::MAX,
+        handle: 1,
+    };
+    engine.submit(token, crate::engine::Request::Flush);
+    run_inline(engine);
+    let mut replies = Vec::new();
+    engine.drain_replies(&mut replies);
+    match replies.into_iter().find(|r| r.token == token) {
+        Some(r) => r.result?,
+        None => {
+            return Err(EngineError::Io(
+                "flush after relocation did not complete".into(),
+            ))
+        }
+    }
+    report.resync_relocated_segments = engine.repaired_segments() - before;
+    report.warnings.push(format!(
+        "moved the live blocks of {} segments whose rows had no matching parity",
+        report.resync_relocated_segments
+    ));
+    Ok(())
 }
 
 /// Submits `req` and drives the engine inline until its reply arrives: device

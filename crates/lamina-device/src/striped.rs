@@ -287,6 +287,11 @@ impl Striped {
         std::mem::take(&mut *self.repairs.lock().unwrap())
     }
 
+    /// Whether stripes wait on the repair list.
+    pub fn repairs_waiting(&self) -> bool {
+        !self.repairs.lock().unwrap().is_empty()
+    }
+
     fn note_read_error(&self, member: usize, s: u64) {
         self.read_errors[member].fetch_add(1, Ordering::Relaxed);
         let mut r = self.repairs.lock().unwrap();

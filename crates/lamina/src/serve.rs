@@ -213,7 +213,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let started = Instant::now();
     let (engine, report) = open_array(&dir, OpenMode::ReadWrite)?;
     tracing::info!(
-        "recovered array {:?} in {:.2}s: checkpoint generation {} ({} blocks), {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, parity of {} rows resynced ({} mismatched), {} read",
+        "recovered array {:?} in {:.2}s: checkpoint generation {} ({} blocks), {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, parity of {} rows resynced ({} mismatched, {} segments moved), {} read",
         engine.superblock().array_name,
         started.elapsed().as_secs_f64(),
         report.checkpoint_generation,
@@ -225,6 +225,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         report.torn_blocks_ignored,
         report.resync_rows,
         report.resync_mismatched,
+        report.resync_relocated_segments,
         human(report.bytes_read)
     );
     let status = engine.status();
