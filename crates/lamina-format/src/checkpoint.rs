@@ -32,8 +32,8 @@ const OFF_PAYLOAD_BLOCKS: usize = 40;
 const OFF_META_BYTES: usize = 48;
 const OFF_MAP_PAGES: usize = 56;
 const OFF_META_CRC: usize = 64;
-const OFF_CRC: usize = 68;
-const HEADER_SIZE: usize = 72;
+pub(crate) const OFF_CRC: usize = 68;
+pub(crate) const HEADER_SIZE: usize = 72;
 
 /// Payload block 0.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

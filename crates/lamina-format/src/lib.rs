@@ -18,6 +18,8 @@
 
 pub mod checkpoint;
 pub mod codec;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod summary;
 pub mod superblock;
 pub mod unit;

@@ -24,7 +24,7 @@ const OFF_SEGMENT: usize = 24;
 const OFF_DATA_END: usize = 28;
 const OFF_INCARNATION: usize = 32;
 const OFF_CLOSE_VERSION: usize = 40;
-const OFF_CRC: usize = 60;
+pub(crate) const OFF_CRC: usize = 60;
 
 /// Blocks reserved at the end of every segment of `segment_blocks` blocks for its
 /// summary. Each block of the segment needs at most one record (a data record, or the

@@ -54,7 +54,7 @@ const OFF_CKPT_ROOT_CRC: usize = 132;
 const OFF_NAME: usize = 192;
 const OFF_DEVICE_TABLE: usize = 256;
 const DEVICE_ENTRY_SIZE: usize = 48;
-const OFF_CRC: usize = BLOCK_SIZE - 4;
+pub(crate) const OFF_CRC: usize = BLOCK_SIZE - 4;
 const _: () = assert!(OFF_DEVICE_TABLE + MAX_DEVICES * DEVICE_ENTRY_SIZE <= OFF_CRC);
 const _: () = assert!(OFF_NAME + MAX_NAME_LEN < OFF_DEVICE_TABLE);
 
