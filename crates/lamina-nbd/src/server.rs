@@ -16,7 +16,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -24,8 +24,12 @@ use std::time::Duration;
 pub const MAX_INFLIGHT: usize = 256;
 /// Write payload bytes one connection may have outstanding (beyond one request).
 pub const MAX_INFLIGHT_BYTES: u64 = 64 << 20;
-/// Connections served at once; more are closed on accept.
+/// Connections served at once, over all listeners; more are closed on accept.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Default cap on request payload held in memory over all connections (write
+/// payloads waiting for the backend, read buffers being filled); see
+/// [`set_inflight_limit`].
+pub const DEFAULT_INFLIGHT_LIMIT: u64 = 256 << 20;
 /// How long a client may take over the handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Options one handshake may send before the server gives up on it.
@@ -170,6 +174,79 @@ impl ConnWriter {
 
 type Writer = Arc<Mutex<ConnWriter>>;
 
+/// Payload bytes held by all connections of the process, against one limit: many
+/// connections together cannot make the server hold more than that (each is also
+/// bounded by [`MAX_INFLIGHT_BYTES`], for fairness). A request that would pass the
+/// limit waits until completions bring the total down, as a full queue would make
+/// it; one request alone always passes (it is at most [`MAX_PAYLOAD`]). The fast
+/// path is one atomic add; the lock is taken only to wait.
+struct GlobalBudget {
+    used: AtomicU64,
+    limit: AtomicU64,
+    waiters: AtomicUsize,
+    lock: Mutex<()>,
+    freed: Condvar,
+}
+
+static GLOBAL: GlobalBudget = GlobalBudget {
+    used: AtomicU64::new(0),
+    limit: AtomicU64::new(DEFAULT_INFLIGHT_LIMIT),
+    waiters: AtomicUsize::new(0),
+    lock: Mutex::new(()),
+    freed: Condvar::new(),
+};
+
+/// Connections open over all listeners.
+static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the cap on payload bytes held over all connections (`[serve]
+/// max_inflight`).
+pub fn set_inflight_limit(bytes: u64) {
+    GLOBAL.limit.store(bytes.max(1), Ordering::SeqCst);
+    GLOBAL.freed.notify_all();
+}
+
+/// Payload bytes held over all connections now.
+pub fn inflight_bytes() -> u64 {
+    GLOBAL.used.load(Ordering::SeqCst)
+}
+
+impl GlobalBudget {
+    fn fits(&self, used: u64, n: u64) -> bool {
+        used == 0 || used + n <= self.limit.load(Ordering::SeqCst)
+    }
+    fn acquire(&self, n: u64) {
+        loop {
+            let u = self.used.load(Ordering::SeqCst);
+            if self.fits(u, n) {
+                if self
+                    .used
+                    .compare_exchange(u, u + n, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
+                    return;
+                }
+                continue;
+            }
+            let g = self.lock.lock().unwrap();
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            // Checked again under the lock: a release that came in between either
+            // shows here or finds the waiter counted and notifies.
+            if !self.fits(self.used.load(Ordering::SeqCst), n) {
+                drop(self.freed.wait(g).unwrap());
+            }
+            self.waiters.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    fn release(&self, n: u64) {
+        self.used.fetch_sub(n, Ordering::SeqCst);
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            let _g = self.lock.lock().unwrap();
+            self.freed.notify_all();
+        }
+    }
+}
+
 /// Bounds the write payload a connection holds in memory: a client cannot make the
 /// server buffer MAX_INFLIGHT x MAX_PAYLOAD bytes.
 struct ByteBudget {
@@ -245,10 +322,20 @@ impl ReplySink {
         }
         if payload > 0 {
             self.budget.release(payload);
+            GLOBAL.release(payload);
         }
         for _ in 0..n {
             let _ = self.credits.send(());
         }
+    }
+}
+
+/// Returns a read's share of the global budget when the read is done (or fails).
+struct Held(u64);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        GLOBAL.release(self.0);
     }
 }
 
@@ -529,6 +616,8 @@ fn transmission<B: Backend>(
                         error_reply(EINVAL)?;
                         continue;
                     }
+                    GLOBAL.acquire(len);
+                    let _held = Held(len);
                     read_buf.resize(req.length as usize, 0);
                     match backend.read(export, offset, &mut read_buf) {
                         Ok(()) => {
@@ -553,10 +642,12 @@ fn transmission<B: Backend>(
                         continue;
                     }
                     sink.budget.acquire(len);
+                    GLOBAL.acquire(len);
                     let mut data = pool_rx.try_recv().unwrap_or_default();
                     data.resize(req.length as usize, 0);
                     if let Err(e) = r.read_exact(&mut data) {
                         sink.budget.release(len);
+                        GLOBAL.release(len);
                         return Err(e);
                     }
                     credit_rx.recv().unwrap();
@@ -661,7 +752,6 @@ pub enum Listener {
 
 /// Accepts connections until `stop` is set, serving each on its own threads.
 pub fn serve<B: Backend>(backend: Arc<B>, listener: Listener, stop: Arc<AtomicBool>) {
-    let active = Arc::new(AtomicUsize::new(0));
     loop {
         let conn: io::Result<Box<dyn Conn>> = match &listener {
             Listener::Unix(l) => l.accept().map(|(s, _)| Box::new(s) as Box<dyn Conn>),
@@ -681,23 +771,23 @@ pub fn serve<B: Backend>(backend: Arc<B>, listener: Listener, stop: Arc<AtomicBo
                 continue;
             }
         };
-        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+        if CONNECTIONS.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+            CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!("refusing connection: {MAX_CONNECTIONS} already open");
             conn.shutdown_conn();
             continue;
         }
-        active.fetch_add(1, Ordering::SeqCst);
         let backend = backend.clone();
-        let active = active.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
             .spawn(move || {
                 if let Err(e) = serve_connection(backend, conn) {
                     tracing::info!("connection closed: {e}");
                 }
-                active.fetch_sub(1, Ordering::SeqCst);
+                CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
             });
         if let Err(e) = spawned {
+            CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
             tracing::error!("cannot start a connection thread: {e}");
         }
     }

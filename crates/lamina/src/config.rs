@@ -48,6 +48,10 @@ pub struct ServeConfig {
     /// clients keep their share of the devices; unlimited when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuild_rate: Option<String>,
+    /// Most request payload ("256M") held in memory over all client connections
+    /// together; requests beyond it wait. Default 256 MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_inflight: Option<String>,
 }
 
 impl Default for ServeConfig {
@@ -58,6 +62,7 @@ impl Default for ServeConfig {
             metrics: None,
             io_threads: default_io_threads(),
             rebuild_rate: None,
+            max_inflight: None,
         }
     }
 }

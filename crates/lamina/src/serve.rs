@@ -127,32 +127,34 @@ fn create_default(dir: &Path, size: u64) -> Result<()> {
     Ok(())
 }
 
+/// Serves Prometheus scrapes one at a time on this one thread: a scrape is small
+/// and rare, and a flood of them must not become a thread each. A client gets 2 s to
+/// send its request and to take the answer.
 fn serve_metrics(listener: TcpListener, rt: Runtime) {
     for conn in listener.incoming() {
         let Ok(mut conn) = conn else { continue };
-        let rt = rt.clone();
-        std::thread::spawn(move || {
-            let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(10)));
-            let mut buf = [0u8; 2048];
-            let n = conn.read(&mut buf).unwrap_or(0);
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let (code, body) = if req.starts_with("GET /metrics") {
-                match rt.call(Request::Status) {
-                    Ok(Some(s)) => ("200 OK", crate::output::metrics_text(&s)),
-                    _ => (
-                        "503 Service Unavailable",
-                        "engine unavailable\n".to_string(),
-                    ),
-                }
-            } else {
-                ("404 Not Found", "try /metrics\n".to_string())
-            };
-            let _ = write!(
-                conn,
-                "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-        });
+        let timeout = Some(std::time::Duration::from_secs(2));
+        let _ = conn.set_read_timeout(timeout);
+        let _ = conn.set_write_timeout(timeout);
+        let mut buf = [0u8; 2048];
+        let n = conn.read(&mut buf).unwrap_or(0);
+        let req = String::from_utf8_lossy(&buf[..n]);
+        let (code, body) = if req.starts_with("GET /metrics") {
+            match rt.call(Request::Status) {
+                Ok(Some(s)) => ("200 OK", crate::output::metrics_text(&s)),
+                _ => (
+                    "503 Service Unavailable",
+                    "engine unavailable\n".to_string(),
+                ),
+            }
+        } else {
+            ("404 Not Found", "try /metrics\n".to_string())
+        };
+        let _ = write!(
+            conn,
+            "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
     }
 }
 
@@ -239,6 +241,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .map_err(anyhow::Error::msg)
         .context("[serve] rebuild_rate")?;
     crate::rebuild::resume_all(&rt, rebuild_rate);
+    if let Some(cap) = &cfg.serve.max_inflight {
+        let cap = parse_size(cap)
+            .map_err(anyhow::Error::msg)
+            .context("[serve] max_inflight")?;
+        lamina_nbd::server::set_inflight_limit(cap);
+    }
     let backend = Arc::new(LaminaBackend { rt: rt.clone() });
     let stop = Arc::new(AtomicBool::new(false));
 
