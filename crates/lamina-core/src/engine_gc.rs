@@ -113,7 +113,14 @@ impl Engine {
     /// being moved): recovery drives the engine until none are left when a crash
     /// left rows whose parity could not be resynced.
     pub(crate) fn repairs_pending(&self) -> bool {
-        !self.gc.repair.is_empty()
+        // Only what GC will still move counts: a victim once emptied may be named
+        // again by the reads that moved it.
+        let movable = |s: u32| {
+            let sg = &self.segs[s as usize];
+            let open = self.streams.iter().any(|st| st.seg == Some(s));
+            (sg.state == SegState::Closed || open) && sg.kind != StreamKind::Meta && !sg.gc_exclude
+        };
+        self.gc.repair.iter().any(|&s| movable(s))
             || !matches!(self.gc.phase, Phase::Idle)
             || self
                 .shared
@@ -375,18 +382,33 @@ impl Engine {
             return;
         }
         // Walking unit headers.
-        let header = if ok {
-            UnitHeader::decode(&buf).ok()
+        let fits = |h: &UnitHeader| {
+            h.segment == seg
+                && h.offset == offset
+                && h.incarnation == sg.incarnation
+                && h.array_id == self.geo.array_id
+        };
+        let mut buf = buf;
+        let mut header = if ok {
+            UnitHeader::decode(&buf).ok().filter(fits)
         } else {
             None
         };
+        if header.is_none() && offset < sg.write_ptr {
+            // Damaged on one member? Rebuilt from parity (a rare path, on this
+            // thread): blocks described by a header GC cannot read stay behind.
+            let (dev, off) = self.geo.locate(SegmentId(seg), offset);
+            buf.resize(self.geo.header_blocks as usize * BLOCK_SIZE, 0);
+            header = self
+                .shared
+                .read_decoded(dev, off, &mut buf, |b| {
+                    UnitHeader::decode(b).ok().filter(fits)
+                })
+                .ok()
+                .flatten();
+        }
         let next = match header {
-            Some(h)
-                if h.segment == seg
-                    && h.offset == offset
-                    && h.incarnation == sg.incarnation
-                    && h.array_id == self.geo.array_id =>
-            {
+            Some(h) => {
                 for k in 0..h.data_blocks as usize {
                     let r = record_at(&buf, k);
                     let pba = self
@@ -604,7 +626,14 @@ impl Engine {
                     let block = run_block(run, &exact, at);
                     let crc_ok = metadata_only
                         || (data_ok && block.is_some_and(|b| lamina_format::crc32c(b) == r.b));
-                    if crc_ok {
+                    // Damaged as read: on a layout with parity, rebuilt from the row.
+                    let rebuilt = (!crc_ok)
+                        .then(|| {
+                            let (_, off) = self.geo.split(pba);
+                            self.shared.rebuild_block(SegmentId(seg), off, r.b)
+                        })
+                        .flatten();
+                    if crc_ok || rebuilt.is_some() {
                         let v = self.volumes[volume as usize].as_mut().unwrap();
                         // A segment written under another configuration may carry a
                         // class this one does not have.
@@ -631,7 +660,10 @@ impl Engine {
                             let v = self.volumes[volume as usize].as_ref().unwrap();
                             v.shared.map.take_read(r.lba());
                         }
-                        let block = run_block(&batch_local[rp], &exact, at);
+                        let block = match &rebuilt {
+                            Some(b) => Some(&b[..]),
+                            None => run_block(&batch_local[rp], &exact, at),
+                        };
                         self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
                         self.counters.gc_blocks += 1;
                         self.blocks_since_checkpoint =

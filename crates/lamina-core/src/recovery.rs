@@ -89,6 +89,8 @@ pub struct RecoveryReport {
     pub trims_replayed: u64,
     pub releases_seen: u64,
     pub torn_blocks_ignored: u64,
+    /// Unit headers that failed as read and were rebuilt from parity.
+    pub headers_rebuilt: u64,
     /// Parity resync of the rows written after the last durable point (striped
     /// layouts with parity): rows checked, rows whose parity did not match, and rows
     /// left unprotected (sent to GC to be moved).
@@ -662,6 +664,37 @@ fn plug(dev: Arc<dyn BlockDevice>) -> Result<Arc<dyn BlockDevice>, EngineError> 
     Ok(Arc::new(lamina_device::zonehost::Plug::new(dev)?))
 }
 
+/// Reads and decodes the unit header at `offset` of `seg`. On a layout with
+/// parity, a header that does not decode as read is read again with each member
+/// rebuilt from the others in turn: a header damaged on one member (a bit flip, a
+/// lost write) must not end the walk of a segment whose later units were flushed.
+fn read_unit_header(
+    shared: &Shared,
+    report: &mut RecoveryReport,
+    seg: u32,
+    offset: u32,
+    h: u32,
+) -> Option<(Vec<u8>, UnitHeader, bool)> {
+    if let Ok(buf) = read_blocks(shared, report, seg, offset, h) {
+        if let Ok(u) = UnitHeader::decode(&buf) {
+            return Some((buf, u, false));
+        }
+    }
+    let st = shared.striped.as_ref().filter(|st| st.shape().parity > 0)?;
+    let (_, off) = shared.geo.locate(SegmentId(seg), offset);
+    let mut buf = vec![0u8; h as usize * BLOCK_SIZE];
+    for m in 0..st.shape().members() {
+        if st.read_without(&mut buf, off, m).is_ok() {
+            if let Ok(u) = UnitHeader::decode(&buf) {
+                report.headers_rebuilt += 1;
+                st.note_bad_block(m, off);
+                return Some((buf, u, true));
+            }
+        }
+    }
+    None
+}
+
 /// One unit found by the walk.
 struct FoundUnit {
     offset: u32,
@@ -671,6 +704,8 @@ struct FoundUnit {
     durable_version: u64,
     run_start: u64,
     records: Vec<RawRecord>,
+    /// The header did not decode as read and was rebuilt from parity.
+    rebuilt: bool,
 }
 
 /// One segment incarnation found by the walk.
@@ -706,10 +741,7 @@ fn scan_segment(
     let mut meta = (StreamKind::User, 0u8, 0u16);
     report.segments_scanned += 1;
     while offset + h <= geo.data_end {
-        let Ok(buf) = read_blocks(shared, report, seg, offset, h) else {
-            break;
-        };
-        let Ok(u) = UnitHeader::decode(&buf) else {
+        let Some((buf, u, rebuilt)) = read_unit_header(shared, report, seg, offset, h) else {
             break;
         };
         let inc_ok = match incarnation {
@@ -739,6 +771,7 @@ fn scan_segment(
             durable_version: u.durable_version,
             run_start: u.run_start,
             records,
+            rebuilt,
         });
         prev = u.version;
         offset += u.total_blocks();
@@ -807,9 +840,8 @@ impl<'a> CheckpointReader<'a> {
             let geo = &self.shared.geo;
             let h = geo.header_blocks as u32;
             let header = if self.offset + h <= geo.data_end {
-                read_blocks(self.shared, report, self.seg, self.offset, h)
-                    .ok()
-                    .and_then(|b| UnitHeader::decode(&b).ok().map(|u| (u, b)))
+                read_unit_header(self.shared, report, self.seg, self.offset, h)
+                    .map(|(b, u, _)| (u, b))
             } else {
                 None
             };
@@ -856,17 +888,23 @@ impl<'a> CheckpointReader<'a> {
                 {
                     continue;
                 }
-                let block = &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+                let mut block = data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE].to_vec();
                 if r.a != self.next_index + self.queue.len() as u64 {
                     return Err(damaged(format!(
                         "block {} found where {} was expected",
                         r.a, self.next_index
                     )));
                 }
-                if lamina_format::crc32c(block) != r.b {
-                    return Err(damaged(format!("payload block {} fails its checksum", r.a)));
+                if lamina_format::crc32c(&block) != r.b {
+                    let at = self.offset + h + i as u32;
+                    block = self
+                        .shared
+                        .rebuild_block(SegmentId(self.seg), at, r.b)
+                        .ok_or_else(|| {
+                            damaged(format!("payload block {} fails its checksum", r.a))
+                        })?;
                 }
-                self.queue.push_back(block.to_vec());
+                self.queue.push_back(block);
             }
             self.offset += u.total_blocks();
         }
@@ -1136,6 +1174,18 @@ pub fn open_unfinished(
         *m = (*m).max(u.durable_version);
     }
     let vouched = |u: &FoundUnit| marks.get(&u.run_start).is_some_and(|&d| u.version <= d);
+    // A header rebuilt from parity is trusted only for a unit that was synced: one
+    // written after the last durable point may be a torn write whose header never
+    // reached its member (the parity did), and the resync below would then make the
+    // parity match the member's old content, leaving a unit nothing can read. Such
+    // a unit, and what follows it in its segment, is not adopted (it was never
+    // flushed, so it may be lost).
+    for f in found.iter_mut() {
+        if let Some(i) = f.units.iter().position(|u| u.rebuilt && !vouched(u)) {
+            f.end = f.units[i].offset;
+            f.units.truncate(i);
+        }
+    }
     let mut torn: HashSet<(u32, u32, usize)> = HashSet::new();
     for f in &found {
         if released.contains(&(f.seg, f.incarnation)) {

@@ -63,6 +63,8 @@ pub enum ReadError {
 pub struct ReadStats {
     pub blocks_read: AtomicU64,
     pub checksum_errors: AtomicU64,
+    /// Blocks that failed verification as read and were served rebuilt from parity.
+    pub rebuilt_from_parity: AtomicU64,
     pub device_read_errors: AtomicU64,
     pub crc_cache_misses: AtomicU64,
 }
@@ -295,42 +297,73 @@ impl Shared {
         let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
         let mut buf = vec![0u8; geo.summary_blocks as usize * BLOCK_SIZE];
         let (dev, off) = geo.locate(seg, geo.data_end);
-        if self.devices[dev].read_at(&mut buf, off).is_ok() {
-            if let Ok(h) = SummaryHeader::decode(&buf) {
-                if h.segment == seg.0 && h.incarnation == incarnation && h.array_id == geo.array_id
-                {
-                    for k in 0..h.record_count as usize {
-                        let r = record_at(&buf, k);
-                        if r.kind == kind::UNIT {
-                            self.mark_unit_start(geo.pba(seg, r.a as u32));
-                        }
-                    }
-                    self.starts_known[seg.0 as usize].store(true, Ordering::SeqCst);
-                    return Ok(());
+        let summary = self.read_decoded(dev, off, &mut buf, |b| {
+            SummaryHeader::decode(b).ok().filter(|h| {
+                h.segment == seg.0 && h.incarnation == incarnation && h.array_id == geo.array_id
+            })
+        });
+        if let Ok(Some(h)) = summary {
+            for k in 0..h.record_count as usize {
+                let r = record_at(&buf, k);
+                if r.kind == kind::UNIT {
+                    self.mark_unit_start(geo.pba(seg, r.a as u32));
                 }
             }
+            self.starts_known[seg.0 as usize].store(true, Ordering::SeqCst);
+            return Ok(());
         }
         let h = geo.header_blocks as u32;
         let mut hdr = vec![0u8; h as usize * BLOCK_SIZE];
         let mut offset = 0;
         while offset + h <= geo.data_end {
             let (dev, off) = geo.locate(seg, offset);
-            self.devices[dev].read_at(&mut hdr, off)?;
-            let Ok(u) = UnitHeader::decode(&hdr) else {
+            let found = self.read_decoded(dev, off, &mut hdr, |b| {
+                UnitHeader::decode(b).ok().filter(|u| {
+                    u.segment == seg.0
+                        && u.offset == offset
+                        && u.incarnation == incarnation
+                        && u.array_id == geo.array_id
+                })
+            })?;
+            let Some(u) = found else {
                 break;
             };
-            if u.segment != seg.0
-                || u.offset != offset
-                || u.incarnation != incarnation
-                || u.array_id != geo.array_id
-            {
-                break;
-            }
             self.mark_unit_start(geo.pba(seg, offset));
             offset += u.total_blocks();
         }
         self.starts_known[seg.0 as usize].store(true, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Reads `buf` at `off` of device `dev` and decodes it with `decode`. On a layout
+    /// with parity, what does not decode as read is read again with each member
+    /// rebuilt from the others in turn (metadata damaged on one member); the member
+    /// that was wrong gets the read error and its stripe goes to the repair list.
+    pub(crate) fn read_decoded<T>(
+        &self,
+        dev: usize,
+        off: u64,
+        buf: &mut [u8],
+        decode: impl Fn(&[u8]) -> Option<T>,
+    ) -> Result<Option<T>, ReadError> {
+        let plain = self.devices[dev].read_at(buf, off);
+        if plain.is_ok() {
+            if let Some(t) = decode(buf) {
+                return Ok(Some(t));
+            }
+        }
+        if let Some(st) = self.parity_striped() {
+            for m in 0..st.shape().members() {
+                if st.read_without(buf, off, m).is_ok() {
+                    if let Some(t) = decode(buf) {
+                        st.note_bad_block(m, off);
+                        return Ok(Some(t));
+                    }
+                }
+            }
+        }
+        plain?;
+        Ok(None)
     }
 
     /// Records that a unit header starts at `pba`.
@@ -470,6 +503,12 @@ impl Shared {
     }
 
     /// Reads a run of blocks that sit consecutively in one unit, and verifies them.
+    ///
+    /// On a layout with parity, a block that fails verification (a bit flip, a
+    /// misdirected or lost write on one member) is rebuilt from the rest of its row,
+    /// member by member left out, until it passes; the stripe then goes to the
+    /// repair list, so that GC moves its blocks off the bad spot. Only when no
+    /// reading passes is the block an error.
     fn read_device_run(
         &self,
         vol: &VolumeShared,
@@ -485,7 +524,84 @@ impl Shared {
                 .fetch_add(1, Ordering::Relaxed);
             return Err(e.into());
         }
-        let corrupt = |lba: u64, detail: String| {
+        let first_bad = match self.verify_run(vol, first_lba, seg, seg_off, dst, None) {
+            Ok(()) => return Ok(()),
+            Err((k, e)) => match self.parity_striped() {
+                Some(_) => k,
+                None => return Err(self.report_corrupt(vol, seg, e)),
+            },
+        };
+        let st = self.parity_striped().expect("parity layout");
+        for k in first_bad..dst.len() / BLOCK_SIZE {
+            let block = &mut dst[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE];
+            let off = seg_off + k as u32;
+            let lba = first_lba + k as u64;
+            if self.verify_run(vol, lba, seg, off, block, None).is_ok() {
+                continue;
+            }
+            let (_, boff) = self.geo.locate(seg, off);
+            let mut fixed = false;
+            for m in 0..st.shape().members() {
+                if st.read_without(block, boff, m).is_ok()
+                    && self.verify_run(vol, lba, seg, off, block, Some(m)).is_ok()
+                {
+                    tracing::warn!(
+                        volume = vol.id.0,
+                        lba,
+                        segment = seg.0,
+                        "block failed verification on member {m}; served from parity"
+                    );
+                    st.note_bad_block(m, boff);
+                    self.read_stats
+                        .rebuilt_from_parity
+                        .fetch_add(1, Ordering::Relaxed);
+                    fixed = true;
+                    break;
+                }
+            }
+            if !fixed {
+                // What the plain reading says is the error to report.
+                let mut plain = [0u8; BLOCK_SIZE];
+                let e = match self.devices[dev].read_at(&mut plain, boff) {
+                    Ok(()) => self.verify_run(vol, lba, seg, off, &plain, None).err(),
+                    Err(e) => return Err(e.into()),
+                };
+                let e = e.map(|(_, e)| e).unwrap_or_else(|| ReadError::Corrupt {
+                    volume: vol.id.0,
+                    lba,
+                    detail: "no reading of the block passes its checksum".into(),
+                });
+                return Err(self.report_corrupt(vol, seg, e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Block `offset` of `seg` rebuilt from the rest of its row, each member left
+    /// out in turn, until it matches `crc` (a block damaged on one member; layouts
+    /// with parity, `None` elsewhere or when no reading matches). The member that
+    /// was wrong gets the read error and the stripe goes to the repair list.
+    pub(crate) fn rebuild_block(&self, seg: SegmentId, offset: u32, crc: u32) -> Option<Vec<u8>> {
+        let st = self.parity_striped()?;
+        let (_, off) = self.geo.locate(seg, offset);
+        let mut b = vec![0u8; BLOCK_SIZE];
+        for m in 0..st.shape().members() {
+            if st.read_without(&mut b, off, m).is_ok() && lamina_format::crc32c(&b) == crc {
+                st.note_bad_block(m, off);
+                return Some(b);
+            }
+        }
+        None
+    }
+
+    /// The striped device when the layout has parity to rebuild from.
+    fn parity_striped(&self) -> Option<&lamina_device::striped::Striped> {
+        self.striped.as_deref().filter(|st| st.shape().parity > 0)
+    }
+
+    /// Counts and logs a block that failed verification with no good copy.
+    fn report_corrupt(&self, vol: &VolumeShared, seg: SegmentId, e: ReadError) -> ReadError {
+        if let ReadError::Corrupt { lba, detail, .. } = &e {
             self.read_stats
                 .checksum_errors
                 .fetch_add(1, Ordering::Relaxed);
@@ -495,22 +611,45 @@ impl Shared {
                 segment = seg.0,
                 "read verification failed: {detail}"
             );
-            ReadError::Corrupt {
-                volume: vol.id.0,
-                lba,
-                detail,
-            }
+        }
+        e
+    }
+
+    /// Verifies the blocks of `dst` (read from `seg` at `seg_off`, holding
+    /// `first_lba` on) against their unit header; the header is read with member
+    /// `without` rebuilt from parity when given (and then not cached). On failure,
+    /// the index of the first bad block and why.
+    fn verify_run(
+        &self,
+        vol: &VolumeShared,
+        first_lba: u64,
+        seg: SegmentId,
+        seg_off: u32,
+        dst: &[u8],
+        without: Option<usize>,
+    ) -> Result<(), (usize, ReadError)> {
+        let corrupt = |lba: u64, detail: String| ReadError::Corrupt {
+            volume: vol.id.0,
+            lba,
+            detail,
         };
         let pba = self.geo.pba(seg, seg_off);
         if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
-            self.load_unit_starts(seg)?;
+            self.load_unit_starts(seg).map_err(|e| (0, e))?;
         }
-        let unit_start = self
-            .unit_start_of(pba)
-            .ok_or_else(|| corrupt(first_lba, "no unit header precedes the block".into()))?;
-        let crcs = self.unit_crcs(seg, unit_start).map_err(|e| match e {
-            ReadError::Corrupt { detail, .. } => corrupt(first_lba, detail),
-            other => other,
+        let unit_start = self.unit_start_of(pba).ok_or_else(|| {
+            (
+                0,
+                corrupt(first_lba, "no unit header precedes the block".into()),
+            )
+        })?;
+        let crcs = match without {
+            None => self.unit_crcs(seg, unit_start),
+            Some(m) => self.unit_crcs_without(seg, unit_start, m),
+        }
+        .map_err(|e| match e {
+            ReadError::Corrupt { detail, .. } => (0, corrupt(first_lba, detail)),
+            other => (0, other),
         })?;
         let first_index = (seg_off - unit_start - self.geo.header_blocks as u32) as usize;
         for (k, block) in dst.chunks_exact(BLOCK_SIZE).enumerate() {
@@ -518,18 +657,24 @@ impl Shared {
             let lba = first_lba + k as u64;
             let want_owner = pack_volume_lba(vol.id.0, lba);
             if idx >= crcs.owners.len() || crcs.owners[idx] != want_owner || crcs.dead[idx] {
-                return Err(corrupt(
-                    lba,
-                    format!("unit header at {seg} offset {unit_start} names another owner for this block (misdirected write?)"),
+                return Err((
+                    k,
+                    corrupt(
+                        lba,
+                        format!("unit header at {seg} offset {unit_start} names another owner for this block (misdirected write?)"),
+                    ),
                 ));
             }
             let crc = lamina_format::crc32c(block);
             if crc != crcs.crcs[idx] {
-                return Err(corrupt(
-                    lba,
-                    format!(
-                        "checksum mismatch (stored {:#010x}, computed {crc:#010x})",
-                        crcs.crcs[idx]
+                return Err((
+                    k,
+                    corrupt(
+                        lba,
+                        format!(
+                            "checksum mismatch (stored {:#010x}, computed {crc:#010x})",
+                            crcs.crcs[idx]
+                        ),
                     ),
                 ));
             }
@@ -547,10 +692,44 @@ impl Shared {
         self.read_stats
             .crc_cache_misses
             .fetch_add(1, Ordering::Relaxed);
+        let c = Arc::new(self.decode_unit_crcs(seg, unit_start, None)?);
+        self.crc_cache.insert(key, c.clone());
+        Ok(c)
+    }
+
+    /// The same, with member `without` rebuilt from parity (a header damaged on one
+    /// member); not cached: the plain reading is what later reads see first.
+    fn unit_crcs_without(
+        &self,
+        seg: SegmentId,
+        unit_start: u32,
+        without: usize,
+    ) -> Result<Arc<UnitCrcs>, ReadError> {
+        // A header that decodes as it is needs no rebuilding.
+        if let Ok(c) = self.unit_crcs(seg, unit_start) {
+            return Ok(c);
+        }
+        Ok(Arc::new(self.decode_unit_crcs(
+            seg,
+            unit_start,
+            Some(without),
+        )?))
+    }
+
+    fn decode_unit_crcs(
+        &self,
+        seg: SegmentId,
+        unit_start: u32,
+        without: Option<usize>,
+    ) -> Result<UnitCrcs, ReadError> {
+        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
         let h = self.geo.header_blocks as usize;
         let mut hdr = vec![0u8; h * BLOCK_SIZE];
         let (dev, byte_off) = self.geo.locate(seg, unit_start);
-        self.devices[dev].read_at(&mut hdr, byte_off)?;
+        match (without, self.parity_striped()) {
+            (Some(m), Some(st)) => st.read_without(&mut hdr, byte_off, m)?,
+            _ => self.devices[dev].read_at(&mut hdr, byte_off)?,
+        }
         let bad = |detail: String| ReadError::Corrupt {
             volume: 0,
             lba: 0,
@@ -577,12 +756,10 @@ impl Shared {
             crcs.push(r.b);
             dead.push(r.kind != kind::DATA);
         }
-        let c = Arc::new(UnitCrcs {
+        Ok(UnitCrcs {
             owners: owners.into(),
             crcs: crcs.into(),
             dead: dead.into(),
-        });
-        self.crc_cache.insert(key, c.clone());
-        Ok(c)
+        })
     }
 }

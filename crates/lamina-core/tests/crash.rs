@@ -349,7 +349,7 @@ fn power_cuts_never_lose_flushed_writes() {
 /// unsynced writes on its own at a power cut; then each member is lost in turn.
 #[test]
 fn said5_power_cuts_then_a_member_loss_keep_every_block() {
-    for seed in seeds(8) {
+    for seed in seeds(16) {
         run_layout(seed, 2000, 3, Layout::Said5, 4);
     }
 }
@@ -357,7 +357,7 @@ fn said5_power_cuts_then_a_member_loss_keep_every_block() {
 /// As above for SAID6 over five members, losing every pair in turn.
 #[test]
 fn said6_power_cuts_then_two_member_losses_keep_every_block() {
-    for seed in seeds(4) {
+    for seed in seeds(8) {
         run_layout(seed, 2000, 3, Layout::Said6, 5);
     }
 }

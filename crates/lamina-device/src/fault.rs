@@ -2,7 +2,8 @@
 //!
 //! Tests arm faults at run time: fail reads or writes that touch a byte range, tear
 //! writes (only a prefix reaches the inner device), make the device vanish (every
-//! operation fails), or slow it down.
+//! operation fails), slow it down, or make it lie: writes silently dropped, or
+//! silently stored somewhere else (misdirected).
 
 use crate::{BlockDevice, DeviceError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,6 +36,11 @@ pub struct FaultDevice {
     tear: Mutex<Option<(u64, u64)>>,
     delay_us: AtomicU64,
     injected: AtomicU64,
+    /// Writes report success but are not stored.
+    drop_writes: AtomicBool,
+    /// Writes report success but land this many bytes further (0: where asked;
+    /// past the end they are lost).
+    misdirect: AtomicU64,
 }
 
 impl FaultDevice {
@@ -46,6 +52,8 @@ impl FaultDevice {
             tear: Mutex::new(None),
             delay_us: AtomicU64::new(0),
             injected: AtomicU64::new(0),
+            drop_writes: AtomicBool::new(false),
+            misdirect: AtomicU64::new(0),
         }
     }
 
@@ -64,6 +72,18 @@ impl FaultDevice {
         self.faults.lock().unwrap().clear();
         *self.tear.lock().unwrap() = None;
         self.gone.store(false, Ordering::SeqCst);
+        self.drop_writes.store(false, Ordering::SeqCst);
+        self.misdirect.store(0, Ordering::SeqCst);
+    }
+
+    /// Writes report success and are silently not stored (a drive that lies).
+    pub fn drop_writes(&self) {
+        self.drop_writes.store(true, Ordering::SeqCst);
+    }
+
+    /// Writes report success and are silently stored `delta` bytes further on.
+    pub fn misdirect_writes(&self, delta: u64) {
+        self.misdirect.store(delta, Ordering::SeqCst);
     }
 
     /// Every operation fails from now on, as when a disk is pulled.
@@ -147,6 +167,19 @@ impl BlockDevice for FaultDevice {
             let half = (buf.len() / 2) & !511;
             self.injected.fetch_add(1, Ordering::SeqCst);
             return self.inner.write_at(&buf[..half], offset);
+        }
+        if self.drop_writes.load(Ordering::SeqCst) {
+            self.injected.fetch_add(1, Ordering::SeqCst);
+            return Ok(());
+        }
+        let delta = self.misdirect.load(Ordering::SeqCst);
+        if delta > 0 {
+            self.injected.fetch_add(1, Ordering::SeqCst);
+            let to = offset + delta;
+            if to + buf.len() as u64 <= self.size_bytes() {
+                return self.inner.write_at(buf, to);
+            }
+            return Ok(());
         }
         self.inner.write_at(buf, offset)
     }

@@ -292,6 +292,15 @@ impl Striped {
         !self.repairs.lock().unwrap().is_empty()
     }
 
+    /// A block read from member `member` at array offset `offset` failed its
+    /// checksum and was rebuilt from parity: counted as a read error of the member,
+    /// and its stripe goes to the repair list.
+    pub fn note_bad_block(&self, member: usize, offset: u64) {
+        if let Ok((s, _, _)) = self.split("note", offset, 0) {
+            self.note_read_error(member, s);
+        }
+    }
+
     fn note_read_error(&self, member: usize, s: u64) {
         self.read_errors[member].fetch_add(1, Ordering::Relaxed);
         let mut r = self.repairs.lock().unwrap();
