@@ -11,6 +11,7 @@ pub mod engine;
 mod engine_ckpt;
 mod engine_gc;
 pub mod error;
+pub mod fsck;
 pub mod gc;
 pub mod geometry;
 pub mod io;

@@ -594,6 +594,44 @@ impl Shared {
         None
     }
 
+    /// Whether the unit header before `pba` names it as block `lba` of `vol` (fsck:
+    /// the map checked against the log without reading data). On layouts with
+    /// parity a header damaged on one member is rebuilt, as reads do.
+    pub fn check_owner(&self, vol: &VolumeShared, lba: u64, pba: Pba) -> Result<(), ReadError> {
+        let (seg, seg_off) = self.geo.split(pba);
+        if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
+            self.load_unit_starts(seg)?;
+        }
+        let bad = |detail: String| ReadError::Corrupt {
+            volume: vol.id.0,
+            lba,
+            detail,
+        };
+        let unit_start = self
+            .unit_start_of(pba)
+            .ok_or_else(|| bad("no unit header precedes the block".into()))?;
+        let mut crcs = self.unit_crcs(seg, unit_start);
+        if let (Err(_), Some(st)) = (&crcs, self.parity_striped()) {
+            for m in 0..st.shape().members() {
+                crcs = self.unit_crcs_without(seg, unit_start, m);
+                if crcs.is_ok() {
+                    break;
+                }
+            }
+        }
+        let crcs = crcs?;
+        let idx = (seg_off - unit_start - self.geo.header_blocks as u32) as usize;
+        if idx >= crcs.owners.len()
+            || crcs.owners[idx] != pack_volume_lba(vol.id.0, lba)
+            || crcs.dead[idx]
+        {
+            return Err(bad(format!(
+                "the unit header at {seg} offset {unit_start} does not name this block"
+            )));
+        }
+        Ok(())
+    }
+
     /// The striped device when the layout has parity to rebuild from.
     fn parity_striped(&self) -> Option<&lamina_device::striped::Striped> {
         self.striped.as_deref().filter(|st| st.shape().parity > 0)
