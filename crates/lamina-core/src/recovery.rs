@@ -1027,6 +1027,12 @@ pub fn open_unfinished(
             let limit = geo.segment_count * geo.segment_blocks;
             let mut volumes = Vec::new();
             for v in &meta.volumes {
+                if v.size_bytes / BLOCK_SIZE_U64 > crate::map::MAX_BLOCKS {
+                    return Err(EngineError::Format(format!(
+                        "checkpoint names volume {:?} of {} bytes, beyond the 16 PiB limit",
+                        v.name, v.size_bytes
+                    )));
+                }
                 let vs = Arc::new(VolumeShared {
                     id: VolumeId(v.id),
                     name: v.name.clone(),
