@@ -1235,7 +1235,14 @@ pub fn open_unfinished(
     // "The write hole"). Units vouched for were synced whole, and rows are never
     // rewritten in place, so only the units checked above, and summaries (written
     // after their segment's last unit, with no mark of their own), need it.
-    if let Some(st) = shared.striped.as_ref().filter(|st| st.shape().parity > 0) {
+    // Read-only opens (status, fsck, inspection) write nothing: the next read-write
+    // open resyncs.
+    let writable = mode == OpenMode::ReadWrite;
+    if let Some(st) = shared
+        .striped
+        .as_ref()
+        .filter(|st| writable && st.shape().parity > 0)
+    {
         let mut total = lamina_device::striped::ResyncStats::default();
         for f in found
             .iter()

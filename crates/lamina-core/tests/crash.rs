@@ -190,6 +190,33 @@ impl Run {
             devs = d;
             keep = format!("{keep}, then {k}");
         }
+        // A read-only open (status, fsck) of what the cut left recovers in memory
+        // and writes nothing, torn rows and all.
+        if devs.len() > 1 {
+            let image = |rng: &mut rand::rngs::StdRng, d: &CrashDevice| {
+                d.power_cut(
+                    rng,
+                    PowerCut {
+                        keep_probability: 1.0,
+                    },
+                )
+            };
+            let before: Vec<Vec<u8>> = devs.iter().map(|d| image(&mut self.rng, d)).collect();
+            let (ro, _) = lamina_core::open(
+                dyn_devs(&devs),
+                small_config(),
+                lamina_core::OpenMode::ReadOnly,
+            )
+            .unwrap_or_else(|e| panic!("seed {} round {round}: read-only open: {e}", self.seed));
+            drop(ro);
+            for (i, d) in devs.iter().enumerate() {
+                assert!(
+                    image(&mut self.rng, d) == before[i],
+                    "seed {} round {round}: a read-only open wrote to member {i}",
+                    self.seed
+                );
+            }
+        }
         let faults = wrap(&devs);
         let (engine, _report) = lamina_core::open(
             dyn_devs(&faults),
