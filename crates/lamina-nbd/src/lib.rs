@@ -4,7 +4,9 @@
 pub mod client;
 pub mod proto;
 pub mod server;
+pub mod tls;
 
 pub use server::{
     serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Listener,
 };
+pub use tls::TlsPolicy;

@@ -12,6 +12,7 @@
 //! (out of range, bad flags, too long) get an error reply and the connection goes on.
 
 use crate::proto::*;
+use crate::tls::TlsPolicy;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -394,13 +395,33 @@ fn transmission_flags() -> u16 {
         | TF_SEND_FAST_ZERO
 }
 
-/// Runs the handshake. Returns the export to serve, or `None` when the client ended
-/// the negotiation cleanly (abort).
-fn handshake<B: Backend>(
-    backend: &B,
-    r: &mut impl Read,
-    w: &Writer,
-) -> io::Result<Option<(B::Export, ExportInfo)>> {
+/// Where a connection stands on TLS during the handshake.
+struct TlsState<'a> {
+    policy: Option<&'a TlsPolicy>,
+    /// TLS is up on this connection.
+    active: bool,
+}
+
+impl TlsState<'_> {
+    /// Options other than STARTTLS and ABORT are refused (FORCEDTLS, before TLS).
+    fn refusing(&self) -> bool {
+        !self.active && self.policy.is_some_and(|p| p.required)
+    }
+}
+
+/// How the option haggling ended.
+enum Negotiated<E> {
+    /// Serve this export.
+    Go(E, ExportInfo),
+    /// The client ended the negotiation cleanly.
+    Abort,
+    /// STARTTLS was acknowledged: run the TLS handshake, then haggle on inside it.
+    StartTls,
+}
+
+/// Sends the server's greeting and reads the client's flags: (fixed newstyle, no
+/// zeroes).
+fn greet(r: &mut impl Read, w: &Writer) -> io::Result<(bool, bool)> {
     let mut hello = Vec::with_capacity(18);
     hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -410,8 +431,20 @@ fn handshake<B: Backend>(
     if client_flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(protocol(format!("unknown client flags {client_flags:#x}")));
     }
-    let fixed = client_flags & FLAG_C_FIXED_NEWSTYLE != 0;
-    let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
+    Ok((
+        client_flags & FLAG_C_FIXED_NEWSTYLE != 0,
+        client_flags & FLAG_C_NO_ZEROES != 0,
+    ))
+}
+
+/// Runs the option haggling.
+fn negotiate<B: Backend>(
+    backend: &B,
+    r: &mut impl Read,
+    w: &Writer,
+    (fixed, no_zeroes): (bool, bool),
+    tls: &TlsState,
+) -> io::Result<Negotiated<B::Export>> {
     for _ in 0..MAX_OPTIONS {
         let magic = read_u64(r)?;
         if magic != IHAVEOPT {
@@ -432,6 +465,19 @@ fn handshake<B: Backend>(
             err_msg(REP_ERR_SHUTDOWN, "server is shutting down")?;
             continue;
         }
+        if tls.refusing() && option != OPT_STARTTLS && option != OPT_ABORT {
+            if option == OPT_EXPORT_NAME {
+                // No error reply exists for this option: hang up (the spec).
+                return Err(protocol(
+                    "NBD_OPT_EXPORT_NAME without TLS on a TLS-only server",
+                ));
+            }
+            err_msg(
+                REP_ERR_TLS_REQD,
+                "this server requires TLS: negotiate NBD_OPT_STARTTLS first",
+            )?;
+            continue;
+        }
         match option {
             OPT_EXPORT_NAME => {
                 let name =
@@ -447,7 +493,7 @@ fn handshake<B: Backend>(
                     b.extend_from_slice(&[0u8; 124]);
                 }
                 send(w, &b)?;
-                return Ok(Some((export, info)));
+                return Ok(Negotiated::Go(export, info));
             }
             _ if !fixed => {
                 return Err(protocol(format!(
@@ -456,7 +502,7 @@ fn handshake<B: Backend>(
             }
             OPT_ABORT => {
                 let _ = reply(REP_ACK, &[]);
-                return Ok(None);
+                return Ok(Negotiated::Abort);
             }
             OPT_LIST => {
                 if !data.is_empty() {
@@ -527,10 +573,21 @@ fn handshake<B: Backend>(
                 }
                 reply(REP_ACK, &[])?;
                 if option == OPT_GO {
-                    return Ok(Some((export, info)));
+                    return Ok(Negotiated::Go(export, info));
                 }
             }
-            OPT_STARTTLS => err_msg(REP_ERR_POLICY, "TLS is not supported by this server")?,
+            OPT_STARTTLS => {
+                if !data.is_empty() {
+                    err_msg(REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?;
+                } else if tls.active {
+                    err_msg(REP_ERR_INVALID, "TLS is already active")?;
+                } else if tls.policy.is_none() {
+                    err_msg(REP_ERR_POLICY, "TLS is not configured on this server")?;
+                } else {
+                    reply(REP_ACK, &[])?;
+                    return Ok(Negotiated::StartTls);
+                }
+            }
             OPT_STRUCTURED_REPLY => err_msg(REP_ERR_UNSUP, "structured replies are not supported")?,
             _ => err_msg(REP_ERR_UNSUP, &format!("option {option} is not supported"))?,
         }
@@ -539,16 +596,47 @@ fn handshake<B: Backend>(
 }
 
 /// Serves one connection until the client disconnects or breaks the protocol.
-pub fn serve_connection<B: Backend>(backend: Arc<B>, stream: Box<dyn Conn>) -> io::Result<()> {
+/// `tls`: the listener's TLS policy, if it offers TLS.
+pub fn serve_connection<B: Backend>(
+    backend: Arc<B>,
+    stream: Box<dyn Conn>,
+    tls: Option<&TlsPolicy>,
+) -> io::Result<()> {
     stream.set_read_timeout_conn(Some(HANDSHAKE_TIMEOUT))?;
-    let writer: Writer = Arc::new(Mutex::new(ConnWriter {
-        stream: stream.try_clone_conn()?,
-        pending: Vec::new(),
-    }));
+    let writer_for = |s: &dyn Conn| -> io::Result<Writer> {
+        Ok(Arc::new(Mutex::new(ConnWriter {
+            stream: s.try_clone_conn()?,
+            pending: Vec::new(),
+        })))
+    };
+    let mut writer = writer_for(&*stream)?;
     let mut r = BufReader::with_capacity(64 * 1024, stream);
-    let Some((export, info)) = handshake(&*backend, &mut r, &writer)? else {
-        r.get_ref().shutdown_conn();
-        return Ok(());
+    let flags = greet(&mut r, &writer)?;
+    let mut state = TlsState {
+        policy: tls,
+        active: false,
+    };
+    let (export, info) = loop {
+        match negotiate(&*backend, &mut r, &writer, flags, &state)? {
+            Negotiated::Go(export, info) => break (export, info),
+            Negotiated::Abort => {
+                r.get_ref().shutdown_conn();
+                return Ok(());
+            }
+            Negotiated::StartTls => {
+                // Bytes that came after STARTTLS but before the TLS handshake were
+                // not protected: refuse them rather than act on them.
+                if !r.buffer().is_empty() {
+                    return Err(protocol("plaintext sent after NBD_OPT_STARTTLS"));
+                }
+                let policy = tls.expect("STARTTLS is acknowledged only with a policy");
+                let plain = crate::tls::start(r.into_inner(), &policy.config)?;
+                plain.set_read_timeout_conn(Some(HANDSHAKE_TIMEOUT))?;
+                writer = writer_for(&*plain)?;
+                r = BufReader::with_capacity(64 * 1024, plain);
+                state.active = true;
+            }
+        }
     };
     r.get_ref().set_read_timeout_conn(None)?;
     let closer = Mutex::new(r.get_ref().try_clone_conn()?);
@@ -750,8 +838,15 @@ pub enum Listener {
     Tcp(TcpListener),
 }
 
-/// Accepts connections until `stop` is set, serving each on its own threads.
-pub fn serve<B: Backend>(backend: Arc<B>, listener: Listener, stop: Arc<AtomicBool>) {
+/// Accepts connections until `stop` is set, serving each on its own threads, with
+/// TLS offered (or required) as `tls` says.
+pub fn serve<B: Backend>(
+    backend: Arc<B>,
+    listener: Listener,
+    tls: Option<TlsPolicy>,
+    stop: Arc<AtomicBool>,
+) {
+    let tls = tls.map(Arc::new);
     loop {
         let conn: io::Result<Box<dyn Conn>> = match &listener {
             Listener::Unix(l) => l.accept().map(|(s, _)| Box::new(s) as Box<dyn Conn>),
@@ -778,10 +873,11 @@ pub fn serve<B: Backend>(backend: Arc<B>, listener: Listener, stop: Arc<AtomicBo
             continue;
         }
         let backend = backend.clone();
+        let tls = tls.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
             .spawn(move || {
-                if let Err(e) = serve_connection(backend, conn) {
+                if let Err(e) = serve_connection(backend, conn, tls.as_deref()) {
                     tracing::info!("connection closed: {e}");
                 }
                 CONNECTIONS.fetch_sub(1, Ordering::SeqCst);

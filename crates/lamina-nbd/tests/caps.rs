@@ -85,7 +85,7 @@ fn payload_over_all_connections_stays_under_the_limit() {
     let stop = Arc::new(AtomicBool::new(false));
     {
         let (b, s) = (backend.clone(), stop.clone());
-        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(listener), s));
+        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(listener), None, s));
     }
     // Six clients, each pushing 6 MiB of writes: 36 MiB against an 8 MiB limit
     // (each connection alone stays under its own 64 MiB budget).

@@ -320,7 +320,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
-        std::thread::spawn(move || lamina_nbd::serve(backend, Listener::Unix(l), stop));
+        std::thread::spawn(move || lamina_nbd::serve(backend, Listener::Unix(l), None, stop));
     }
     crate::serve::wait_for_signal(&set);
     stop.store(true, Ordering::SeqCst);

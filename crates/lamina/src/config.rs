@@ -52,6 +52,17 @@ pub struct ServeConfig {
     /// together; requests beyond it wait. Default 256 MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_inflight: Option<String>,
+    /// TLS server certificate chain (PEM). With `tls_key`, clients may start TLS
+    /// (NBD_OPT_STARTTLS) and TCP clients must.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key of `tls_cert` (PEM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
+    /// Certificate authorities (PEM) that client certificates must chain to; when
+    /// set, clients without such a certificate are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -63,6 +74,9 @@ impl Default for ServeConfig {
             io_threads: default_io_threads(),
             rebuild_rate: None,
             max_inflight: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::size::{human, parse_size};
 use crate::{absolute, create_array, default_dir, open_array};
 use anyhow::{bail, Context, Result};
 use lamina_core::{FormatParams, OpenMode, Request};
-use lamina_nbd::Listener;
+use lamina_nbd::{Listener, TlsPolicy};
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -28,6 +28,17 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics on HOST:PORT at /metrics.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
+    /// TLS certificate chain (PEM) of the server. With --tls-key, clients may start
+    /// TLS (NBD_OPT_STARTTLS) and on TCP they must: plaintext is refused.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Certificate authorities (PEM) that client certificates must chain to; with
+    /// it, clients without a valid certificate are refused.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
     /// Size of the backing file when creating the embedded default array.
     #[arg(long, default_value = "8G", value_name = "SIZE")]
     default_size: String,
@@ -127,6 +138,32 @@ fn create_default(dir: &Path, size: u64) -> Result<()> {
     Ok(())
 }
 
+/// The TLS setup from the command line, else from `[serve]` in the config; `None`
+/// when neither names a certificate. A bad certificate or key stops the server
+/// before it opens the array.
+fn tls_config(
+    a: &ServeArgs,
+    cfg: &Config,
+    dir: &Path,
+) -> Result<Option<Arc<lamina_nbd::tls::ServerConfig>>> {
+    let (cert, key, ca) = if a.tls_cert.is_some() {
+        (a.tls_cert.clone(), a.tls_key.clone(), a.tls_ca.clone())
+    } else {
+        let s = &cfg.serve;
+        let r = |p: &Option<PathBuf>| p.as_ref().map(|p| Config::resolve(dir, p));
+        (r(&s.tls_cert), r(&s.tls_key), r(&s.tls_ca))
+    };
+    match (cert, key) {
+        (None, None) if ca.is_none() => Ok(None),
+        (Some(cert), Some(key)) => {
+            let config = lamina_nbd::tls::load_config(&cert, &key, ca.as_deref())
+                .map_err(anyhow::Error::msg)?;
+            Ok(Some(Arc::new(config)))
+        }
+        _ => bail!("TLS needs both a certificate and a key (tls_cert and tls_key in [serve])"),
+    }
+}
+
 /// Serves Prometheus scrapes one at a time on this one thread: a scrape is small
 /// and rare, and a flood of them must not become a thread each. A client gets 2 s to
 /// send its request and to take the answer.
@@ -183,7 +220,7 @@ pub(crate) fn wait_for_signal(set: &libc::sigset_t) -> i32 {
 
 pub fn run(a: ServeArgs) -> Result<()> {
     let explicit = a.dir.is_some();
-    let dir = absolute(&a.dir.unwrap_or_else(default_dir))?;
+    let dir = absolute(&a.dir.clone().unwrap_or_else(default_dir))?;
     if !Config::exists(&dir) {
         // Only the implicit ./lamina-data is created on first use: a DIR given on
         // the command line that holds no array is more likely a typo than a wish
@@ -208,6 +245,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         create_default(&dir, size)?;
     }
     let cfg = Config::load(&dir)?;
+    let tls = tls_config(&a, &cfg, &dir)?;
     let log_file = Config::resolve(&dir, &cfg.log_file);
     let log = init_logging(&log_file);
     let signals = block_signals();
@@ -266,16 +304,30 @@ pub fn run(a: ServeArgs) -> Result<()> {
         sockets.push(path.clone());
         endpoints.push(format!("unix:{}", path.display()));
         let (b, s) = (backend.clone(), stop.clone());
-        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(l), s));
+        // A Unix socket is guarded by file permissions: TLS is offered there, not
+        // required.
+        let policy = tls.clone().map(|config| TlsPolicy {
+            config,
+            required: false,
+        });
+        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(l), policy, s));
     }
     let mut tcp_bound = None;
     if let Some(addr) = &tcp {
         match TcpListener::bind(addr) {
             Ok(l) => {
                 tcp_bound = Some(addr.clone());
-                endpoints.push(format!("tcp:{addr}"));
+                let policy = tls.clone().map(|config| TlsPolicy {
+                    config,
+                    required: true,
+                });
+                endpoints.push(if policy.is_some() {
+                    format!("tcp:{addr} (TLS required)")
+                } else {
+                    format!("tcp:{addr}")
+                });
                 let (b, s) = (backend.clone(), stop.clone());
-                std::thread::spawn(move || lamina_nbd::serve(b, Listener::Tcp(l), s));
+                std::thread::spawn(move || lamina_nbd::serve(b, Listener::Tcp(l), policy, s));
             }
             Err(e) if !tcp_explicit => {
                 tracing::warn!("not listening on TCP {addr}: {e}");
