@@ -668,6 +668,9 @@ pub struct Engine {
     last_sync_ms: u64,
     unsynced_writes: bool,
     pub(crate) shutting_down: bool,
+    /// No checkpoint starts by itself (recovery holds them while it moves the blocks
+    /// of rows a crash left without parity; see `recovery::open`).
+    pub(crate) hold_checkpoints: bool,
     pub(crate) sb_busy: bool,
     sb_seq: SbSeq,
     classifier_factory: Option<ClassifierFactory>,
@@ -793,6 +796,7 @@ impl Engine {
             last_sync_ms: 0,
             unsynced_writes: false,
             shutting_down: false,
+            hold_checkpoints: false,
             sb_busy: false,
             sb_seq: SbSeq::default(),
             classifier_factory: None,

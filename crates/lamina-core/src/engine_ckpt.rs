@@ -288,7 +288,10 @@ impl Engine {
                     .map(|v| v.live_blocks / 1024 + 1)
                     .sum();
                 let due = self.cfg.checkpoint_interval_blocks.max(16 * map_pages);
-                if self.blocks_since_checkpoint >= due && !self.shutting_down {
+                if self.blocks_since_checkpoint >= due
+                    && !self.shutting_down
+                    && !self.hold_checkpoints
+                {
                     self.start_checkpoint(None);
                 }
             }

@@ -615,12 +615,18 @@ impl Shared {
             for m in 0..st.shape().members() {
                 crcs = self.unit_crcs_without(seg, unit_start, m);
                 if crcs.is_ok() {
+                    // The header is damaged on member m: charge it and queue the
+                    // stripe for repair, as a rebuilt block does.
+                    st.note_bad_block(m, self.geo.locate(seg, unit_start).1);
                     break;
                 }
             }
         }
         let crcs = crcs?;
-        let idx = (seg_off - unit_start - self.geo.header_blocks as u32) as usize;
+        // A map entry pointing into a header (damaged metadata) is no block of it.
+        let idx = (seg_off - unit_start)
+            .checked_sub(self.geo.header_blocks as u32)
+            .map_or(usize::MAX, |i| i as usize);
         if idx >= crcs.owners.len()
             || crcs.owners[idx] != pack_volume_lba(vol.id.0, lba)
             || crcs.dead[idx]
@@ -689,7 +695,10 @@ impl Shared {
             ReadError::Corrupt { detail, .. } => (0, corrupt(first_lba, detail)),
             other => (0, other),
         })?;
-        let first_index = (seg_off - unit_start - self.geo.header_blocks as u32) as usize;
+        // A map entry pointing into a header (damaged metadata) is no block of it.
+        let first_index = (seg_off - unit_start)
+            .checked_sub(self.geo.header_blocks as u32)
+            .map_or(usize::MAX / 2, |i| i as usize);
         for (k, block) in dst.chunks_exact(BLOCK_SIZE).enumerate() {
             let idx = first_index + k;
             let lba = first_lba + k as u64;

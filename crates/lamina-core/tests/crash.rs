@@ -51,6 +51,9 @@ struct Run {
     failure_flushed: bool,
     /// Recoveries that found the failed member on record.
     failures_on_record: u64,
+    /// The member that lies about its writes ([`Faults::Silent`]): the only one
+    /// lost in the checks.
+    liar: Option<usize>,
     layout: Layout,
     engine: lamina_core::Engine,
     driver: Driver,
@@ -267,6 +270,7 @@ impl Run {
     fn lose_members_and_check(&mut self, round: usize, keep: &str, contents: &[Vec<u8>]) {
         let n = self.devs.len();
         let losses: Vec<Vec<usize>> = match self.layout {
+            _ if self.liar.is_some() => vec![vec![self.liar.unwrap()]],
             Layout::Said5 => (0..n).map(|a| vec![a]).collect(),
             Layout::Said6 => (0..n)
                 .flat_map(|a| (a + 1..n).map(move |b| vec![a, b]))
@@ -329,7 +333,19 @@ impl Run {
 }
 
 fn run_seed(seed: u64, ops: usize, crashes: usize) {
-    run_layout(seed, ops, crashes, Layout::Jbod, 1, false);
+    run_layout(seed, ops, crashes, Layout::Jbod, 1, Faults::None);
+}
+
+/// Faults injected besides the power cuts.
+#[derive(Clone, Copy, PartialEq)]
+enum Faults {
+    None,
+    /// One member starts failing every write at a random moment of the first round.
+    FailMember,
+    /// One member (the same all run) silently drops or misdirects its writes for
+    /// stretches of every round, reporting success: a drive that lies. Only that
+    /// member is then lost in the checks (a second fault is beyond the layout).
+    Silent,
 }
 
 /// Each member as the engine sees it: through a fault-injecting device.
@@ -340,17 +356,20 @@ fn wrap(devs: &[Arc<CrashDevice>]) -> Vec<Arc<FaultDevice>> {
 }
 
 /// A seeded run of `crashes` power cuts on `members` simulated disks. With
-/// `fail_member`, one member starts failing every write at a random moment of the
-/// first round: the engine fails it and must record that in the other members'
-/// superblocks before it acknowledges any flush that depended on it, or recovery
-/// would trust the stale member again.
+/// [`Faults::FailMember`], one member starts failing every write at a random moment
+/// of the first round: the engine fails it and must record that in the other
+/// members' superblocks before it acknowledges any flush that depended on it, or
+/// recovery would trust the stale member again. With [`Faults::Silent`], one member
+/// lies about its writes: reads, GC and recovery must rebuild what it lost from
+/// parity, and recovery must put it back before resyncing parity, or the resync
+/// would make the parity match the damage.
 fn run_layout(
     seed: u64,
     ops: usize,
     crashes: usize,
     layout: Layout,
     members: usize,
-    fail_member: bool,
+    injected: Faults,
 ) -> u64 {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let segments = if members == 1 { 48 } else { 24 };
@@ -375,6 +394,7 @@ fn run_layout(
         degraded: false,
         failure_flushed: false,
         failures_on_record: 0,
+        liar: None,
         layout,
         engine,
         driver: Driver::new(),
@@ -386,14 +406,44 @@ fn run_layout(
         blocks,
         seed,
     };
+    let liar = run.rng.gen_range(0..members);
+    run.liar = (injected == Faults::Silent).then_some(liar);
     for round in 0..crashes {
         let n = run.rng.gen_range(ops / 2..=ops);
-        let fail_at = (fail_member && round == 0).then(|| run.rng.gen_range(0..n));
+        let fail_at =
+            (injected == Faults::FailMember && round == 0).then(|| run.rng.gen_range(0..n));
+        // Stretches of lies: (from op, to op, misdirect by this many bytes or drop).
+        let lies: Vec<(usize, usize, Option<u64>)> = if injected == Faults::Silent {
+            (0..run.rng.gen_range(1..=3))
+                .map(|_| {
+                    let a = run.rng.gen_range(0..n);
+                    let b = (a + run.rng.gen_range(1..200)).min(n);
+                    let how = run
+                        .rng
+                        .gen_bool(0.5)
+                        .then(|| run.rng.gen_range(1..64u64) * BS as u64);
+                    (a, b, how)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         for i in 0..n {
             if fail_at == Some(i) {
                 let m = run.rng.gen_range(0..members);
                 run.faults[m].fail(FaultOp::Write, 0, u64::MAX, u64::MAX);
                 run.degraded = true;
+            }
+            for &(a, b, how) in &lies {
+                if a == i {
+                    match how {
+                        Some(delta) => run.faults[liar].misdirect_writes(delta),
+                        None => run.faults[liar].drop_writes(),
+                    }
+                }
+                if b == i {
+                    run.faults[liar].heal();
+                }
             }
             // Keep outstanding work bounded like a client with a queue depth.
             if run.engine.pending_requests() < 32 {
@@ -438,7 +488,7 @@ fn power_cuts_never_lose_flushed_writes() {
 #[test]
 fn said5_power_cuts_then_a_member_loss_keep_every_block() {
     for seed in seeds(16) {
-        run_layout(seed, 2000, 3, Layout::Said5, 4, false);
+        run_layout(seed, 2000, 3, Layout::Said5, 4, Faults::None);
     }
 }
 
@@ -446,7 +496,7 @@ fn said5_power_cuts_then_a_member_loss_keep_every_block() {
 #[test]
 fn said6_power_cuts_then_two_member_losses_keep_every_block() {
     for seed in seeds(8) {
-        run_layout(seed, 2000, 3, Layout::Said6, 5, false);
+        run_layout(seed, 2000, 3, Layout::Said6, 5, Faults::None);
     }
 }
 
@@ -458,11 +508,24 @@ fn said6_power_cuts_then_two_member_losses_keep_every_block() {
 fn flushes_after_a_member_failure_survive_power_cuts() {
     let mut on_record = 0;
     for seed in seeds(16) {
-        on_record += run_layout(seed, 2000, 3, Layout::Said5, 4, true);
-        on_record += run_layout(seed, 1500, 2, Layout::Said6, 5, true);
+        on_record += run_layout(seed, 2000, 3, Layout::Said5, 4, Faults::FailMember);
+        on_record += run_layout(seed, 1500, 2, Layout::Said6, 5, Faults::FailMember);
     }
     assert!(
         on_record > 0,
         "some recovery found a member failure on record"
     );
+}
+
+/// A member that lies about its writes (drops them, or stores them elsewhere, and
+/// reports success) for stretches of each round, with power cuts on top: every
+/// block acknowledged before the last completed flush reads back after recovery,
+/// and still does when that member is then lost, so recovery never resynced parity
+/// to match what the liar holds.
+#[test]
+fn a_lying_member_and_power_cuts_keep_every_block() {
+    for seed in seeds(12) {
+        run_layout(seed, 2000, 3, Layout::Said5, 4, Faults::Silent);
+        run_layout(seed, 1500, 2, Layout::Said6, 5, Faults::Silent);
+    }
 }

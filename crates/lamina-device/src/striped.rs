@@ -226,6 +226,11 @@ impl Striped {
         })
     }
 
+    /// The members are zoned (rows cannot be rewritten in place).
+    pub fn is_zoned(&self) -> bool {
+        self.zoned
+    }
+
     pub fn shape(&self) -> StripeShape {
         self.shape
     }
@@ -623,9 +628,13 @@ impl Striped {
                     stuck = true;
                     continue;
                 }
-                self.member(m)
-                    .write_at(c, off)
-                    .inspect_err(|_| self.fail_member(m))?;
+                // A member that cannot take the write is failed, as on any write
+                // error, and the array serves on degraded: recovery must not stop
+                // on it (the next open would meet it again).
+                if self.member(m).write_at(c, off).is_err() {
+                    self.fail_member(m);
+                    continue;
+                }
                 self.written[m].fetch_add(len as u64, Ordering::Relaxed);
                 st.parity_rewritten += nr as u64;
             }
@@ -636,6 +645,41 @@ impl Striped {
             row0 += nr as u64;
         }
         Ok(st)
+    }
+
+    /// Writes whole blocks of data back to the members that hold them, leaving parity
+    /// alone: recovery puts back what it rebuilt from parity (a block or unit header
+    /// a member dropped, tore or lost to a bit flip) so that the rows match their
+    /// parity again before the resync reads them, instead of the resync making the
+    /// parity match the damage. A member that fails the write is failed; the rows
+    /// then rebuild from parity, which holds the right content. Nothing is synced.
+    /// Not for zoned members (rows are never rewritten in place there).
+    pub fn write_back(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        assert!(!self.zoned, "write_back on zoned members");
+        let (s, b, blocks) = self.split("write back", offset, data.len())?;
+        let sh = self.shape;
+        let k = sh.data as u64;
+        let _g = self.stripe_locks[(s as usize) % STRIPE_LOCKS]
+            .lock()
+            .unwrap();
+        for i in 0..blocks {
+            let (row, col) = ((b + i) / k, ((b + i) % k) as usize);
+            let m = sh.member(s, col);
+            if !self.current(m, s) {
+                continue;
+            }
+            let block = &data[i as usize * BLOCK..(i as usize + 1) * BLOCK];
+            if self
+                .member(m)
+                .write_at(block, sh.member_offset(s, row))
+                .is_err()
+            {
+                self.fail_member(m);
+                continue;
+            }
+            self.written[m].fetch_add(BLOCK as u64, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// Reads as if member `member` were lost: its share is rebuilt from the others
@@ -1345,5 +1389,41 @@ mod tests {
         f[0].vanish();
         let mut buf = vec![0u8; 3 * BLOCK];
         assert!(a.read_at(&mut buf, a.shape().data_offset).is_err());
+    }
+
+    /// Resync after a crash: parity that does not match is rewritten; a member that
+    /// fails the rewrite is failed (the array goes on degraded, reads rebuild from
+    /// the rest) instead of the resync, and with it the array's open, failing.
+    #[test]
+    fn resync_rewrites_stale_parity_and_survives_a_failing_member() {
+        let (a, f) = array(3, 1);
+        let img = fill(&a);
+        let sh = a.shape();
+        // A torn row: new data reached one member, its parity did not.
+        let (s, row) = (1u64, 2u64);
+        let m = sh.member(s, 0);
+        f[m].write_at(&pattern(99, 1), sh.member_offset(s, row))
+            .unwrap();
+        let at = sh.data_offset + s * sh.stripe_blocks() * BLOCK_U64;
+        let st = a.resync(at, sh.stripe_blocks() as usize * BLOCK).unwrap();
+        assert_eq!((st.rows_mismatched, st.parity_rewritten), (1, 8));
+        // Now whatever a member held is what its loss rebuilds.
+        let mut want = img.clone();
+        let o = ((s * sh.stripe_blocks() + row * 3) as usize) * BLOCK;
+        want[o..o + BLOCK].copy_from_slice(&pattern(99, 1));
+        let mut b = vec![0u8; BLOCK];
+        a.read_without(&mut b, sh.data_offset + (o / BLOCK) as u64 * BLOCK_U64, m)
+            .unwrap();
+        assert!(b == want[o..o + BLOCK]);
+        // Tear the row again; this time the parity member refuses the rewrite.
+        f[m].write_at(&pattern(64, 1), sh.member_offset(s, row))
+            .unwrap();
+        want[o..o + BLOCK].copy_from_slice(&pattern(64, 1));
+        let p = sh.member(s, 3);
+        f[p].fail(FaultOp::Write, 0, u64::MAX, u64::MAX);
+        let st = a.resync(at, sh.stripe_blocks() as usize * BLOCK).unwrap();
+        assert_eq!((st.rows_mismatched, st.parity_rewritten), (1, 0));
+        assert!(a.is_failed(p));
+        read_all(&a, &want);
     }
 }
