@@ -46,11 +46,17 @@ struct Run {
     /// A member was failed by a write error: the array runs degraded from then
     /// on, and no further member can be lost.
     degraded: bool,
-    /// A flush completed after the member started failing: its failure must be
+    /// A flush completed after the engine failed the member: its failure must be
     /// on record in every recovery from then on.
     failure_flushed: bool,
     /// Recoveries that found the failed member on record.
     failures_on_record: u64,
+    /// End the round now (see `collect_replies`).
+    cut_now: bool,
+    /// The engine had failed a member before the operations of this step ran: a
+    /// flush acknowledged in the step completed after the failure. (A member armed
+    /// to fail has not failed until a write reaches it.)
+    failure_seen: bool,
     /// The member that lies about its writes ([`Faults::Silent`]): the only one
     /// lost in the checks.
     liar: Option<usize>,
@@ -86,7 +92,11 @@ impl Run {
             } else if let Some(mark) = self.outstanding.flushes.remove(&h) {
                 r.result
                     .unwrap_or_else(|e| panic!("seed {}: flush failed: {e}", self.seed));
-                self.failure_flushed |= self.degraded;
+                // The first flush acknowledged after a member failed: cut the power
+                // right away, while the superblocks may still be on their way (they
+                // must not be: the flush waits for them).
+                self.cut_now |= self.failure_seen && !self.failure_flushed;
+                self.failure_flushed |= self.failure_seen;
                 self.model.flush_done(&mark);
             }
         }
@@ -394,6 +404,8 @@ fn run_layout(
         degraded: false,
         failure_flushed: false,
         failures_on_record: 0,
+        cut_now: false,
+        failure_seen: false,
         liar: None,
         layout,
         engine,
@@ -406,6 +418,10 @@ fn run_layout(
         blocks,
         seed,
     };
+    // A flush must wait for the record of a member failure: make superblock writes
+    // as late as a device may, so that a flush that did not wait would complete
+    // first and the power cut after it find no record.
+    run.driver.starve_superblocks = injected == Faults::FailMember;
     let liar = run.rng.gen_range(0..members);
     run.liar = (injected == Faults::Silent).then_some(liar);
     for round in 0..crashes {
@@ -450,6 +466,12 @@ fn run_layout(
                 run.random_op();
             }
             let k = run.rng.gen_range(0..4);
+            run.failure_seen = run
+                .engine
+                .shared()
+                .striped
+                .as_ref()
+                .is_some_and(|st| st.failed_count() > 0);
             let mut drv = std::mem::replace(&mut run.driver, Driver::new());
             drv.step(&mut run.engine, &mut run.rng, k);
             run.driver = drv;
@@ -457,6 +479,9 @@ fn run_layout(
                 run.engine.tick(i as u64 * 10);
             }
             run.collect_replies();
+            if std::mem::take(&mut run.cut_now) {
+                break;
+            }
         }
         run.crash_and_check(round);
     }
@@ -503,7 +528,9 @@ fn said6_power_cuts_then_two_member_losses_keep_every_block() {
 /// A flush waits for the member-failure record: SAID5 and SAID6, one member starts
 /// failing its writes mid-run, power cuts follow (each member keeping or dropping
 /// its own unsynced writes); every block acknowledged before the last completed
-/// flush reads back, so recovery never trusted the failed member's stale content.
+/// flush reads back, and a flush acknowledged after the engine failed the member
+/// means recovery knows it failed. Superblock writes are run as late as a device
+/// may, and the power is cut right after that flush: without the gate this fails.
 #[test]
 fn flushes_after_a_member_failure_survive_power_cuts() {
     let mut on_record = 0;

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use lamina_core::io::{execute, IoOp};
+use lamina_core::io::{execute, IoKind, IoOp};
 use lamina_core::{
     format, open, Engine, EngineConfig, FormatParams, OpenMode, Reply, Request, Token, VolumeId,
 };
@@ -162,21 +162,38 @@ pub fn read_block(e: &Engine, vol: VolumeId, lba: u64) -> Vec<u8> {
 /// at a time, so that crashes land between any two of them.
 pub struct Driver {
     pub queue: Vec<IoOp>,
+    /// On a striped array, writes to the members themselves (superblocks) run only
+    /// when nothing else is queued: the slowest order a device may choose for them,
+    /// which is what a flush that must wait for a superblock has to survive.
+    pub starve_superblocks: bool,
 }
 
 impl Driver {
     pub fn new() -> Self {
-        Driver { queue: Vec::new() }
+        Driver {
+            queue: Vec::new(),
+            starve_superblocks: false,
+        }
     }
     /// Takes new operations from the engine and executes up to `n` of them.
     pub fn step(&mut self, e: &mut Engine, rng: &mut impl rand::Rng, n: usize) {
         let shared = e.shared().clone();
+        let member_write = |op: &IoOp| {
+            shared.striped.is_some()
+                && op.device + 1 < shared.devices.len()
+                && matches!(op.kind, IoKind::WriteOwned { .. })
+        };
         for _ in 0..n {
             e.drain_io(&mut self.queue);
             if self.queue.is_empty() {
                 return;
             }
-            let i = rng.gen_range(0..self.queue.len());
+            let mut i = rng.gen_range(0..self.queue.len());
+            if self.starve_superblocks && member_write(&self.queue[i]) {
+                if let Some(j) = self.queue.iter().position(|op| !member_write(op)) {
+                    i = j;
+                }
+            }
             let op = self.queue.swap_remove(i);
             let c = execute(&shared, op);
             e.io_completed(c);
