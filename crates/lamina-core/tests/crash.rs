@@ -25,6 +25,7 @@ use lamina_core::{Request, Token, VolumeId};
 use lamina_device::crash::{CrashDevice, PowerCut};
 use lamina_device::fault::{FaultDevice, FaultOp};
 use lamina_device::mem::MemDevice;
+use lamina_device::BlockDevice;
 use lamina_format::superblock::Layout;
 use lamina_testkit::{FlushMark, Oracle, WriteMark};
 use rand::{Rng, SeedableRng};
@@ -170,12 +171,20 @@ impl Run {
                     [0.0, 0.5, 1.0][self.rng.gen_range(0..3)]
                 };
                 keeps.push(keep);
-                let image = d.power_cut(
+                let mut image = d.power_cut(
                     &mut self.rng,
                     PowerCut {
                         keep_probability: keep,
                     },
                 );
+                if self.liar == Some(i) {
+                    // The liar also decays at rest: bits flip in its data area.
+                    let from = lamina_format::superblock::DEFAULT_DATA_OFFSET as usize;
+                    for _ in 0..self.rng.gen_range(0..=24) {
+                        let at = self.rng.gen_range(from..image.len());
+                        image[at] ^= 1 << self.rng.gen_range(0..8);
+                    }
+                }
                 Arc::new(CrashDevice::from_image(format!("crash{i}"), image))
             })
             .collect();
@@ -231,6 +240,15 @@ impl Run {
             }
         }
         let faults = wrap(&devs);
+        if let Some(l) = self.liar {
+            // ... and grows latent sector errors: reads of a few ranges fail.
+            let from = lamina_format::superblock::DEFAULT_DATA_OFFSET;
+            let size = devs[l].size_bytes();
+            for _ in 0..self.rng.gen_range(0..=2) {
+                let at = self.rng.gen_range(from..size - 16384) & !4095;
+                faults[l].fail(FaultOp::Read, at, at + 16384, u64::MAX);
+            }
+        }
         let (engine, _report) = lamina_core::open(
             dyn_devs(&faults),
             small_config(),
@@ -353,8 +371,10 @@ enum Faults {
     /// One member starts failing every write at a random moment of the first round.
     FailMember,
     /// One member (the same all run) silently drops or misdirects its writes for
-    /// stretches of every round, reporting success: a drive that lies. Only that
-    /// member is then lost in the checks (a second fault is beyond the layout).
+    /// stretches of every round, reporting success (a drive that lies), has bits
+    /// flipped in its data area at each power cut, and grows latent sector errors
+    /// (reads of a few ranges fail). Only that member is then lost in the checks (a
+    /// second fault is beyond the layout).
     Silent,
 }
 
@@ -545,7 +565,8 @@ fn flushes_after_a_member_failure_survive_power_cuts() {
 }
 
 /// A member that lies about its writes (drops them, or stores them elsewhere, and
-/// reports success) for stretches of each round, with power cuts on top: every
+/// reports success) for stretches of each round, has bits flipped at rest and grows
+/// latent sector errors, with power cuts on top: every
 /// block acknowledged before the last completed flush reads back after recovery,
 /// and still does when that member is then lost, so recovery never resynced parity
 /// to match what the liar holds.
