@@ -155,7 +155,9 @@ pub struct Striped {
     /// Blocks rebuilt from parity for readers.
     rebuilt_blocks: AtomicU64,
     /// Stripes where a member failed a read (for the owner to move elsewhere).
-    repairs: Mutex<Vec<u64>>,
+    /// Stripes to repair, each once. Not capped: what it holds follows the stripes
+    /// that failed, and a stripe left off it would never be repaired.
+    repairs: Mutex<std::collections::BTreeSet<u64>>,
     /// The members are zoned: a member being rebuilt takes no writes in stripes
     /// not yet rebuilt (its zone there is written from its start by the rebuild).
     zoned: bool,
@@ -222,7 +224,7 @@ impl Striped {
             shape,
             failures: AtomicU64::new(0),
             rebuilt_blocks: AtomicU64::new(0),
-            repairs: Mutex::new(Vec::new()),
+            repairs: Mutex::new(std::collections::BTreeSet::new()),
         })
     }
 
@@ -290,6 +292,8 @@ impl Striped {
     /// Stripes where reads failed since the last call.
     pub fn take_repairs(&self) -> Vec<u64> {
         std::mem::take(&mut *self.repairs.lock().unwrap())
+            .into_iter()
+            .collect()
     }
 
     /// Whether stripes wait on the repair list.
@@ -308,10 +312,7 @@ impl Striped {
 
     fn note_read_error(&self, member: usize, s: u64) {
         self.read_errors[member].fetch_add(1, Ordering::Relaxed);
-        let mut r = self.repairs.lock().unwrap();
-        if r.len() < 4096 && !r.contains(&s) {
-            r.push(s);
-        }
+        self.repairs.lock().unwrap().insert(s);
     }
 
     /// Claims the rebuild of member `i` for the caller; false if another has it.
@@ -513,10 +514,7 @@ impl Striped {
                     // repair list, and GC moves its live blocks (rebuilt from parity
                     // as reads of them are) to a new segment.
                     st.unresolved += 1;
-                    let mut rep = self.repairs.lock().unwrap();
-                    if !rep.contains(&s) {
-                        rep.push(s);
-                    }
+                    self.repairs.lock().unwrap().insert(s);
                     continue;
                 }
                 for &j in &to_fix {
@@ -558,10 +556,7 @@ impl Striped {
         let k = self.shape.data as u64;
         let st = self.resync_rows(s, b / k, (b + blocks).div_ceil(k))?;
         if st.unprotected > 0 {
-            let mut rep = self.repairs.lock().unwrap();
-            if !rep.contains(&s) {
-                rep.push(s);
-            }
+            self.repairs.lock().unwrap().insert(s);
         }
         Ok(st)
     }
@@ -1425,5 +1420,32 @@ mod tests {
         assert_eq!((st.rows_mismatched, st.parity_rewritten), (1, 0));
         assert!(a.is_failed(p));
         read_all(&a, &want);
+    }
+
+    /// Every stripe with a bad block stays on the repair list, however many there
+    /// are (the list once stopped at 4096 and dropped the rest silently).
+    #[test]
+    fn the_repair_list_keeps_every_stripe_once() {
+        let shape = StripeShape {
+            data: 2,
+            parity: 1,
+            chunk_blocks: 1,
+            data_offset: 0,
+            stripes: 5000,
+        };
+        let size = shape.member_offset(shape.stripes, 0);
+        let members = (0..3)
+            .map(|i| Arc::new(MemDevice::new(format!("m{i}"), size)) as Arc<dyn BlockDevice>)
+            .collect();
+        let a = Striped::new(members, shape, &[]).unwrap();
+        for round in 0..2 {
+            for s in 0..shape.stripes {
+                a.note_bad_block(round, s * shape.stripe_blocks() * BLOCK_U64);
+            }
+        }
+        assert!(a.repairs_waiting());
+        let r = a.take_repairs();
+        assert_eq!(r, (0..shape.stripes).collect::<Vec<_>>());
+        assert!(!a.repairs_waiting());
     }
 }
