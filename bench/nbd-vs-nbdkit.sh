@@ -10,13 +10,27 @@
 # usable capacity, overwritten randomly until GC has run, and measured; the write
 # amplification comes from `lamina status --json`.
 #
-# Usage: bench/nbd-vs-nbdkit.sh [--quick]
+# With --shm both servers' backing files live in /dev/shm (RAM), so that the servers'
+# own cost is what is measured. With --cold (root), a randread row is added for
+# which the page cache is dropped before every run: reads come from the disk.
+# --no-steady skips the garbage-collection part.
+#
+# Usage: bench/nbd-vs-nbdkit.sh [--quick] [--shm] [--cold] [--no-steady]
 #   env: ROUNDS (default 3), RUNTIME seconds per run (default 10), REGION (default 1g)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
-quick=0
-[ "${1:-}" = "--quick" ] && quick=1
+quick=0 shm=0 cold=0 steady=1
+for a in "$@"; do
+  case $a in
+    --quick) quick=1 ;;
+    --shm) shm=1 ;;
+    --cold) cold=1 ;;
+    --no-steady) steady=0 ;;
+    *) echo "usage: $0 [--quick] [--shm] [--cold] [--no-steady]" >&2; exit 2 ;;
+  esac
+done
+if [ $cold = 1 ] && [ "$(id -u)" != 0 ]; then echo "bench: --cold needs root (drop_caches)" >&2; exit 2; fi
 ROUNDS=${ROUNDS:-3}
 RUNTIME=${RUNTIME:-10}
 REGION=${REGION:-1g}
@@ -28,7 +42,9 @@ done
 cargo build --release --quiet --manifest-path "$here/Cargo.toml"
 lamina="$here/target/release/lamina"
 
-work=$(mktemp -d "${TMPDIR:-/tmp}/lamina-bench.XXXXXX")
+base=${TMPDIR:-/tmp}
+[ $shm = 1 ] && base=/dev/shm
+work=$(mktemp -d "$base/lamina-bench.XXXXXX")
 pids=()
 cleanup() {
   for p in "${pids[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
@@ -74,21 +90,30 @@ L="nbd+unix:///vol?socket=$work/lamina/nbd.sock"
 K="nbd+unix:///?socket=$work/nbdkit/nbd.sock"
 fill "$L"; fill "$K"
 
-echo "# fresh volume: 4 KiB, iodepth 32, fio nbd engine, region $REGION, ${RUNTIME}s x $ROUNDS rounds (median IOPS)"
+drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+echo "# fresh volume on $base: 4 KiB, iodepth 32, fio nbd engine, region $REGION, ${RUNTIME}s x $ROUNDS rounds (median IOPS)"
 printf '%-22s %12s %12s %8s\n' workload lamina nbdkit ratio
-for spec in "randread" "randwrite" "randrw --rwmixread=70"; do
+specs=("randread" "randwrite" "randrw --rwmixread=70")
+[ $cold = 1 ] && specs+=("randread(cold)")
+for spec in "${specs[@]}"; do
+  c=0
+  [ "$spec" = "randread(cold)" ] && { c=1; spec=randread; }
   # shellcheck disable=SC2086
   set -- $spec
   rw=$1; shift
   l=(); k=()
   for _ in $(seq "$ROUNDS"); do
+    [ $c = 1 ] && drop_caches
     l+=("$(run_fio "$L" "$rw" "$@")")
+    [ $c = 1 ] && drop_caches
     k+=("$(run_fio "$K" "$rw" "$@")")
   done
+  [ $c = 1 ] && spec="randread, cold cache"
   lm=$(median "${l[@]}"); km=$(median "${k[@]}")
   printf '%-22s %12s %12s %8.2f\n' "${spec// --rwmixread=/ }" "$lm" "$km" "$(python3 -c "print($lm/$km)")"
 done
 stop_lamina "$work/lamina"
+[ $steady = 1 ] || exit 0
 
 # ---- steady state: volume at 80% of usable capacity, GC running
 mkdir -p "$work/steady"

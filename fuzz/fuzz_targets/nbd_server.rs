@@ -56,7 +56,7 @@ fuzz_target!(|data: &[u8]| {
             let _ = client.shutdown(std::net::Shutdown::Write);
         })
     };
-    let _ = lamina_nbd::serve_connection(Arc::new(Ram), Box::new(server), None);
+    let _ = lamina_nbd::serve_connection(Arc::new(Ram), Box::new(server), None, None);
     feed.join().unwrap();
     drain.join().unwrap();
 });

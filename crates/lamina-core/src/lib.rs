@@ -30,6 +30,6 @@ pub use recovery::{
     call_inline, format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,
     RECOVERY_TOKEN,
 };
-pub use shared::{Shared, VolumeShared};
+pub use shared::{ReadError, Shared, VolumeShared};
 pub use status::{ClassStatus, MemberStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

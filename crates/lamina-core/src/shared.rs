@@ -425,6 +425,29 @@ impl Shared {
         Ok(())
     }
 
+    /// Reads `buf` if that needs no wait for a device: every block is unmapped, in
+    /// the write buffer, or on a device that has it at hand (the page cache), with
+    /// its unit header's checksums already in memory and the block passing them.
+    /// `None` when any of that does not hold: nothing is counted or charged, and the
+    /// caller reads with [`Shared::read`] where it may wait (a thread of its own),
+    /// which also deals with damage. Block-aligned requests only.
+    pub fn read_nowait(
+        &self,
+        vol: &VolumeShared,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<Result<(), ReadError>> {
+        let bs = BLOCK_SIZE as u64;
+        if !offset.is_multiple_of(bs) || !buf.len().is_multiple_of(BLOCK_SIZE) {
+            return None;
+        }
+        match self.read_blocks_inner(vol, offset / bs, buf, true) {
+            Ok(true) => Some(Ok(())),
+            Ok(false) => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+
     /// Reads whole blocks starting at `first` into `out` (a multiple of 4 KiB).
     pub fn read_blocks(
         &self,
@@ -432,6 +455,18 @@ impl Shared {
         first: u64,
         out: &mut [u8],
     ) -> Result<(), ReadError> {
+        self.read_blocks_inner(vol, first, out, false).map(|_| ())
+    }
+
+    /// [`Shared::read_blocks`]; with `nowait`, `Ok(false)` when a device read would
+    /// have to wait (see [`Shared::read_nowait`]).
+    fn read_blocks_inner(
+        &self,
+        vol: &VolumeShared,
+        first: u64,
+        out: &mut [u8],
+        nowait: bool,
+    ) -> Result<bool, ReadError> {
         let nblocks = (out.len() / BLOCK_SIZE) as u64;
         let mut i = 0u64;
         while i < nblocks {
@@ -486,9 +521,16 @@ impl Shared {
                         continue;
                     }
                     let dst = &mut out[dst_off..dst_off + valid as usize * BLOCK_SIZE];
-                    let r = self.read_device_run(vol, lba, seg, seg_off, dst);
+                    let r = if nowait {
+                        self.read_device_run_nowait(vol, lba, seg, seg_off, dst)
+                    } else {
+                        self.read_device_run(vol, lba, seg, seg_off, dst)
+                            .map(|()| true)
+                    };
                     pins.fetch_sub(1, Ordering::SeqCst);
-                    r?;
+                    if !r? {
+                        return Ok(false);
+                    }
                     self.read_stats
                         .blocks_read
                         .fetch_add(valid, Ordering::Relaxed);
@@ -499,7 +541,51 @@ impl Shared {
                 }
             }
         }
-        Ok(())
+        Ok(true)
+    }
+
+    /// [`Shared::read_device_run`] without waiting: false when the device does not
+    /// have the run at hand, the unit's checksums are not in memory, or a block does
+    /// not pass them (the waiting path then reads again and deals with it).
+    fn read_device_run_nowait(
+        &self,
+        vol: &VolumeShared,
+        first_lba: u64,
+        seg: SegmentId,
+        seg_off: u32,
+        dst: &mut [u8],
+    ) -> Result<bool, ReadError> {
+        if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
+            return Ok(false);
+        }
+        let Some(unit_start) = self.unit_start_of(self.geo.pba(seg, seg_off)) else {
+            return Ok(false);
+        };
+        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
+        let key = (seg.0, incarnation, unit_start);
+        if self.crc_cache.get(&key).is_none() {
+            // The header is likely at hand too (a miss costs one allocation per
+            // unit, not per request).
+            let mut hdr = vec![0u8; self.geo.header_blocks as usize * BLOCK_SIZE];
+            let (hdev, hoff) = self.geo.locate(seg, unit_start);
+            if !self.devices[hdev].try_read_at(&mut hdr, hoff)? {
+                return Ok(false);
+            }
+            let Ok(c) = self.parse_unit_crcs(seg, unit_start, incarnation, &hdr) else {
+                return Ok(false);
+            };
+            self.read_stats
+                .crc_cache_misses
+                .fetch_add(1, Ordering::Relaxed);
+            self.crc_cache.insert(key, Arc::new(c));
+        }
+        let (dev, byte_off) = self.geo.locate(seg, seg_off);
+        if !self.devices[dev].try_read_at(dst, byte_off)? {
+            return Ok(false);
+        }
+        Ok(self
+            .verify_run(vol, first_lba, seg, seg_off, dst, None)
+            .is_ok())
     }
 
     /// Reads a run of blocks that sit consecutively in one unit, and verifies them.
@@ -777,12 +863,24 @@ impl Shared {
             (Some(m), Some(st)) => st.read_without(&mut hdr, byte_off, m)?,
             _ => self.devices[dev].read_at(&mut hdr, byte_off)?,
         }
+        self.parse_unit_crcs(seg, unit_start, incarnation, &hdr)
+    }
+
+    /// The checksums and owners of the unit whose header is `hdr`, checked to be
+    /// the header expected at `unit_start` of `seg` in `incarnation`.
+    fn parse_unit_crcs(
+        &self,
+        seg: SegmentId,
+        unit_start: u32,
+        incarnation: u64,
+        hdr: &[u8],
+    ) -> Result<UnitCrcs, ReadError> {
         let bad = |detail: String| ReadError::Corrupt {
             volume: 0,
             lba: 0,
             detail,
         };
-        let uh = UnitHeader::decode(&hdr).map_err(|e| bad(format!("unit header: {e}")))?;
+        let uh = UnitHeader::decode(hdr).map_err(|e| bad(format!("unit header: {e}")))?;
         if uh.array_id != self.geo.array_id
             || uh.segment != seg.0
             || uh.offset != unit_start
@@ -798,7 +896,7 @@ impl Shared {
         let mut crcs = Vec::with_capacity(d);
         let mut dead = Vec::with_capacity(d);
         for i in 0..d {
-            let r = record_at(&hdr, i);
+            let r = record_at(hdr, i);
             owners.push(r.a);
             crcs.push(r.b);
             dead.push(r.kind != kind::DATA);

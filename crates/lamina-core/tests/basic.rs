@@ -557,3 +557,82 @@ fn segments_opened_after_the_checkpoint_survive_release_until_reused() {
     );
     verify_model(&e, vol, &model);
 }
+
+/// Reads without waiting: served when every block is unmapped, buffered or on a
+/// device that has it at hand, with the same bytes the waiting read returns; on a
+/// device that cannot promise that (a fault-injecting wrapper, which never reads
+/// without waiting), or for a damaged block, nothing is served, nothing is counted
+/// against the device, and the waiting read then reports the damage.
+#[test]
+fn reads_without_waiting_match_waiting_reads_or_step_aside() {
+    use lamina_device::fault::FaultDevice;
+    for at_hand in [true, false] {
+        let mem = Arc::new(MemDevice::new("mem0", device_bytes(24)));
+        let dev: Arc<dyn BlockDevice> = if at_hand {
+            mem.clone()
+        } else {
+            Arc::new(FaultDevice::new(mem.clone()))
+        };
+        let devs = vec![dev];
+        format_devices(&devs, &small_params());
+        let mut e = open_rw(&devs, small_config());
+        let vol = create_volume(&mut e, "v", 4 << 20);
+        for lba in 0..64 {
+            write_block(&mut e, vol, lba, 1, false).unwrap();
+        }
+        call(&mut e, Request::Flush).result.unwrap();
+        // Some blocks buffered (written after the flush), most on the device.
+        for lba in 60..64 {
+            write_block(&mut e, vol, lba, 2, false).unwrap();
+        }
+        let v = e.shared().volume_by_id(vol).unwrap();
+        let mut got = vec![0u8; 72 * BS];
+        let mut want = vec![0u8; 72 * BS];
+        e.shared().read(&v, 0, &mut want).unwrap();
+        let r = e.shared().read_nowait(&v, 0, &mut got);
+        if at_hand {
+            assert!(matches!(r, Some(Ok(()))), "{r:?}");
+            assert!(got == want);
+        } else {
+            assert!(
+                r.is_none(),
+                "served without waiting by a device that cannot"
+            );
+        }
+        // Unaligned requests always step aside.
+        assert!(e.shared().read_nowait(&v, 512, &mut got[..BS]).is_none());
+        // A block damaged on the device: not served, not counted; the waiting read
+        // reports it.
+        if at_hand {
+            let errors = e
+                .shared()
+                .read_stats
+                .checksum_errors
+                .load(std::sync::atomic::Ordering::SeqCst);
+            let mut off = 0;
+            let mut probe = vec![0u8; BS];
+            // Find where block 5 lives: flip every copy of its pattern's first byte.
+            let want5 = pattern(5, 1);
+            let mut image = vec![0u8; mem.size_bytes() as usize];
+            mem.read_at(&mut image, 0).unwrap();
+            while off + BS <= image.len() {
+                if image[off..off + BS] == want5[..] {
+                    probe.copy_from_slice(&want5);
+                    probe[0] ^= 1;
+                    mem.write_at(&probe, off as u64).unwrap();
+                }
+                off += BS;
+            }
+            let mut b = vec![0u8; BS];
+            assert!(e.shared().read_nowait(&v, 5 * BS as u64, &mut b).is_none());
+            assert_eq!(
+                e.shared()
+                    .read_stats
+                    .checksum_errors
+                    .load(std::sync::atomic::Ordering::SeqCst),
+                errors
+            );
+            assert!(e.shared().read(&v, 5 * BS as u64, &mut b).is_err());
+        }
+    }
+}

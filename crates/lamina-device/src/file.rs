@@ -18,6 +18,9 @@ pub struct FileDevice {
     file: File,
     size: u64,
     is_block_device: bool,
+    /// The file lives in memory (tmpfs, ramfs): reading it never waits for a
+    /// device, and RWF_NOWAIT is not supported there.
+    in_memory: bool,
 }
 
 /// How to open a device file.
@@ -88,11 +91,13 @@ impl FileDevice {
                 }
             }));
         }
+        let in_memory = !is_block_device && in_memory_fs(&file);
         Ok(FileDevice {
             path: path.to_path_buf(),
             file,
             size,
             is_block_device,
+            in_memory,
         })
     }
 
@@ -132,6 +137,18 @@ fn block_device_size(file: &File) -> std::io::Result<u64> {
     Ok(size)
 }
 
+/// Whether `file` is on a file system kept in memory (tmpfs, ramfs).
+fn in_memory_fs(file: &File) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    // SAFETY: fstatfs fills the zeroed struct for our open descriptor.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::fstatfs(file.as_raw_fd(), &mut st) == 0
+            && matches!(st.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC)
+    }
+}
+
 impl BlockDevice for FileDevice {
     fn size_bytes(&self) -> u64 {
         self.size
@@ -144,6 +161,41 @@ impl BlockDevice for FileDevice {
         self.file
             .read_exact_at(buf, offset)
             .map_err(|e| self.io_err("read", offset, buf.len(), e))
+    }
+    /// `preadv2(RWF_NOWAIT)`: served from the page cache or not at all (a short read,
+    /// part of the range cached, counts as not at all). Block devices opened
+    /// buffered work the same way.
+    fn try_read_at(&self, buf: &mut [u8], offset: u64) -> Result<bool, DeviceError> {
+        if self.in_memory {
+            return self.read_at(buf, offset).map(|()| true);
+        }
+        check_range(self, "read", offset, buf.len())?;
+        let iov = libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        loop {
+            // SAFETY: reads into `buf`, which `iov` describes, from our descriptor.
+            let n = unsafe {
+                libc::preadv2(
+                    self.file.as_raw_fd(),
+                    &iov,
+                    1,
+                    offset as libc::off_t,
+                    libc::RWF_NOWAIT,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize == buf.len());
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                // Anything else (not cached, no RWF_NOWAIT on this file system, an
+                // I/O error): the normal read will wait, or report the error.
+                _ => return Ok(false),
+            }
+        }
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
         check_range(self, "write", offset, buf.len())?;

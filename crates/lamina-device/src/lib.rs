@@ -75,6 +75,15 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn describe(&self) -> String;
     /// Reads exactly `buf.len()` bytes at `offset`.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError>;
+    /// Reads exactly `buf.len()` bytes at `offset` if that needs no wait for the
+    /// device (the data is in memory, the page cache for a file): true when read,
+    /// false when a read would have to wait (then `buf` holds nothing of use and
+    /// nothing is counted against the device). The caller then reads with
+    /// [`BlockDevice::read_at`] where waiting is fine. The default never reads.
+    fn try_read_at(&self, buf: &mut [u8], offset: u64) -> Result<bool, DeviceError> {
+        let _ = (buf, offset);
+        Ok(false)
+    }
     /// Writes all of `buf` at `offset`. Not durable until [`BlockDevice::sync`] returns.
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError>;
     /// Makes every completed write durable.

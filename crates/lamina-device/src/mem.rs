@@ -40,6 +40,10 @@ impl BlockDevice for MemDevice {
         buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
         Ok(())
     }
+    /// Memory never makes a reader wait.
+    fn try_read_at(&self, buf: &mut [u8], offset: u64) -> Result<bool, DeviceError> {
+        self.read_at(buf, offset).map(|()| true)
+    }
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
         check_range(self, "write", offset, buf.len())?;
         let mut d = self.data.write().unwrap();

@@ -7,6 +7,6 @@ pub mod server;
 pub mod tls;
 
 pub use server::{
-    serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Listener,
+    serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Listener, ReadPool,
 };
 pub use tls::TlsPolicy;

@@ -1,12 +1,15 @@
 //! The NBD server: handshake and transmission, over any [`Backend`].
 //!
-//! Each connection has two threads. The *reader* parses requests: reads are served
-//! on the spot (the backend's read path needs no other thread) and written back under
-//! the connection's write lock; writes, trims, zeroes and flushes are handed to the
-//! backend with the connection's completion channel. The *replier* drains that
-//! channel and writes the replies in batches. Up to [`MAX_INFLIGHT`] requests per
-//! connection are outstanding at once; beyond that the reader waits, which is the
-//! backpressure a client feels.
+//! Each connection has two threads. The *reader* parses requests: reads go to the
+//! listener's [`ReadPool`], whose threads run the backend's read path in parallel
+//! (so one connection keeps as many device reads in flight as it sends, and they
+//! complete out of order, as the protocol allows); writes, trims, zeroes and
+//! flushes are handed to the backend with the connection's completion channel.
+//! Whoever completes a request writes its reply straight to the socket when the
+//! socket is free and takes it without blocking; otherwise the connection's
+//! *replier* writes it, in batches. Up to [`MAX_INFLIGHT`] requests per connection
+//! are outstanding at once; beyond that the reader waits, which is the backpressure
+//! a client feels.
 //!
 //! Protocol violations end only their own connection. Errors a request can carry
 //! (out of range, bad flags, too long) get an error reply and the connection goes on.
@@ -81,8 +84,21 @@ pub trait Backend: Send + Sync + 'static {
     fn exports(&self) -> Vec<ExportInfo>;
     /// Opens an export by name; `""` is the default export.
     fn open_export(&self, name: &str) -> Option<(Self::Export, ExportInfo)>;
-    /// Reads synchronously (called on the connection's reader thread).
+    /// Reads synchronously (called on a read thread, or on the connection's reader
+    /// thread when there is no read pool).
     fn read(&self, export: &Self::Export, offset: u64, buf: &mut [u8]) -> Result<(), u32>;
+    /// Reads if that needs no wait for a device (data in memory, or in the page
+    /// cache); `None` otherwise, and the read goes to a read thread. Called on the
+    /// connection's reader thread, which serves cached reads without a hand-off.
+    fn try_read(
+        &self,
+        export: &Self::Export,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<Result<(), u32>> {
+        let _ = (export, offset, buf);
+        None
+    }
     /// Starts a command; its completion must eventually reach `reply`
     /// ([`ReplySink::complete`]).
     fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>);
@@ -143,6 +159,49 @@ impl ConnWriter {
         Ok(())
     }
 
+    /// Sends `parts` after `pending` (which must be empty) as far as the socket takes
+    /// them without blocking; what it does not take is appended to `pending`.
+    fn send_nonblocking(&mut self, parts: &[&[u8]]) -> io::Result<()> {
+        debug_assert!(self.pending.is_empty());
+        let fd = self.stream.raw_fd();
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut iov: [libc::iovec; 2] = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2];
+        assert!(parts.len() <= iov.len());
+        for (v, p) in iov.iter_mut().zip(parts) {
+            v.iov_base = p.as_ptr() as *mut libc::c_void;
+            v.iov_len = p.len();
+        }
+        // SAFETY: a zeroed msghdr is valid; it points at `iov`, which outlives the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = parts.len() as _;
+        let sent = loop {
+            // SAFETY: sends from valid buffers on an open socket.
+            let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::WouldBlock => break 0,
+                io::ErrorKind::Interrupted => continue,
+                _ => return Err(e),
+            }
+        };
+        if sent < total {
+            let mut skip = sent;
+            for p in parts {
+                let k = skip.min(p.len());
+                self.pending.extend_from_slice(&p[k..]);
+                skip -= k;
+            }
+        }
+        Ok(())
+    }
+
     /// Writes as much of `pending` as the socket takes without blocking.
     fn drain_nonblocking(&mut self) -> io::Result<()> {
         let fd = self.stream.raw_fd();
@@ -199,6 +258,19 @@ static GLOBAL: GlobalBudget = GlobalBudget {
 
 /// Connections open over all listeners.
 static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// Read threads each listener starts; see [`set_read_threads`].
+static READ_THREADS: AtomicUsize = AtomicUsize::new(DEFAULT_READ_THREADS);
+
+/// Sets how many read threads each listener started after this call runs: the
+/// most reads in flight to the devices at once over its connections.
+pub fn set_read_threads(n: usize) {
+    READ_THREADS.store(n.max(1), Ordering::SeqCst);
+}
+
+fn read_threads() -> usize {
+    READ_THREADS.load(Ordering::SeqCst)
+}
 
 /// Sets the cap on payload bytes held over all connections (`[serve]
 /// max_inflight`).
@@ -276,6 +348,8 @@ pub struct ReplySink {
     writer: Writer,
     credits: Sender<()>,
     pool: Sender<Vec<u8>>,
+    /// Read buffers, returned for reuse.
+    read_bufs: Sender<Vec<u8>>,
     replier: Sender<ReplierMsg>,
     /// A kick is queued; no need for another.
     kicked: AtomicBool,
@@ -285,6 +359,12 @@ pub struct ReplySink {
 enum ReplierMsg {
     /// Reply bytes to write.
     Bytes(Vec<u8>),
+    /// A read's reply: the header, then the data when it succeeded.
+    Read {
+        handle: u64,
+        error: u32,
+        buf: Vec<u8>,
+    },
     /// `pending` holds bytes that still need writing.
     Kick,
     /// The connection is done: write what is left and exit.
@@ -328,6 +408,77 @@ impl ReplySink {
         for _ in 0..n {
             let _ = self.credits.send(());
         }
+    }
+}
+
+impl ReplySink {
+    /// Completes a read: its reply goes out now if the socket is free and takes it
+    /// without blocking, otherwise through the replier. Either way the buffer goes
+    /// back to the connection's pool, the payload budget is released and the
+    /// request's credit returned.
+    fn complete_read(&self, handle: u64, result: Result<(), u32>, buf: Vec<u8>) {
+        let error = result.err().unwrap_or(0);
+        if let Ok(mut w) = self.writer.try_lock() {
+            if w.pending.is_empty() {
+                let h = simple_reply(handle, error);
+                let data: &[u8] = if error == 0 { &buf } else { &[] };
+                let broken = w.send_nonblocking(&[&h, data]).is_err();
+                if !broken && !w.pending.is_empty() && !self.kicked.swap(true, Ordering::SeqCst) {
+                    let _ = self.replier.send(ReplierMsg::Kick);
+                }
+                drop(w);
+                self.read_done(buf);
+                return;
+            }
+        }
+        let _ = self.replier.send(ReplierMsg::Read { handle, error, buf });
+    }
+
+    /// A read's reply is written (or queued in `pending`): release what it held.
+    fn read_done(&self, buf: Vec<u8>) {
+        GLOBAL.release(buf.len() as u64);
+        if buf.capacity() <= POOL_KEEP_BYTES {
+            let _ = self.read_bufs.try_send(buf);
+        }
+        let _ = self.credits.send(());
+    }
+}
+
+/// Threads that run the backend's reads for the connections of one listener, so
+/// that a connection's reads are in flight together (the device sees the client's
+/// queue depth) and complete in any order. A read job carries its buffer, taken from
+/// its connection's pool; nothing is allocated per read.
+pub struct ReadPool<B: Backend> {
+    jobs: Sender<ReadJob<B>>,
+}
+
+struct ReadJob<B: Backend> {
+    export: Arc<B::Export>,
+    offset: u64,
+    handle: u64,
+    buf: Vec<u8>,
+    sink: Arc<ReplySink>,
+}
+
+/// Default number of read threads per listener.
+pub const DEFAULT_READ_THREADS: usize = 32;
+
+impl<B: Backend> ReadPool<B> {
+    /// Starts `threads` read threads over `backend`.
+    pub fn start(backend: Arc<B>, threads: usize) -> io::Result<Arc<Self>> {
+        let (tx, rx) = bounded::<ReadJob<B>>(MAX_INFLIGHT);
+        for _ in 0..threads.max(1) {
+            let (backend, rx) = (backend.clone(), rx.clone());
+            std::thread::Builder::new()
+                .name("nbd-read".into())
+                .spawn(move || {
+                    while let Ok(mut job) = rx.recv() {
+                        let r = backend.read(&job.export, job.offset, &mut job.buf);
+                        job.sink.complete_read(job.handle, r, job.buf);
+                    }
+                })?;
+        }
+        Ok(Arc::new(ReadPool { jobs: tx }))
     }
 }
 
@@ -597,10 +748,13 @@ fn negotiate<B: Backend>(
 
 /// Serves one connection until the client disconnects or breaks the protocol.
 /// `tls`: the listener's TLS policy, if it offers TLS.
+/// `reads`: the pool that runs this connection's reads; without one they run on the
+/// connection's reader thread, one at a time.
 pub fn serve_connection<B: Backend>(
     backend: Arc<B>,
     stream: Box<dyn Conn>,
     tls: Option<&TlsPolicy>,
+    reads: Option<&Arc<ReadPool<B>>>,
 ) -> io::Result<()> {
     stream.set_read_timeout_conn(Some(HANDSHAKE_TIMEOUT))?;
     let writer_for = |s: &dyn Conn| -> io::Result<Writer> {
@@ -644,17 +798,19 @@ pub fn serve_connection<B: Backend>(
         &export,
         Box::new(move || closer.lock().unwrap().shutdown_conn()),
     );
-    let result = transmission(&*backend, &export, &info, &mut r, &writer);
+    let export = Arc::new(export);
+    let result = transmission(&*backend, &export, &info, &mut r, &writer, reads);
     r.get_ref().shutdown_conn();
     result
 }
 
 fn transmission<B: Backend>(
     backend: &B,
-    export: &B::Export,
+    export: &Arc<B::Export>,
     info: &ExportInfo,
     r: &mut BufReader<Box<dyn Conn>>,
     writer: &Writer,
+    reads: Option<&Arc<ReadPool<B>>>,
 ) -> io::Result<()> {
     // Unbounded, yet bounded in practice: byte messages are at most one per
     // outstanding command (credits), and kicks are deduplicated.
@@ -664,10 +820,12 @@ fn transmission<B: Backend>(
         credit_tx.send(()).unwrap();
     }
     let (pool_tx, pool_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
+    let (read_bufs_tx, read_bufs_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
     let sink = Arc::new(ReplySink {
         writer: writer.clone(),
         credits: credit_tx,
         pool: pool_tx,
+        read_bufs: read_bufs_tx,
         replier: replier_tx,
         kicked: AtomicBool::new(false),
         budget: ByteBudget {
@@ -702,6 +860,30 @@ fn transmission<B: Backend>(
                 CMD_READ => {
                     if bad_flags || !in_range || req.length > MAX_PAYLOAD {
                         error_reply(EINVAL)?;
+                        continue;
+                    }
+                    if let Some(pool) = reads {
+                        // Released by the reply (`ReplySink::read_done`).
+                        GLOBAL.acquire(len);
+                        credit_rx.recv().unwrap();
+                        let mut buf = read_bufs_rx.try_recv().unwrap_or_default();
+                        buf.clear();
+                        buf.resize(req.length as usize, 0);
+                        // What needs no wait is served here, without a hand-off.
+                        if let Some(r) = backend.try_read(export, offset, &mut buf) {
+                            sink.complete_read(req.handle, r, buf);
+                            continue;
+                        }
+                        let job = ReadJob {
+                            export: export.clone(),
+                            offset,
+                            handle: req.handle,
+                            buf,
+                            sink: sink.clone(),
+                        };
+                        if pool.jobs.send(job).is_err() {
+                            return Err(io::Error::other("the read threads are gone"));
+                        }
                         continue;
                     }
                     GLOBAL.acquire(len);
@@ -803,16 +985,18 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
     // Holding the sink keeps the channel open; the loop ends when the reader drops
     // its handle and sends the final kick.
     let mut broken = false;
+    // Read replies of one batch (kept for its capacity).
+    let mut reads: Vec<(u64, u32, Vec<u8>)> = Vec::new();
     while let Ok(first) = rx.recv() {
         if matches!(first, ReplierMsg::Stop) {
             break;
         }
         sink.kicked.store(false, Ordering::SeqCst);
         let mut g = writer.lock().unwrap();
-        let take = |m: ReplierMsg, g: &mut ConnWriter| {
-            if let ReplierMsg::Bytes(b) = m {
-                g.pending.extend_from_slice(&b);
-            }
+        let mut take = |m: ReplierMsg, g: &mut ConnWriter| match m {
+            ReplierMsg::Bytes(b) => g.pending.extend_from_slice(&b),
+            ReplierMsg::Read { handle, error, buf } => reads.push((handle, error, buf)),
+            ReplierMsg::Kick | ReplierMsg::Stop => {}
         };
         take(first, &mut g);
         let mut stop = false;
@@ -820,7 +1004,19 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
             stop |= matches!(m, ReplierMsg::Stop);
             take(m, &mut g);
         }
-        if !broken && g.drain_blocking().and_then(|_| g.stream.flush()).is_err() {
+        if !broken && g.drain_blocking().is_err() {
+            broken = true;
+        }
+        for (handle, error, buf) in reads.drain(..) {
+            if !broken {
+                let h = simple_reply(handle, error);
+                let data: &[u8] = if error == 0 { &buf } else { &[] };
+                let parts = &mut [IoSlice::new(&h), IoSlice::new(data)];
+                broken = write_all_vectored(&mut *g.stream, parts).is_err();
+            }
+            sink.read_done(buf);
+        }
+        if !broken && g.stream.flush().is_err() {
             broken = true;
         }
         if broken {
@@ -847,6 +1043,13 @@ pub fn serve<B: Backend>(
     stop: Arc<AtomicBool>,
 ) {
     let tls = tls.map(Arc::new);
+    let reads = match ReadPool::start(backend.clone(), read_threads()) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::error!("cannot start read threads ({e}): reads run one at a time");
+            None
+        }
+    };
     loop {
         let conn: io::Result<Box<dyn Conn>> = match &listener {
             Listener::Unix(l) => l.accept().map(|(s, _)| Box::new(s) as Box<dyn Conn>),
@@ -874,10 +1077,11 @@ pub fn serve<B: Backend>(
         }
         let backend = backend.clone();
         let tls = tls.clone();
+        let reads = reads.clone();
         let spawned = std::thread::Builder::new()
             .name("nbd-conn".into())
             .spawn(move || {
-                if let Err(e) = serve_connection(backend, conn, tls.as_deref()) {
+                if let Err(e) = serve_connection(backend, conn, tls.as_deref(), reads.as_ref()) {
                     tracing::info!("connection closed: {e}");
                 }
                 CONNECTIONS.fetch_sub(1, Ordering::SeqCst);

@@ -52,6 +52,10 @@ pub struct ServeConfig {
     /// together; requests beyond it wait. Default 256 MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_inflight: Option<String>,
+    /// Threads serving reads per listener: the most reads in flight to the devices
+    /// at once over its connections (default 32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_threads: Option<usize>,
     /// TLS server certificate chain (PEM). With `tls_key`, clients may start TLS
     /// (NBD_OPT_STARTTLS) and TCP clients must.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -74,6 +78,7 @@ impl Default for ServeConfig {
             io_threads: default_io_threads(),
             rebuild_rate: None,
             max_inflight: None,
+            read_threads: None,
             tls_cert: None,
             tls_key: None,
             tls_ca: None,

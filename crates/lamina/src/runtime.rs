@@ -288,6 +288,20 @@ pub struct LaminaBackend {
     pub rt: Runtime,
 }
 
+/// Logs a failed read; the client gets EIO.
+fn read_failed(
+    export: &lamina_core::VolumeShared,
+    offset: u64,
+    len: usize,
+    e: lamina_core::ReadError,
+) -> u32 {
+    tracing::error!(
+        "read of {len} bytes at {offset} on {:?} failed: {e}",
+        export.name
+    );
+    lamina_nbd::proto::EIO
+}
+
 impl Backend for LaminaBackend {
     type Export = ExportHandle;
 
@@ -329,14 +343,24 @@ impl Backend for LaminaBackend {
         if export.deleted.load(Ordering::Relaxed) {
             return Err(lamina_nbd::proto::EIO);
         }
-        self.rt.shared.read(export, offset, buf).map_err(|e| {
-            tracing::error!(
-                "read of {} bytes at {offset} on {:?} failed: {e}",
-                buf.len(),
-                export.name
-            );
-            lamina_nbd::proto::EIO
-        })
+        self.rt
+            .shared
+            .read(export, offset, buf)
+            .map_err(|e| read_failed(export, offset, buf.len(), e))
+    }
+
+    fn try_read(
+        &self,
+        export: &Self::Export,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<Result<(), u32>> {
+        let export = &export.vol;
+        if export.deleted.load(Ordering::Relaxed) {
+            return Some(Err(lamina_nbd::proto::EIO));
+        }
+        let r = self.rt.shared.read_nowait(export, offset, buf)?;
+        Some(r.map_err(|e| read_failed(export, offset, buf.len(), e)))
     }
 
     fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>) {

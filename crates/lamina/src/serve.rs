@@ -246,6 +246,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let cfg = Config::load(&dir)?;
     let tls = tls_config(&a, &cfg, &dir)?;
+    if let Some(n) = cfg.serve.read_threads {
+        if !(1..=1024).contains(&n) {
+            bail!("[serve] read_threads = {n}: give 1 to 1024");
+        }
+        lamina_nbd::server::set_read_threads(n);
+    }
     let log_file = Config::resolve(&dir, &cfg.log_file);
     let log = init_logging(&log_file);
     let signals = block_signals();

@@ -1,0 +1,116 @@
+//! Parallel reads: one connection keeps as many reads in flight as it sends, on a
+//! backend whose every read takes a while (a slow device), and the replies come
+//! back out of order with the right data; an error reply carries no payload and
+//! the connection goes on.
+
+use lamina_nbd::client::Client;
+use lamina_nbd::proto::{CMD_READ, EIO};
+use lamina_nbd::server::ReplySink;
+use lamina_nbd::{Backend, Command, Completion, ExportInfo, Listener};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SIZE: u64 = 1 << 30;
+const DELAY: Duration = Duration::from_millis(40);
+/// Reads of this offset fail.
+const BAD: u64 = 4096 * 7;
+
+/// Every read sleeps `DELAY`, later offsets a little less (so that replies finish
+/// out of order), and counts how many run at once. Content: each 8-byte word holds
+/// its own offset.
+#[derive(Default)]
+struct Slow {
+    now: AtomicUsize,
+    most: AtomicUsize,
+}
+
+impl Backend for Slow {
+    type Export = ();
+    fn exports(&self) -> Vec<ExportInfo> {
+        vec![ExportInfo {
+            name: "v".into(),
+            description: "slow".into(),
+            size: SIZE,
+        }]
+    }
+    fn open_export(&self, _: &str) -> Option<((), ExportInfo)> {
+        Some(((), self.exports().remove(0)))
+    }
+    fn read(&self, _: &(), offset: u64, buf: &mut [u8]) -> Result<(), u32> {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(n, Ordering::SeqCst);
+        std::thread::sleep(DELAY - Duration::from_micros((offset / 4096) % 20 * 1000));
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        if offset == BAD {
+            return Err(EIO);
+        }
+        for (i, w) in buf.chunks_exact_mut(8).enumerate() {
+            w.copy_from_slice(&(offset + 8 * i as u64).to_le_bytes());
+        }
+        Ok(())
+    }
+    fn submit(&self, _: &(), handle: u64, _: Command, reply: &Arc<ReplySink>) {
+        reply.complete(&mut vec![Completion {
+            handle,
+            error: 0,
+            buf: None,
+        }]);
+    }
+}
+
+#[test]
+fn one_connection_keeps_its_reads_in_flight() {
+    let dir = std::env::temp_dir().join(format!("lamina-nbd-reads-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("s.sock");
+    let _ = std::fs::remove_file(&sock);
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let backend = Arc::new(Slow::default());
+    {
+        let b = backend.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(listener), None, stop));
+    }
+    let mut c = Client::connect_unix(&sock, "v").unwrap();
+    const N: u64 = 64;
+    let t0 = Instant::now();
+    let mut want = std::collections::HashMap::new();
+    for i in 0..N {
+        let offset = i * 4096;
+        let h = c.send(CMD_READ, 0, offset, 4096, &[]).unwrap();
+        want.insert(h, offset);
+    }
+    c.push().unwrap();
+    let mut order = Vec::new();
+    for _ in 0..N {
+        let r = c.recv().unwrap();
+        let offset = want.remove(&r.handle).expect("a reply per request");
+        order.push(offset);
+        if offset == BAD {
+            assert_eq!((r.error, r.data.len()), (EIO, 0));
+            continue;
+        }
+        assert_eq!(r.error, 0);
+        for (i, w) in r.data.chunks_exact(8).enumerate() {
+            assert_eq!(
+                u64::from_le_bytes(w.try_into().unwrap()),
+                offset + 8 * i as u64
+            );
+        }
+    }
+    let took = t0.elapsed();
+    let most = backend.most.load(Ordering::SeqCst);
+    eprintln!("{N} reads of {DELAY:?} each: {took:?}, at most {most} at once");
+    assert!(most >= 16, "only {most} reads in flight at once");
+    assert!(
+        took < DELAY * (N as u32) / 8,
+        "{N} reads took {took:?}: not in parallel"
+    );
+    assert!(
+        order.windows(2).any(|w| w[0] > w[1]),
+        "replies came back strictly in order"
+    );
+    // The connection goes on after all that.
+    assert_eq!(c.read(8192, 16).unwrap().len(), 16);
+}
