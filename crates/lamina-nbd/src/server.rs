@@ -40,6 +40,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_OPTIONS: usize = 1024;
 /// Write buffers larger than this are not kept for reuse.
 const POOL_KEEP_BYTES: usize = 1 << 20;
+/// Most bytes of idle buffers one connection keeps for reuse (write and read pools
+/// together): what a connection holds between bursts follows this, not the sizes
+/// its client once asked for.
+const POOL_BYTES_PER_CONNECTION: u64 = 4 << 20;
 
 /// An export as listed and opened.
 #[derive(Clone, Debug)]
@@ -350,6 +354,8 @@ pub struct ReplySink {
     pool: Sender<Vec<u8>>,
     /// Read buffers, returned for reuse.
     read_bufs: Sender<Vec<u8>>,
+    /// Bytes of the buffers in both pools (see [`POOL_BYTES_PER_CONNECTION`]).
+    pooled: AtomicU64,
     replier: Sender<ReplierMsg>,
     /// A kick is queued; no need for another.
     kicked: AtomicBool,
@@ -383,8 +389,10 @@ impl ReplySink {
             bytes.extend_from_slice(&simple_reply(c.handle, c.error));
             if let Some(b) = c.buf {
                 payload += b.len() as u64;
-                if b.capacity() <= POOL_KEEP_BYTES {
-                    let _ = self.pool.try_send(b);
+                if self.keep(&b) {
+                    if let Err(e) = self.pool.try_send(b) {
+                        self.taken(e.into_inner());
+                    }
                 }
             }
         }
@@ -434,11 +442,34 @@ impl ReplySink {
         let _ = self.replier.send(ReplierMsg::Read { handle, error, buf });
     }
 
+    /// Whether `b` goes back to a pool: small enough, and the connection's pools
+    /// under their byte cap (counted until the buffer is taken out again).
+    fn keep(&self, b: &Vec<u8>) -> bool {
+        let cap = b.capacity() as u64;
+        if cap == 0 || cap > POOL_KEEP_BYTES as u64 {
+            return false;
+        }
+        if self.pooled.fetch_add(cap, Ordering::Relaxed) + cap > POOL_BYTES_PER_CONNECTION {
+            self.pooled.fetch_sub(cap, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// A buffer taken out of a pool.
+    fn taken(&self, b: Vec<u8>) -> Vec<u8> {
+        self.pooled
+            .fetch_sub(b.capacity() as u64, Ordering::Relaxed);
+        b
+    }
+
     /// A read's reply is written (or queued in `pending`): release what it held.
     fn read_done(&self, buf: Vec<u8>) {
         GLOBAL.release(buf.len() as u64);
-        if buf.capacity() <= POOL_KEEP_BYTES {
-            let _ = self.read_bufs.try_send(buf);
+        if self.keep(&buf) {
+            if let Err(e) = self.read_bufs.try_send(buf) {
+                self.taken(e.into_inner());
+            }
         }
         let _ = self.credits.send(());
     }
@@ -826,6 +857,7 @@ fn transmission<B: Backend>(
         credits: credit_tx,
         pool: pool_tx,
         read_bufs: read_bufs_tx,
+        pooled: AtomicU64::new(0),
         replier: replier_tx,
         kicked: AtomicBool::new(false),
         budget: ByteBudget {
@@ -866,7 +898,10 @@ fn transmission<B: Backend>(
                         // Released by the reply (`ReplySink::read_done`).
                         GLOBAL.acquire(len);
                         credit_rx.recv().unwrap();
-                        let mut buf = read_bufs_rx.try_recv().unwrap_or_default();
+                        let mut buf = read_bufs_rx
+                            .try_recv()
+                            .map(|b| sink.taken(b))
+                            .unwrap_or_default();
                         buf.clear();
                         buf.resize(req.length as usize, 0);
                         // What needs no wait is served here, without a hand-off.
@@ -913,7 +948,10 @@ fn transmission<B: Backend>(
                     }
                     sink.budget.acquire(len);
                     GLOBAL.acquire(len);
-                    let mut data = pool_rx.try_recv().unwrap_or_default();
+                    let mut data = pool_rx
+                        .try_recv()
+                        .map(|b| sink.taken(b))
+                        .unwrap_or_default();
                     data.resize(req.length as usize, 0);
                     if let Err(e) = r.read_exact(&mut data) {
                         sink.budget.release(len);
@@ -1090,5 +1128,53 @@ pub fn serve<B: Backend>(
             CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
             tracing::error!("cannot start a connection thread: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Idle buffers a connection keeps are capped in bytes, whatever sizes its
+    /// client asked for, and a buffer taken out frees its share.
+    #[test]
+    fn pooled_buffers_are_capped_per_connection() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let (credits, _c) = bounded(MAX_INFLIGHT);
+        let (pool, pool_rx) = bounded(MAX_INFLIGHT);
+        let (read_bufs, read_rx) = bounded(MAX_INFLIGHT);
+        let (replier, _r) = crossbeam_channel::unbounded();
+        let sink = ReplySink {
+            writer: Arc::new(Mutex::new(ConnWriter {
+                stream: Box::new(a),
+                pending: Vec::new(),
+            })),
+            credits,
+            pool,
+            read_bufs,
+            pooled: AtomicU64::new(0),
+            replier,
+            kicked: AtomicBool::new(false),
+            budget: ByteBudget {
+                used: Mutex::new(0),
+                freed: Condvar::new(),
+            },
+        };
+        let mib = || Vec::<u8>::with_capacity(1 << 20);
+        let kept = (0..10).filter(|_| sink.keep(&mib())).count();
+        assert_eq!(kept as u64, POOL_BYTES_PER_CONNECTION >> 20);
+        assert!(
+            !sink.keep(&Vec::with_capacity(2 << 20)),
+            "over POOL_KEEP_BYTES"
+        );
+        let _ = sink.taken(mib());
+        assert!(sink.keep(&mib()));
+        // Through the real paths: read buffers beyond the cap are dropped.
+        sink.pooled.store(0, Ordering::Relaxed);
+        for _ in 0..10 {
+            sink.read_done(mib());
+        }
+        assert_eq!(read_rx.len() as u64, POOL_BYTES_PER_CONNECTION >> 20);
+        assert_eq!(pool_rx.len(), 0);
     }
 }
