@@ -39,13 +39,18 @@ use std::sync::Arc;
 /// How far ahead of the persisted lease versions may run before the lease is renewed.
 pub const VERSION_LEASE: u64 = 1 << 32;
 
+/// Default memory for cached unit headers: 64 MiB covers the checksums of about
+/// 20 GiB of data in 512 KiB units.
+pub const DEFAULT_HEADER_CACHE_BYTES: u64 = 64 << 20;
+
 /// Tunables of a running engine (not part of the on-disk format).
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Write-unit buffers in the DRAM write buffer.
     pub buffer_units: u32,
-    /// Unit headers whose checksums the read path keeps in memory.
-    pub crc_cache_entries: usize,
+    /// Memory for the unit headers' checksums and owners that the read path keeps
+    /// (a read whose unit is not cached reads the header from the device too).
+    pub header_cache_bytes: u64,
     /// Garbage collection victim policy (see [`crate::gc::POLICY_NAMES`]).
     pub gc_policy: String,
     /// Start a checkpoint after this many blocks were written since the last one.
@@ -95,7 +100,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             buffer_units: 8,
-            crc_cache_entries: 2048,
+            header_cache_bytes: DEFAULT_HEADER_CACHE_BYTES,
             gc_policy: "greedy".into(),
             checkpoint_interval_blocks: (1 << 30) / BLOCK_SIZE_U64,
             idle_seal_ms: 200,

@@ -987,7 +987,7 @@ pub fn open_unfinished(
         devices,
         striped,
         cfg.buffer_units,
-        cfg.crc_cache_entries,
+        cfg.header_cache_bytes,
     ));
     let nsegs = geo.segment_count as usize;
 

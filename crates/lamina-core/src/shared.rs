@@ -87,6 +87,13 @@ struct CrcCache {
 }
 
 impl CrcCache {
+    /// Entries that fit in `bytes` for units of `unit_blocks` blocks: a unit costs
+    /// 13 bytes per block (owner, CRC, dead flag) and about 128 bytes of table,
+    /// box and count overhead.
+    fn entries_for(bytes: u64, unit_blocks: u32) -> usize {
+        (bytes / (13 * unit_blocks as u64 + 128)) as usize
+    }
+
     fn new(entries: usize) -> Self {
         CrcCache {
             shards: (0..CRC_CACHE_SHARDS)
@@ -160,7 +167,7 @@ impl Shared {
         devices: Vec<Arc<dyn BlockDevice>>,
         striped: Option<Arc<lamina_device::striped::Striped>>,
         buffer_units: u32,
-        crc_cache_entries: usize,
+        header_cache_bytes: u64,
     ) -> Self {
         let segs = geo.segment_count as usize;
         let blocks = segs * geo.segment_blocks as usize;
@@ -175,7 +182,10 @@ impl Shared {
             starts_known: (0..segs).map(|_| AtomicBool::new(false)).collect(),
             seg_free: (0..segs).map(|_| AtomicBool::new(false)).collect(),
             volumes: RwLock::new(Vec::new()),
-            crc_cache: CrcCache::new(crc_cache_entries),
+            crc_cache: CrcCache::new(CrcCache::entries_for(
+                header_cache_bytes,
+                geo.write_unit_blocks,
+            )),
             read_stats: ReadStats::default(),
             buffers,
             devices,

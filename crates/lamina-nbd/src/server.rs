@@ -106,6 +106,23 @@ pub trait Backend: Send + Sync + 'static {
     /// Starts a command; its completion must eventually reach `reply`
     /// ([`ReplySink::complete`]).
     fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>);
+    /// Starts a command while more of the connection's requests are already
+    /// buffered: the backend may hold it until the next [`Backend::submit`] or
+    /// [`Backend::kick`] of this connection, to work through the burst at once (and
+    /// answer it with one write). The server calls one of those before it waits for
+    /// anything. By default the same as `submit`.
+    fn submit_deferred(
+        &self,
+        export: &Self::Export,
+        handle: u64,
+        cmd: Command,
+        reply: &Arc<ReplySink>,
+    ) {
+        self.submit(export, handle, cmd, reply)
+    }
+    /// Starts what [`Backend::submit_deferred`] held (the connection is about to
+    /// wait).
+    fn kick(&self) {}
     /// True while the server is shutting down (new options are refused).
     fn shutting_down(&self) -> bool {
         false
@@ -238,13 +255,15 @@ impl ConnWriter {
 
 type Writer = Arc<Mutex<ConnWriter>>;
 
-/// Payload bytes held by all connections of the process, against one limit: many
-/// connections together cannot make the server hold more than that (each is also
-/// bounded by [`MAX_INFLIGHT_BYTES`], for fairness). A request that would pass the
-/// limit waits until completions bring the total down, as a full queue would make
-/// it; one request alone always passes (it is at most [`MAX_PAYLOAD`]). The fast
-/// path is one atomic add; the lock is taken only to wait.
-struct GlobalBudget {
+/// Payload bytes held against a limit: by all connections of the process together
+/// ([`GLOBAL`], `[serve] max_inflight`), and by each connection alone (at most
+/// [`MAX_INFLIGHT_BYTES`], for fairness). A request that would pass the limit waits
+/// until completions bring the total down, as a full queue would make it; one request
+/// alone always passes (it is at most [`MAX_PAYLOAD`]). The fast path, acquire and
+/// release alike, is one atomic read-modify-write: the lock is taken only by a
+/// request that must wait and by a release that finds one waiting (a futex wake per
+/// release would cost a system call per request).
+struct Budget {
     used: AtomicU64,
     limit: AtomicU64,
     waiters: AtomicUsize,
@@ -252,13 +271,7 @@ struct GlobalBudget {
     freed: Condvar,
 }
 
-static GLOBAL: GlobalBudget = GlobalBudget {
-    used: AtomicU64::new(0),
-    limit: AtomicU64::new(DEFAULT_INFLIGHT_LIMIT),
-    waiters: AtomicUsize::new(0),
-    lock: Mutex::new(()),
-    freed: Condvar::new(),
-};
+static GLOBAL: Budget = Budget::new(DEFAULT_INFLIGHT_LIMIT);
 
 /// Connections open over all listeners.
 static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
@@ -280,6 +293,7 @@ fn read_threads() -> usize {
 /// max_inflight`).
 pub fn set_inflight_limit(bytes: u64) {
     GLOBAL.limit.store(bytes.max(1), Ordering::SeqCst);
+    let _g = GLOBAL.lock.lock().unwrap();
     GLOBAL.freed.notify_all();
 }
 
@@ -288,7 +302,16 @@ pub fn inflight_bytes() -> u64 {
     GLOBAL.used.load(Ordering::SeqCst)
 }
 
-impl GlobalBudget {
+impl Budget {
+    const fn new(limit: u64) -> Self {
+        Budget {
+            used: AtomicU64::new(0),
+            limit: AtomicU64::new(limit),
+            waiters: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            freed: Condvar::new(),
+        }
+    }
     fn fits(&self, used: u64, n: u64) -> bool {
         used == 0 || used + n <= self.limit.load(Ordering::SeqCst)
     }
@@ -315,33 +338,27 @@ impl GlobalBudget {
             self.waiters.fetch_sub(1, Ordering::SeqCst);
         }
     }
+    /// Acquires `n` if that needs no wait.
+    fn try_acquire(&self, n: u64) -> bool {
+        let mut u = self.used.load(Ordering::SeqCst);
+        while self.fits(u, n) {
+            match self
+                .used
+                .compare_exchange(u, u + n, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return true,
+                Err(now) => u = now,
+            }
+        }
+        false
+    }
     fn release(&self, n: u64) {
-        self.used.fetch_sub(n, Ordering::SeqCst);
+        let before = self.used.fetch_sub(n, Ordering::SeqCst);
+        debug_assert!(before >= n, "budget released more than was acquired");
         if self.waiters.load(Ordering::SeqCst) > 0 {
             let _g = self.lock.lock().unwrap();
             self.freed.notify_all();
         }
-    }
-}
-
-/// Bounds the write payload a connection holds in memory: a client cannot make the
-/// server buffer MAX_INFLIGHT x MAX_PAYLOAD bytes.
-struct ByteBudget {
-    used: Mutex<u64>,
-    freed: Condvar,
-}
-
-impl ByteBudget {
-    fn acquire(&self, n: u64) {
-        let mut used = self.used.lock().unwrap();
-        while *used > 0 && *used + n > MAX_INFLIGHT_BYTES {
-            used = self.freed.wait(used).unwrap();
-        }
-        *used += n;
-    }
-    fn release(&self, n: u64) {
-        *self.used.lock().unwrap() -= n;
-        self.freed.notify_all();
     }
 }
 
@@ -359,7 +376,8 @@ pub struct ReplySink {
     replier: Sender<ReplierMsg>,
     /// A kick is queued; no need for another.
     kicked: AtomicBool,
-    budget: ByteBudget,
+    /// This connection's share of payload bytes (at most [`MAX_INFLIGHT_BYTES`]).
+    budget: Budget,
 }
 
 enum ReplierMsg {
@@ -383,10 +401,30 @@ impl ReplySink {
         if completions.is_empty() {
             return;
         }
-        let mut bytes = Vec::with_capacity(16 * completions.len());
+        let n = completions.len();
         let mut payload = 0u64;
+        let headers = |out: &mut Vec<u8>, cs: &[Completion]| {
+            for c in cs {
+                out.extend_from_slice(&simple_reply(c.handle, c.error));
+            }
+        };
+        // Replies go straight into the writer's queue when it is free (no buffer of
+        // their own), else to the replier as one message.
+        match self.writer.try_lock() {
+            Ok(mut w) => {
+                headers(&mut w.pending, completions);
+                let broken = w.drain_nonblocking().is_err();
+                if !broken && !w.pending.is_empty() && !self.kicked.swap(true, Ordering::SeqCst) {
+                    let _ = self.replier.send(ReplierMsg::Kick);
+                }
+            }
+            Err(_) => {
+                let mut bytes = Vec::with_capacity(16 * n);
+                headers(&mut bytes, completions);
+                let _ = self.replier.send(ReplierMsg::Bytes(bytes));
+            }
+        }
         for c in completions.drain(..) {
-            bytes.extend_from_slice(&simple_reply(c.handle, c.error));
             if let Some(b) = c.buf {
                 payload += b.len() as u64;
                 if self.keep(&b) {
@@ -394,19 +432,6 @@ impl ReplySink {
                         self.taken(e.into_inner());
                     }
                 }
-            }
-        }
-        let n = bytes.len() / 16;
-        match self.writer.try_lock() {
-            Ok(mut w) => {
-                w.pending.extend_from_slice(&bytes);
-                let broken = w.drain_nonblocking().is_err();
-                if !broken && !w.pending.is_empty() && !self.kicked.swap(true, Ordering::SeqCst) {
-                    let _ = self.replier.send(ReplierMsg::Kick);
-                }
-            }
-            Err(_) => {
-                let _ = self.replier.send(ReplierMsg::Bytes(bytes));
             }
         }
         if payload > 0 {
@@ -860,10 +885,7 @@ fn transmission<B: Backend>(
         pooled: AtomicU64::new(0),
         replier: replier_tx,
         kicked: AtomicBool::new(false),
-        budget: ByteBudget {
-            used: Mutex::new(0),
-            freed: Condvar::new(),
-        },
+        budget: Budget::new(MAX_INFLIGHT_BYTES),
     });
     let replier = {
         let writer = writer.clone();
@@ -873,6 +895,20 @@ fn transmission<B: Backend>(
             .spawn(move || replier(replier_rx, writer, sink))?
     };
     let mut read_buf: Vec<u8> = Vec::new();
+    // Waits that a held (deferred) command may be what ends: start the held ones
+    // first, or the wait could last until the backend's own timer.
+    let take_credit = || {
+        if credit_rx.try_recv().is_err() {
+            backend.kick();
+            credit_rx.recv().unwrap();
+        }
+    };
+    let acquire = |budget: &Budget, n: u64| {
+        if !budget.try_acquire(n) {
+            backend.kick();
+            budget.acquire(n);
+        }
+    };
     let result = (|| -> io::Result<()> {
         let mut hdr = [0u8; RequestHeader::SIZE];
         loop {
@@ -888,6 +924,15 @@ fn transmission<B: Backend>(
             let bad_flags = req.flags & !allowed_flags != 0;
             let fua = req.flags & CMD_FLAG_FUA != 0;
             let error_reply = |e: u32| send(writer, &simple_reply(req.handle, e));
+            // With another request already buffered the command may be held and
+            // worked through with the rest of the burst.
+            let submit = |cmd: Command, buffered: usize| {
+                if buffered >= RequestHeader::SIZE {
+                    backend.submit_deferred(export, req.handle, cmd, &sink);
+                } else {
+                    backend.submit(export, req.handle, cmd, &sink);
+                }
+            };
             match req.kind {
                 CMD_READ => {
                     if bad_flags || !in_range || req.length > MAX_PAYLOAD {
@@ -896,8 +941,8 @@ fn transmission<B: Backend>(
                     }
                     if let Some(pool) = reads {
                         // Released by the reply (`ReplySink::read_done`).
-                        GLOBAL.acquire(len);
-                        credit_rx.recv().unwrap();
+                        acquire(&GLOBAL, len);
+                        take_credit();
                         let mut buf = read_bufs_rx
                             .try_recv()
                             .map(|b| sink.taken(b))
@@ -921,7 +966,7 @@ fn transmission<B: Backend>(
                         }
                         continue;
                     }
-                    GLOBAL.acquire(len);
+                    acquire(&GLOBAL, len);
                     let _held = Held(len);
                     read_buf.resize(req.length as usize, 0);
                     match backend.read(export, offset, &mut read_buf) {
@@ -946,33 +991,31 @@ fn transmission<B: Backend>(
                         error_reply(EINVAL)?;
                         continue;
                     }
-                    sink.budget.acquire(len);
-                    GLOBAL.acquire(len);
+                    acquire(&sink.budget, len);
+                    acquire(&GLOBAL, len);
                     let mut data = pool_rx
                         .try_recv()
                         .map(|b| sink.taken(b))
                         .unwrap_or_default();
                     data.resize(req.length as usize, 0);
+                    if r.buffer().len() < data.len() {
+                        backend.kick(); // the payload may take a while to arrive
+                    }
                     if let Err(e) = r.read_exact(&mut data) {
                         sink.budget.release(len);
                         GLOBAL.release(len);
                         return Err(e);
                     }
-                    credit_rx.recv().unwrap();
-                    backend.submit(
-                        export,
-                        req.handle,
-                        Command::Write { offset, data, fua },
-                        &sink,
-                    );
+                    take_credit();
+                    submit(Command::Write { offset, data, fua }, r.buffer().len());
                 }
                 CMD_FLUSH => {
                     if bad_flags || offset != 0 || len != 0 {
                         error_reply(EINVAL)?;
                         continue;
                     }
-                    credit_rx.recv().unwrap();
-                    backend.submit(export, req.handle, Command::Flush, &sink);
+                    take_credit();
+                    submit(Command::Flush, r.buffer().len());
                 }
                 CMD_TRIM | CMD_WRITE_ZEROES => {
                     if bad_flags || !in_range {
@@ -987,17 +1030,15 @@ fn transmission<B: Backend>(
                         error_reply(ENOTSUP)?;
                         continue;
                     }
-                    credit_rx.recv().unwrap();
-                    backend.submit(
-                        export,
-                        req.handle,
+                    take_credit();
+                    submit(
                         Command::Zero {
                             offset,
                             length: len,
                             fua,
                             allocate,
                         },
-                        &sink,
+                        r.buffer().len(),
                     );
                 }
                 CMD_DISC => return Ok(()),
@@ -1155,10 +1196,7 @@ mod tests {
             pooled: AtomicU64::new(0),
             replier,
             kicked: AtomicBool::new(false),
-            budget: ByteBudget {
-                used: Mutex::new(0),
-                freed: Condvar::new(),
-            },
+            budget: Budget::new(MAX_INFLIGHT_BYTES),
         };
         let mib = || Vec::<u8>::with_capacity(1 << 20);
         let kept = (0..10).filter(|_| sink.keep(&mib())).count();

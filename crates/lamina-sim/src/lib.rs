@@ -472,7 +472,7 @@ pub fn simulate(
     lamina_core::format(&devs, &params, [0x51; 16], &[[0x52; 16]], 0)?;
     let ecfg = EngineConfig {
         buffer_units: 16,
-        crc_cache_entries: 16,
+        header_cache_bytes: 64 << 10,
         gc_policy: cfg.policy.clone(),
         classifier: cfg.classifier.clone(),
         checkpoint_interval_blocks: u64::MAX / 4,

@@ -115,6 +115,10 @@ pub struct EngineSection {
     pub geometry_aware: Option<bool>,
     /// Discard released segments (TRIM, holes in files); default true.
     pub discard: Option<bool>,
+    /// Memory for cached unit headers (checksums and owners the read path needs),
+    /// e.g. "64M" (the default, about 20 GiB of data in 512 KiB units). A read whose
+    /// unit is not cached reads its header from the device as well.
+    pub header_cache: Option<String>,
 }
 
 /// Placement choices of one volume (override the `[engine]` ones).
@@ -278,6 +282,11 @@ impl Config {
                 anyhow::bail!("[engine] gc_read_gap {g:?} must be a multiple of 4 KiB");
             }
             c.gc_read_gap_blocks = (bytes / 4096) as u32;
+        }
+        if let Some(h) = &self.engine.header_cache {
+            c.header_cache_bytes = parse_size(h)
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("[engine] header_cache {h:?}"))?;
         }
         c.geometry_aware = self.engine.geometry_aware;
         if let Some(d) = self.engine.discard {

@@ -5,6 +5,7 @@
 
 mod admin;
 mod bench;
+mod combine;
 mod config;
 mod devices;
 mod fsck;
