@@ -8,26 +8,31 @@
 #
 # Then the steady state with garbage collection running: a volume at 80% of the
 # usable capacity, overwritten randomly until GC has run, and measured; the write
-# amplification comes from `lamina status --json`.
+# amplification comes from `lamina status --json`. Then reads during GC: the p99 and
+# p99.9 latency of a rate-limited reader on the idle array and beside a writer that
+# keeps GC running.
 #
 # With --shm both servers' backing files live in /dev/shm (RAM), so that the servers'
 # own cost is what is measured. With --cold (root), a randread row is added for
 # which the page cache is dropped before every run: reads come from the disk.
 # --no-steady skips the garbage-collection part.
 #
-# Usage: bench/nbd-vs-nbdkit.sh [--quick] [--shm] [--cold] [--no-steady]
+# --no-fresh skips the first part (fresh volume against nbdkit).
+#
+# Usage: bench/nbd-vs-nbdkit.sh [--quick] [--shm] [--cold] [--no-steady] [--no-fresh]
 #   env: ROUNDS (default 3), RUNTIME seconds per run (default 10), REGION (default 1g)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
-quick=0 shm=0 cold=0 steady=1
+quick=0 shm=0 cold=0 steady=1 fresh=1
 for a in "$@"; do
   case $a in
     --quick) quick=1 ;;
     --shm) shm=1 ;;
     --cold) cold=1 ;;
     --no-steady) steady=0 ;;
-    *) echo "usage: $0 [--quick] [--shm] [--cold] [--no-steady]" >&2; exit 2 ;;
+    --no-fresh) fresh=0 ;;
+    *) echo "usage: $0 [--quick] [--shm] [--cold] [--no-steady] [--no-fresh]" >&2; exit 2 ;;
   esac
 done
 if [ $cold = 1 ] && [ "$(id -u)" != 0 ]; then echo "bench: --cold needs root (drop_caches)" >&2; exit 2; fi
@@ -86,7 +91,8 @@ fill() { # uri
 median() { python3 -c 'import sys,statistics; print(round(statistics.median(map(float,sys.argv[1:]))))' "$@"; }
 medianf() { python3 -c 'import sys,statistics; print(round(statistics.median(map(float,sys.argv[1:])), 1))' "$@"; }
 
-# ---- servers on the same filesystem, same sparse-file backing
+# ---- servers on the same filesystem, same kind of backing file
+if [ $fresh = 1 ]; then
 mkdir -p "$work/lamina" "$work/nbdkit"
 # Both backing files are written in full up front, as a block device's blocks all
 # exist: on a VM the first touch of guest memory (or of a file system's new blocks)
@@ -133,6 +139,7 @@ for spec in "${specs[@]}"; do
     "$(python3 -c "print($lm/$km)")" "$lcm" "$kcm"
 done
 stop_lamina "$work/lamina"
+fi
 [ $steady = 1 ] || exit 0
 
 # ---- steady state: volume at 80% of usable capacity, GC running
@@ -161,4 +168,48 @@ print(f"# steady state: volume {sys.argv[4]} = 80% of usable, 4 KiB randwrite io
 print(f"randwrite IOPS {sys.argv[3]}, write amplification in the window {media/user:.3f} "
       f"(gc relocated {gc/user:.3f} per user byte), cumulative WA {a['write_amplification']:.3f}")
 EOF
+
+# Reads during garbage collection: a reader (4 KiB randread, iodepth 32, held to
+# READ_RATE IOPS so that its latency shows waiting, not its own throughput) on the
+# idle array, then beside a writer (randwrite, iodepth 32, its own connection) that
+# keeps GC running. p99 and p99.9 of the reader's completion latency.
+READ_RATE=${READ_RATE:-2000}
+read_lat() { # extra fio job options...
+  fio --ioengine=nbd --uri="$S" --bs=4k --size="$volsize" --time_based --runtime="$RUNTIME" \
+      --norandommap --randrepeat=0 --output-format=json \
+      --name=reader --rw=randread --iodepth=32 --rate_iops="$READ_RATE" "$@" 2>/dev/null |
+    sed -n '/^{/,$p' | python3 -c '
+import json, sys
+p = json.load(sys.stdin)["jobs"][0]["read"]["clat_ns"]["percentile"]
+print(round(p["99.000000"] / 1000), round(p["99.900000"] / 1000))'
+}
+gc_bytes() { "$lamina" status "$1" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["gc_bytes_relocated"])'; }
+# GC goes on for a while after the aging writes: "idle" starts once it has stopped.
+for _ in $(seq 60); do
+  g=$(gc_bytes "$work/steady"); sleep 1; [ "$(gc_bytes "$work/steady")" = "$g" ] && break
+done
+read -r i99 i999 <<<"$(read_lat)"
+gc0=$(gc_bytes "$work/steady")
+read -r b99 b999 <<<"$(read_lat --name=writer --rw=randwrite --iodepth=32 --rate_iops=0)"
+gc1=$(gc_bytes "$work/steady")
 stop_lamina "$work/steady"
+# The same reader and writer on the same volume in an array eight times larger, where
+# the writer's run never needs GC: what the writer alone costs the reader (on 2 cores,
+# mostly CPU), to tell it from what GC adds.
+mkdir -p "$work/nogc"
+dd if=/dev/zero of="$work/nogc/dev.img" bs=4M count=4096 status=none
+"$lamina" array create "$work/nogc" --device "$work/nogc/dev.img" >/dev/null
+"$lamina" volume create "$work/nogc" vol --size "$volsize" >/dev/null
+start_lamina "$work/nogc"
+S="nbd+unix:///vol?socket=$work/nogc/nbd.sock"
+fill "$S"
+read -r n99 n999 <<<"$(read_lat --name=writer --rw=randwrite --iodepth=32 --rate_iops=0)"
+gcn=$(gc_bytes "$work/nogc")
+stop_lamina "$work/nogc"
+echo "# reads during GC: randread at $READ_RATE IOPS, iodepth 32; GC relocated $(( (gc1 - gc0) >> 20 )) MiB during the busy run"
+printf '%-40s %10s %10s\n' "read latency (us)" p99 p99.9
+printf '%-40s %10s %10s\n' "idle array" "$i99" "$i999"
+printf '%-40s %10s %10s\n' "beside randwrite, no GC ($(( gcn >> 20 )) MiB moved)" "$n99" "$n999"
+printf '%-40s %10s %10s\n' "beside randwrite, GC running" "$b99" "$b999"
+printf '%-40s %10.2f %10.2f\n' "GC running / idle" "$(python3 -c "print($b99/$i99)")" "$(python3 -c "print($b999/$i999)")"
+printf '%-40s %10.2f %10.2f\n' "GC running / no GC, same writer" "$(python3 -c "print($b99/$n99)")" "$(python3 -c "print($b999/$n999)")"

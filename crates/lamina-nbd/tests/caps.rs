@@ -2,11 +2,13 @@
 //! stays under the in-flight limit however many clients push, the connections wait
 //! rather than fail, and everything completes once the backend catches up.
 
+mod common;
+
 use lamina_nbd::client::Client;
 use lamina_nbd::proto::CMD_WRITE;
 use lamina_nbd::server::{inflight_bytes, set_inflight_limit, ReplySink};
-use lamina_nbd::{Backend, Command, Completion, ExportInfo, Listener};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use lamina_nbd::{Backend, Command, Completion, ExportInfo};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,11 +27,7 @@ struct Holding {
 impl Backend for Holding {
     type Export = ();
     fn exports(&self) -> Vec<ExportInfo> {
-        vec![ExportInfo {
-            name: "v".into(),
-            description: "holding".into(),
-            size: 1 << 30,
-        }]
+        common::one_export("holding", 1 << 30)
     }
     fn open_export(&self, _: &str) -> Option<((), ExportInfo)> {
         Some(((), self.exports().remove(0)))
@@ -77,16 +75,8 @@ fn payload_over_all_connections_stays_under_the_limit() {
     const LIMIT: u64 = 8 << 20;
     const MIB: usize = 1 << 20;
     set_inflight_limit(LIMIT);
-    let dir = std::env::temp_dir().join(format!("lamina-nbd-caps-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("s.sock");
-    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let backend = Arc::new(Holding::default());
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let (b, s) = (backend.clone(), stop.clone());
-        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(listener), None, s));
-    }
+    let (sock, stop) = common::serve_unix(backend.clone(), "caps");
     // Six clients, each pushing 6 MiB of writes: 36 MiB against an 8 MiB limit
     // (each connection alone stays under its own 64 MiB budget).
     let clients: Vec<_> = (0..6)
@@ -138,5 +128,4 @@ fn payload_over_all_connections_stays_under_the_limit() {
     assert!(backend.most.load(Ordering::SeqCst) <= LIMIT);
     assert_eq!(inflight_bytes(), 0);
     stop.store(true, Ordering::SeqCst);
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,11 +3,13 @@
 //! back out of order with the right data; an error reply carries no payload and
 //! the connection goes on.
 
+mod common;
+
 use lamina_nbd::client::Client;
 use lamina_nbd::proto::{CMD_READ, EIO};
 use lamina_nbd::server::ReplySink;
-use lamina_nbd::{Backend, Command, Completion, ExportInfo, Listener};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use lamina_nbd::{Backend, Command, Completion, ExportInfo};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,11 +30,7 @@ struct Slow {
 impl Backend for Slow {
     type Export = ();
     fn exports(&self) -> Vec<ExportInfo> {
-        vec![ExportInfo {
-            name: "v".into(),
-            description: "slow".into(),
-            size: SIZE,
-        }]
+        common::one_export("slow", SIZE)
     }
     fn open_export(&self, _: &str) -> Option<((), ExportInfo)> {
         Some(((), self.exports().remove(0)))
@@ -61,17 +59,8 @@ impl Backend for Slow {
 
 #[test]
 fn one_connection_keeps_its_reads_in_flight() {
-    let dir = std::env::temp_dir().join(format!("lamina-nbd-reads-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("s.sock");
-    let _ = std::fs::remove_file(&sock);
-    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let backend = Arc::new(Slow::default());
-    {
-        let b = backend.clone();
-        let stop = Arc::new(AtomicBool::new(false));
-        std::thread::spawn(move || lamina_nbd::serve(b, Listener::Unix(listener), None, stop));
-    }
+    let (sock, _stop) = common::serve_unix(backend.clone(), "reads");
     let mut c = Client::connect_unix(&sock, "v").unwrap();
     const N: u64 = 64;
     let t0 = Instant::now();
