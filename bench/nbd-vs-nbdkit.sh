@@ -20,7 +20,9 @@
 # --no-fresh skips the first part (fresh volume against nbdkit).
 #
 # Usage: bench/nbd-vs-nbdkit.sh [--quick] [--shm] [--cold] [--no-steady] [--no-fresh]
-#   env: ROUNDS (default 3), RUNTIME seconds per run (default 10), REGION (default 1g)
+#   env: ROUNDS (default 3), RUNTIME seconds per run (default 10), REGION (default 1g),
+#   LAMINA_ENGINE: lines added to the [engine] section of every array made here,
+#   e.g. LAMINA_ENGINE='direct_io = "on"' or LAMINA_ENGINE='io_engine = "sync"'.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,7 +60,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Applies LAMINA_ENGINE to the array in DIR.
+configure() { # dir
+  [ -z "${LAMINA_ENGINE:-}" ] && return 0
+  python3 - "$1/lamina.toml" <<'PY'
+import os, sys
+p = sys.argv[1]
+s = open(p).read()
+assert "\n[engine]\n" in s, p
+if os.environ["LAMINA_ENGINE"] not in s:
+    open(p, "w").write(s.replace("\n[engine]\n", "\n[engine]\n" + os.environ["LAMINA_ENGINE"] + "\n", 1))
+PY
+}
 start_lamina() { # dir
+  configure "$1"
   "$lamina" serve "$1" --unix "$1/nbd.sock" >"$1/serve.out" 2>"$1/serve.err" &
   pids+=($!)
   for _ in $(seq 100); do [ -S "$1/nbd.sock" ] && return 0; sleep 0.1; done

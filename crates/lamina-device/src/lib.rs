@@ -15,6 +15,7 @@
 //! The engine calls these from its I/O threads (writes, syncs) and from client
 //! threads (reads); every implementation is `Send + Sync`.
 
+pub mod aligned;
 pub mod blkzoned;
 pub mod crash;
 pub mod dmsmr;
@@ -27,6 +28,7 @@ pub mod probe;
 pub mod raid5;
 pub mod sparse;
 pub mod striped;
+pub mod uring;
 pub mod zoned;
 pub mod zonehost;
 
@@ -67,6 +69,15 @@ pub enum DeviceError {
     },
 }
 
+/// A descriptor that a batch of [`uring::Op`]s may drive directly (see
+/// [`BlockDevice::uring_target`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UringTarget {
+    pub fd: std::os::unix::io::RawFd,
+    /// Opened with `O_DIRECT`: buffers must be page-aligned ([`aligned`]).
+    pub direct: bool,
+}
+
 /// A device the array stores segments on.
 pub trait BlockDevice: Send + Sync + 'static {
     /// Usable size in bytes.
@@ -88,6 +99,13 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError>;
     /// Makes every completed write durable.
     fn sync(&self) -> Result<(), DeviceError>;
+    /// For a plain file or block device driven through io_uring: its descriptor, so
+    /// that an array can put the operations of several members into one batch
+    /// ([`uring::run`]). `None` (the default) for every device that does more than
+    /// pass reads and writes through.
+    fn uring_target(&self) -> Option<UringTarget> {
+        None
+    }
     /// Tells the device that `[offset, offset + len)` holds nothing of value any
     /// more (TRIM / UNMAP / hole punching), so that an SSD's garbage collection
     /// need not copy it. Advisory: reads of the range may return old data or

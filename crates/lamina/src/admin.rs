@@ -18,6 +18,7 @@ use crate::output::{metrics_text, status_json};
 use crate::runtime::Runtime;
 use anyhow::{anyhow, bail, Context, Result};
 use lamina_core::{Request, StatusReport};
+use lamina_device::file::IoOptions;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -27,7 +28,7 @@ use std::time::Duration;
 /// Longest request line accepted.
 const MAX_LINE: u64 = 64 * 1024;
 
-fn handle(rt: &Runtime, req: &Value) -> Value {
+fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
     let op = req.get("op").and_then(|v| v.as_str()).unwrap_or("");
     let status = || {
         rt.call(Request::Status)
@@ -78,7 +79,7 @@ fn handle(rt: &Runtime, req: &Value) -> Value {
             let rate = req.get("rate").and_then(|v| v.as_u64());
             match (index, path) {
                 (Some(index), Some(path)) => {
-                    crate::rebuild::open_new_device(std::path::Path::new(path), size, force)
+                    crate::rebuild::open_new_device(std::path::Path::new(path), size, force, io)
                         .and_then(|dev| crate::rebuild::replace(rt, index as usize, dev))
                         .map(|_| {
                             crate::rebuild::spawn(rt, index as usize, rate);
@@ -98,8 +99,9 @@ fn handle(rt: &Runtime, req: &Value) -> Value {
     result.unwrap_or_else(|e| json!({"ok": false, "error": e}))
 }
 
-/// Serves the admin socket (runs until the process exits).
-pub fn serve(listener: UnixListener, rt: Runtime) {
+/// Serves the admin socket (runs until the process exits). `io` says how devices
+/// added later (a replacement member) are driven.
+pub fn serve(listener: UnixListener, rt: Runtime, io: IoOptions) {
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let rt = rt.clone();
@@ -122,7 +124,7 @@ pub fn serve(listener: UnixListener, rt: Runtime) {
                         Err(e) => json!({"ok": false, "error": e.to_string()}),
                     }
                 }
-                Ok(req) => handle(&rt, &req),
+                Ok(req) => handle(&rt, io, &req),
                 Err(e) => json!({"ok": false, "error": format!("request is not JSON: {e}")}),
             };
             let mut w = &conn;

@@ -7,6 +7,7 @@
 
 use crate::size::parse_size;
 use anyhow::{bail, Context, Result};
+use lamina_device::file::{DirectIo, IoEngine, IoOptions};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -119,6 +120,12 @@ pub struct EngineSection {
     /// e.g. "64M" (the default, about 20 GiB of data in 512 KiB units). A read whose
     /// unit is not cached reads its header from the device as well.
     pub header_cache: Option<String>,
+    /// What drives the devices: "auto" (io_uring where the kernel has it, the
+    /// default), "uring" (refuse to start without it) or "sync" (pread/pwrite).
+    pub io_engine: Option<String>,
+    /// Bypass the page cache (O_DIRECT): "auto" (on block devices, the default),
+    /// "on" (files too, where the file system allows) or "off".
+    pub direct_io: Option<String>,
 }
 
 /// Placement choices of one volume (override the `[engine]` ones).
@@ -250,6 +257,23 @@ impl Config {
         }
     }
 
+    /// How the devices are driven (`[engine] io_engine`, `direct_io`).
+    pub fn io_options(&self) -> Result<IoOptions> {
+        let engine = match self.engine.io_engine.as_deref() {
+            None | Some("auto") => IoEngine::Auto,
+            Some("uring") | Some("io_uring") => IoEngine::Uring,
+            Some("sync") => IoEngine::Sync,
+            Some(o) => bail!("[engine] io_engine = {o:?}: give auto, uring or sync"),
+        };
+        let direct = match self.engine.direct_io.as_deref() {
+            None | Some("auto") => DirectIo::Auto,
+            Some("on") => DirectIo::On,
+            Some("off") => DirectIo::Off,
+            Some(o) => bail!("[engine] direct_io = {o:?}: give auto, on or off"),
+        };
+        Ok(IoOptions { engine, direct })
+    }
+
     pub fn engine_config(&self) -> Result<lamina_core::EngineConfig> {
         let mut c = lamina_core::EngineConfig::default();
         if let Some(p) = &self.engine.gc_policy {
@@ -288,6 +312,7 @@ impl Config {
                 .map_err(anyhow::Error::msg)
                 .with_context(|| format!("[engine] header_cache {h:?}"))?;
         }
+        self.io_options()?;
         c.geometry_aware = self.engine.geometry_aware;
         if let Some(d) = self.engine.discard {
             c.discard = d;

@@ -3,7 +3,7 @@
 //! [`lamina_device::zoned::state_path`]).
 
 use anyhow::{bail, Context, Result};
-use lamina_device::file::{FileDevice, OpenMode as DevMode};
+use lamina_device::file::{FileDevice, IoOptions, OpenMode as DevMode};
 use lamina_device::zoned::{state_path, ZonedConfig, ZonedDevice};
 use lamina_device::BlockDevice;
 use std::path::Path;
@@ -11,9 +11,10 @@ use std::sync::Arc;
 
 /// Opens `path`; a file with a zone state file beside it is an emulated zoned
 /// device, a host-managed zoned block device is driven through the kernel's zone
-/// ioctls.
-pub fn open_device(path: &Path, mode: DevMode) -> Result<Arc<dyn BlockDevice>> {
-    let file = FileDevice::open(path, mode)?;
+/// ioctls. `io` says how to drive it (the array's `[engine] io_engine` and
+/// `direct_io`).
+pub fn open_device(path: &Path, mode: DevMode, io: IoOptions) -> Result<Arc<dyn BlockDevice>> {
+    let file = FileDevice::open_with(path, mode, io)?;
     if file.is_block_device() {
         return Ok(Arc::from(lamina_device::blkzoned::open_if_zoned(file)?));
     }

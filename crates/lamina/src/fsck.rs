@@ -98,11 +98,12 @@ fn fsck(dir: &Path, repair: bool, data: bool, json_out: bool) -> Result<i32> {
 /// Opens the devices read-only and checks everything (see [`FSCK_ABOUT`]).
 fn check_array(dir: &Path, data: bool) -> Result<FsckReport> {
     let cfg = Config::load(dir)?;
+    let io = cfg.io_options()?;
     let mut devs: Vec<Arc<dyn BlockDevice>> = Vec::new();
     let mut report = FsckReport::default();
     for p in &cfg.devices {
         let p = Config::resolve(dir, p);
-        match devices::open_device(&p, lamina_device::file::OpenMode::ReadOnly) {
+        match devices::open_device(&p, lamina_device::file::OpenMode::ReadOnly, io) {
             Ok(d) => devs.push(d),
             Err(e) => report.findings.push(Finding {
                 what: format!("{}: cannot be opened: {e:#}", p.display()),

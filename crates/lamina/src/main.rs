@@ -479,7 +479,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     let (engine, _) = open_array(&dir, OpenMode::ReadWrite)?;
     let rt = runtime::Runtime::start(engine, cfg.serve.io_threads);
     let result = (|| -> Result<lamina_core::rebuild::RebuildReport> {
-        let dev = rebuild::open_new_device(&path, size, a.force)?;
+        let dev = rebuild::open_new_device(&path, size, a.force, cfg.io_options()?)?;
         rebuild::replace(&rt, a.old, dev)?;
         rebuild::update_config(&dir, &old_name, &path)?;
         let pb = bar(a.quiet);
@@ -731,12 +731,13 @@ pub fn open_array(
         OpenMode::ReadWrite => DevMode::ReadWrite,
         OpenMode::ReadOnly => DevMode::ReadOnly,
     };
+    let io = cfg.io_options()?;
     let mut devices: Vec<Arc<dyn BlockDevice>> = Vec::new();
     for p in &cfg.devices {
         let p = Config::resolve(dir, p);
         // A member that cannot be opened is passed on as absent: a striped array
         // with parity runs degraded without it, other layouts say what is missing.
-        match devices::open_device(&p, dm) {
+        match devices::open_device(&p, dm, io) {
             Ok(d) => devices.push(d),
             Err(e) => {
                 let name = p.display().to_string();

@@ -6,7 +6,7 @@ use crate::runtime::Runtime;
 use anyhow::{bail, Context, Result};
 use lamina_core::rebuild::{rebuild, RebuildOptions, RebuildReport};
 use lamina_core::{NewDevice, Request};
-use lamina_device::file::{FileDevice, OpenMode as DevMode};
+use lamina_device::file::{FileDevice, IoOptions, OpenMode as DevMode};
 use lamina_device::BlockDevice;
 use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
 use std::path::{Path, PathBuf};
@@ -18,9 +18,10 @@ pub fn open_new_device(
     path: &Path,
     size: Option<u64>,
     force: bool,
+    io: IoOptions,
 ) -> Result<Arc<dyn BlockDevice>> {
     let dev: Arc<dyn BlockDevice> = if path.exists() {
-        crate::devices::open_device(path, DevMode::ReadWrite)?
+        crate::devices::open_device(path, DevMode::ReadWrite, io)?
     } else {
         let Some(size) = size else {
             bail!(
@@ -28,7 +29,8 @@ pub fn open_new_device(
                 path.display()
             );
         };
-        Arc::new(FileDevice::create_sparse(path, size)?)
+        drop(FileDevice::create_sparse(path, size)?);
+        crate::devices::open_device(path, DevMode::ReadWrite, io)?
     };
     if !force {
         for off in SUPERBLOCK_OFFSETS {

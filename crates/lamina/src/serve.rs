@@ -258,6 +258,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
 
     let started = Instant::now();
     let (engine, report) = open_array(&dir, OpenMode::ReadWrite)?;
+    tracing::info!("devices driven by {}", cfg.io_options()?.describe());
     tracing::info!(
         "recovered array {:?} in {:.2}s: checkpoint generation {} ({} blocks), {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, parity of {} rows resynced ({} mismatched, {} segments moved), {} read",
         engine.superblock().array_name,
@@ -349,7 +350,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     sockets.push(admin_path.clone());
     {
         let rt = rt.clone();
-        std::thread::spawn(move || crate::admin::serve(admin, rt));
+        let io = cfg.io_options()?;
+        std::thread::spawn(move || crate::admin::serve(admin, rt, io));
     }
     if let Some(addr) = a.metrics.or(cfg.serve.metrics.clone()) {
         let l = TcpListener::bind(&addr)

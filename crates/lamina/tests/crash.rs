@@ -19,7 +19,7 @@ use lamina_testkit::{fill_pattern, FlushMark, Oracle, WriteMark, BS};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -240,11 +240,24 @@ fn cached_device(t: &TempDir, backing: &Path) -> (Proc, Proc) {
     (Proc(kit), Proc(fuse))
 }
 
+/// Unmounts `t/fuse`. A killed server's io_uring requests on the file are torn
+/// down in the background (they end when nbdfuse answers them), and the mount is
+/// busy until then: retry for a while.
 fn unmount(t: &TempDir) {
-    let _ = Command::new("fusermount3")
+    let t0 = std::time::Instant::now();
+    while !Command::new("fusermount3")
         .arg("-u")
         .arg(t.join("fuse"))
-        .status();
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+        && t0.elapsed() < Duration::from_secs(10)
+        && std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .contains(t.join("fuse").to_str().unwrap())
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]

@@ -154,9 +154,15 @@ pub struct Server {
 
 impl Server {
     pub fn start(dir: &Path) -> Server {
+        Self::start_env(dir, &[])
+    }
+
+    /// Starts `lamina serve DIR` with extra environment variables.
+    pub fn start_env(dir: &Path, env: &[(&str, &str)]) -> Server {
         let sock = dir.join("nbd.sock");
         let _ = std::fs::remove_file(&sock);
         let child = Command::new(lamina_bin())
+            .envs(env.iter().copied())
             .args([
                 "serve",
                 dir.to_str().unwrap(),
