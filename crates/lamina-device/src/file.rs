@@ -457,7 +457,8 @@ fn process_alive(pid: u32) -> bool {
         Ok(stat) => stat
             .rsplit_once(')')
             .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
-        Err(_) => false,
+        // Gone. Anything else (hidepid, no permission) counts as running.
+        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
     }
 }
 

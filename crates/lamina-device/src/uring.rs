@@ -138,6 +138,10 @@ impl<'a> Op<'a> {
     /// Takes a completion's result; true when the operation must be submitted again
     /// (interrupted, or a transfer that completed short).
     fn complete(&mut self, res: i32) -> bool {
+        if res == 0 && self.done == self.len() {
+            // Nothing (left) to move: an empty transfer, or a sync.
+            return false;
+        }
         if res < 0 {
             if res == -libc::EINTR || res == -libc::EAGAIN {
                 return true;
@@ -212,6 +216,9 @@ thread_local! {
 /// Carries out every operation of `ops`, on this thread's ring where io_uring is
 /// [`available`] and with plain system calls otherwise. Each operation's
 /// [`Op::result`] says how it went. Returns when all have completed.
+///
+/// The operations of a batch are not ordered among themselves: a data sync in the
+/// same batch as writes may run before them. Sync in a batch after the writes'.
 pub fn run(ops: &mut [Op<'_>], use_uring: bool) {
     if ops.is_empty() {
         return;
@@ -334,9 +341,16 @@ mod tests {
                 .enumerate()
                 .map(|(i, d)| Op::write(fd, d, (i as u64 % 256) * 4096))
                 .collect();
-            ops.push(Op::datasync(fd));
+            let mut empty = [0u8; 0];
+            ops.push(Op::read(fd, &mut empty, 0));
             run(&mut ops, use_uring);
-            assert!(ops.iter().all(|o| o.result.is_ok()));
+            assert!(
+                ops.iter().all(|o| o.result.is_ok()),
+                "an empty read is done"
+            );
+            let mut sync = [Op::datasync(fd)];
+            run(&mut sync, use_uring);
+            assert!(sync[0].result.is_ok());
             let mut back = vec![vec![0u8; 4096]; 200];
             let mut ops: Vec<Op> = back
                 .iter_mut()
