@@ -868,21 +868,19 @@ impl Striped {
         Ok((s, b, blocks))
     }
 
-    /// Writes `buf` to `member` at `off`; on failure marks it failed.
+    /// Reads `buf` from `member` at `off`, counting the bytes read.
     fn member_read(&self, member: usize, buf: &mut [u8], off: u64) -> Result<(), DeviceError> {
         self.read_bytes[member].fetch_add(buf.len() as u64, Ordering::Relaxed);
         self.member(member).read_at(buf, off)
     }
 
-    fn member_write(&self, member: usize, buf: &[u8], off: u64) {
-        if self.is_failed(member) {
-            return;
-        }
-        match self.member(member).write_at(buf, off) {
-            Ok(()) => {
-                self.written[member].fetch_add(buf.len() as u64, Ordering::Relaxed);
-            }
-            Err(_) => self.fail_member(member),
+    /// Counts a member write of `len` bytes that succeeded; fails the member whose
+    /// write did not.
+    fn write_done(&self, member: usize, len: usize, ok: bool) {
+        if ok {
+            self.written[member].fetch_add(len as u64, Ordering::Relaxed);
+        } else {
+            self.fail_member(member);
         }
     }
 
@@ -908,17 +906,12 @@ impl Striped {
                     ops.push(Op::write(t.fd, col, off));
                     batched.push(*m);
                 }
-                _ => self.member_write(*m, col, off),
+                _ => self.write_done(*m, col.len(), dev.write_at(col, off).is_ok()),
             }
         }
         uring::run(&mut ops, true);
         for (op, m) in ops.iter().zip(batched) {
-            match op.result {
-                Ok(()) => {
-                    self.written[m].fetch_add(cols[0].len() as u64, Ordering::Relaxed);
-                }
-                Err(_) => self.fail_member(m),
-            }
+            self.write_done(m, cols[0].len(), op.result.is_ok());
         }
     }
 

@@ -312,7 +312,6 @@ impl Config {
                 .map_err(anyhow::Error::msg)
                 .with_context(|| format!("[engine] header_cache {h:?}"))?;
         }
-        self.io_options()?;
         c.geometry_aware = self.engine.geometry_aware;
         if let Some(d) = self.engine.discard {
             c.discard = d;

@@ -258,7 +258,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
 
     let started = Instant::now();
     let (engine, report) = open_array(&dir, OpenMode::ReadWrite)?;
-    tracing::info!("devices driven by {}", cfg.io_options()?.describe());
+    let io = cfg.io_options()?;
+    tracing::info!("devices driven by {}", io.describe());
     tracing::info!(
         "recovered array {:?} in {:.2}s: checkpoint generation {} ({} blocks), {} units / {} blocks / {} trims replayed from {} segments, {} torn blocks ignored, parity of {} rows resynced ({} mismatched, {} segments moved), {} read",
         engine.superblock().array_name,
@@ -350,7 +351,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
     sockets.push(admin_path.clone());
     {
         let rt = rt.clone();
-        let io = cfg.io_options()?;
         std::thread::spawn(move || crate::admin::serve(admin, rt, io));
     }
     if let Some(addr) = a.metrics.or(cfg.serve.metrics.clone()) {
