@@ -402,6 +402,17 @@ fn bad_configuration_and_commands_get_clear_messages() {
     )
     .unwrap();
     fails_with(&["status", d], "gc_policy");
+    for (key, value) in [("io_engine", "fast"), ("direct_io", "maybe")] {
+        std::fs::write(
+            &cfg_path,
+            good.replace("[engine]", &format!("[engine]\n{key} = \"{value}\"")),
+        )
+        .unwrap();
+        fails_with(
+            &["status", d],
+            &format!("[engine] {key} = \"{value}\": give"),
+        );
+    }
     std::fs::write(&cfg_path, "devices = [\"/nonexistent/lamina.img\"]\n").unwrap();
     fails_with(&["status", d], "/nonexistent/lamina.img: cannot be opened");
     std::fs::write(&cfg_path, "devices = [").unwrap();
