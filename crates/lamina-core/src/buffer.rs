@@ -10,16 +10,17 @@
 //! yet, and readers read only slots a map entry pointed to when they pinned, so no
 //! byte is ever written and read at the same time.
 
+use crate::pins::Pins;
 use crate::types::BLOCK_SIZE;
 use std::alloc::Layout;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 pub struct BufferPool {
     base: *mut u8,
     layout: Layout,
     count: u32,
     unit_blocks: u32,
-    pins: Box<[AtomicU32]>,
+    /// Readers of each buffer (see [`crate::pins`]).
+    pub pins: Pins,
 }
 
 // SAFETY: the pool hands out disjoint access as documented above.
@@ -41,7 +42,7 @@ impl BufferPool {
             layout,
             count,
             unit_blocks,
-            pins: (0..count).map(|_| AtomicU32::new(0)).collect(),
+            pins: Pins::new(count as usize),
         }
     }
 
@@ -96,22 +97,6 @@ impl BufferPool {
     pub unsafe fn blocks(&self, unit: u32, block: u32, blocks: u32) -> &[u8] {
         assert!(block + blocks <= self.unit_blocks);
         std::slice::from_raw_parts(self.ptr(unit, block), blocks as usize * BLOCK_SIZE)
-    }
-
-    /// Announces a reader of buffer `unit`.
-    #[inline]
-    pub fn pin(&self, unit: u32) {
-        self.pins[unit as usize].fetch_add(1, Ordering::SeqCst);
-    }
-
-    #[inline]
-    pub fn unpin(&self, unit: u32) {
-        self.pins[unit as usize].fetch_sub(1, Ordering::SeqCst);
-    }
-
-    #[inline]
-    pub fn pinned(&self, unit: u32) -> bool {
-        self.pins[unit as usize].load(Ordering::SeqCst) != 0
     }
 }
 

@@ -2243,7 +2243,7 @@ impl Engine {
 
     fn recycle_buffers(&mut self) {
         for b in 0..self.bufs.len() {
-            if self.bufs[b] == BufState::Done && !self.shared.buffers.pinned(b as u32) {
+            if self.bufs[b] == BufState::Done && !self.shared.buffers.pins.pinned(b as u32) {
                 self.bufs[b] = BufState::Free;
                 self.free_bufs.push(b as u32);
             }

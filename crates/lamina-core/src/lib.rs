@@ -16,12 +16,14 @@ pub mod gc;
 pub mod geometry;
 pub mod io;
 pub mod map;
+pub mod pins;
 pub mod placement;
 pub mod rebuild;
 pub mod recovery;
 pub mod scrub;
 pub mod shared;
 pub mod status;
+mod sync;
 pub mod types;
 
 pub use engine::{Engine, EngineConfig, NewDevice, Reply, Request, Token};

@@ -14,8 +14,8 @@
 //! data, in pages made only where data was written. Client threads read the map while the engine thread, its only writer,
 //! updates it.
 
+use crate::sync::{fence, spin_wait, AtomicPtr, AtomicU64, Ordering};
 use crate::types::Pba;
-use std::sync::atomic::{fence, AtomicPtr, AtomicU64, Ordering};
 
 pub const UNMAPPED: u32 = 0;
 pub const BAD: u32 = u32::MAX;
@@ -105,6 +105,7 @@ pub struct Map {
 }
 
 /// A zeroed array of `n` words or pointers, leaked: the tree owns it until `Drop`.
+#[cfg(not(lamina_loom))]
 fn zeroed_block<T>(n: usize) -> *mut T {
     let v: Vec<u64> = vec![0; n];
     debug_assert_eq!(std::mem::size_of::<T>(), 8);
@@ -114,11 +115,24 @@ fn zeroed_block<T>(n: usize) -> *mut T {
 /// Frees what [`zeroed_block`] made.
 ///
 /// SAFETY: `p` came from `zeroed_block::<T>(n)` and is freed once.
+#[cfg(not(lamina_loom))]
 unsafe fn free_block<T>(p: *mut T, n: usize) {
     drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
         p as *mut u64,
         n,
     )));
+}
+
+/// Under loom, atomics are objects of the model checker, made one by one.
+#[cfg(lamina_loom)]
+fn zeroed_block<T: crate::sync::Zero>(n: usize) -> *mut T {
+    Box::into_raw((0..n).map(|_| T::zero()).collect::<Box<[T]>>()) as *mut T
+}
+
+/// SAFETY: `p` came from `zeroed_block::<T>(n)` and is freed once.
+#[cfg(lamina_loom)]
+unsafe fn free_block<T>(p: *mut T, n: usize) {
+    drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)));
 }
 
 impl Map {
@@ -352,8 +366,10 @@ impl Map {
         v & self.mask
     }
 
+    /// The entry of `lba`. A reader that then pins what it names re-reads it
+    /// through [`crate::pins::Pins::pin_run`].
     #[inline]
-    fn read(&self, lba: u64, first: Ordering) -> u32 {
+    pub fn load(&self, lba: u64) -> u32 {
         assert!(lba < self.len, "map index {lba} out of range");
         let Some(page) = self.page_of(lba) else {
             return UNMAPPED;
@@ -361,9 +377,9 @@ impl Map {
         let seq = &page[SEQ_WORD];
         let i = lba as usize % PAGE_ENTRIES;
         loop {
-            let s1 = seq.load(first);
+            let s1 = seq.load(Ordering::Acquire);
             if s1 & 1 == 1 {
-                std::hint::spin_loop();
+                spin_wait();
                 continue;
             }
             let v = self.raw(page, i);
@@ -372,18 +388,6 @@ impl Map {
                 return self.decode_code(v);
             }
         }
-    }
-
-    #[inline]
-    pub fn load(&self, lba: u64) -> u32 {
-        self.read(lba, Ordering::Acquire)
-    }
-
-    /// Load ordered with sequential consistency, for the pin-then-recheck protocol of
-    /// readers (see `shared.rs`).
-    #[inline]
-    pub fn load_sc(&self, lba: u64) -> u32 {
-        self.read(lba, Ordering::SeqCst)
     }
 
     /// Stores an entry. Only the engine thread (or recovery, before serving) writes.
@@ -415,8 +419,9 @@ impl Map {
             let word = page[w + 1].load(Ordering::Relaxed);
             page[w + 1].store((word & !hi_mask) | (code >> (64 - o)), Ordering::Relaxed);
         }
-        // Sequentially consistent, so that a reader's pin is ordered with it.
-        seq.store(s.wrapping_add(2), Ordering::SeqCst);
+        // A reader that pins after this reads the new entry: the engine's pin
+        // check puts a sequentially consistent fence after it (see `crate::pins`).
+        seq.store(s.wrapping_add(2), Ordering::Release);
     }
 
     /// Entries of one 1024-entry page, for checkpoints (engine thread).

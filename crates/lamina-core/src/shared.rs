@@ -9,17 +9,18 @@
 //! buffer (for buffered blocks) or the segment (for device blocks). The protocol is
 //! "pin, then re-read the map entry": if the entry still names the same place, the
 //! engine cannot have recycled it, because the engine changes map entries *before* it
-//! checks pins, and both sides use sequentially consistent operations.
+//! checks pins (see [`crate::pins`], which `tests/loom.rs` model-checks).
 
 use crate::buffer::BufferPool;
 use crate::geometry::Geometry;
 use crate::map::{decode, Entry, Map};
+use crate::pins::Pins;
 use crate::types::{Pba, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, pack_volume_lba, record_at, UnitHeader};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// Blocks one device read covers at most.
@@ -131,7 +132,7 @@ pub struct SegmentPin<'a> {
 
 impl Drop for SegmentPin<'_> {
     fn drop(&mut self) {
-        self.shared.seg_pins[self.seg.0 as usize].fetch_sub(1, Ordering::SeqCst);
+        self.shared.seg_pins.unpin(self.seg.0);
     }
 }
 
@@ -143,7 +144,7 @@ pub struct Shared {
     /// The striped device, for its members' health.
     pub striped: Option<Arc<lamina_device::striped::Striped>>,
     pub buffers: BufferPool,
-    seg_pins: Box<[AtomicU32]>,
+    seg_pins: Pins,
     /// Geometry-aware placement is on: reads mark their blocks in the map.
     pub track_reads: AtomicBool,
     seg_incarnation: Box<[AtomicU64]>,
@@ -173,7 +174,7 @@ impl Shared {
         let blocks = segs * geo.segment_blocks as usize;
         let buffers = BufferPool::new(buffer_units, geo.write_unit_blocks);
         Shared {
-            seg_pins: (0..segs).map(|_| AtomicU32::new(0)).collect(),
+            seg_pins: Pins::new(segs),
             track_reads: AtomicBool::new(false),
             seg_incarnation: (0..segs).map(|_| AtomicU64::new(0)).collect(),
             unit_starts: (0..blocks.div_ceil(64))
@@ -272,7 +273,7 @@ impl Shared {
 
     /// Keeps `seg` from being reused while the guard lives.
     pub fn pin_segment(&self, seg: SegmentId) -> SegmentPin<'_> {
-        self.seg_pins[seg.0 as usize].fetch_add(1, Ordering::SeqCst);
+        self.seg_pins.pin(seg.0);
         SegmentPin { shared: self, seg }
     }
 
@@ -281,7 +282,7 @@ impl Shared {
     }
 
     pub(crate) fn segment_pinned(&self, seg: SegmentId) -> bool {
-        self.seg_pins[seg.0 as usize].load(Ordering::SeqCst) != 0
+        self.seg_pins.pinned(seg.0)
     }
 
     /// Prepares a segment for a new incarnation: clears its unit-start bits.
@@ -497,15 +498,13 @@ impl Shared {
                 }
                 Entry::Buffer(slot) => {
                     let (unit, block) = self.buffers.unslot(slot);
-                    self.buffers.pin(unit);
-                    if vol.map.load_sc(lba) != e {
-                        self.buffers.unpin(unit);
+                    if self.buffers.pins.pin_run(unit, &vol.map, lba, e, 1) == 0 {
                         continue; // moved meanwhile: look again
                     }
                     // SAFETY: pinned, and the entry still names this slot.
                     let src = unsafe { self.buffers.blocks(unit, block, 1) };
                     out[dst_off..dst_off + BLOCK_SIZE].copy_from_slice(src);
-                    self.buffers.unpin(unit);
+                    self.buffers.pins.unpin(unit);
                     i += 1;
                 }
                 Entry::Device(pba) => {
@@ -519,15 +518,9 @@ impl Shared {
                     {
                         n += 1;
                     }
-                    let pins = &self.seg_pins[seg.0 as usize];
-                    pins.fetch_add(1, Ordering::SeqCst);
                     // Keep the prefix of the run that still points where it did.
-                    let mut valid = 0u64;
-                    while valid < n && vol.map.load_sc(lba + valid) == e + valid as u32 {
-                        valid += 1;
-                    }
+                    let valid = self.seg_pins.pin_run(seg.0, &vol.map, lba, e, n);
                     if valid == 0 {
-                        pins.fetch_sub(1, Ordering::SeqCst);
                         continue;
                     }
                     let dst = &mut out[dst_off..dst_off + valid as usize * BLOCK_SIZE];
@@ -537,7 +530,7 @@ impl Shared {
                         self.read_device_run(vol, lba, seg, seg_off, dst)
                             .map(|()| true)
                     };
-                    pins.fetch_sub(1, Ordering::SeqCst);
+                    self.seg_pins.unpin(seg.0);
                     if !r? {
                         return Ok(false);
                     }
