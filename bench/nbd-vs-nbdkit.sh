@@ -181,7 +181,8 @@ media = a["media_bytes_written"] - b["media_bytes_written"]
 gc = a["gc_bytes_relocated"] - b["gc_bytes_relocated"]
 print(f"# steady state: volume {sys.argv[4]} = 80% of usable, 4 KiB randwrite iodepth 32 after 2x overwrite")
 print(f"randwrite IOPS {sys.argv[3]}, write amplification in the window {media/user:.3f} "
-      f"(gc relocated {gc/user:.3f} per user byte), cumulative WA {a['write_amplification']:.3f}")
+      f"(gc relocated {gc/user:.3f} per user byte), cumulative WA {a['write_amplification']:.3f}, "
+      f"writes waited at the floor {a['gc_floor_waits'] - b['gc_floor_waits']} times")
 EOF
 
 # Reads during garbage collection: a reader (4 KiB randread, iodepth 32, held to

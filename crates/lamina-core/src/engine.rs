@@ -205,75 +205,7 @@ pub struct Reply {
     pub status: Option<Box<crate::status::StatusReport>>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SegState {
-    Free,
-    /// Head of a stream.
-    Open,
-    /// All units sealed; some writes (or the summary) still in flight.
-    Closing,
-    /// Holds data; a garbage collection candidate.
-    Closed,
-    /// Empty; waiting for a flush generation that makes its emptiness durable.
-    Draining,
-    /// Emptiness durable; waiting for its release record to be written.
-    ReleaseReady,
-    /// Release record sealed; waiting for a flush generation to make it durable.
-    Releasing,
-    /// Written by the metadata stream (checkpoints, release records).
-    Meta,
-}
-
-#[derive(Clone, Debug)]
-pub(crate) struct Seg {
-    pub state: SegState,
-    pub kind: StreamKind,
-    pub class: u8,
-    pub volume: u16,
-    pub valid: u32,
-    pub write_ptr: u32,
-    pub data_blocks: u32,
-    pub incarnation: u64,
-    pub close_version: u64,
-    pub erase_count: u32,
-    pub has_summary: bool,
-    pub writes_inflight: u32,
-    /// Draining / Releasing: flush generation to wait for. Meta: checkpoint generation.
-    pub gen: u64,
-    /// GC found a block here it could not read or verify: the segment keeps it (reads
-    /// of it return an error) and is not collected again until it is reused.
-    pub gc_exclude: bool,
-    /// Volume time (user blocks written to its volume) when the segment was opened.
-    pub born: u64,
-    /// Volume time when a block of it last went dead.
-    pub last_invalidated: u64,
-    /// Volume time when it was closed.
-    pub closed: u64,
-}
-
-impl Seg {
-    pub(crate) fn free(erase_count: u32) -> Self {
-        Seg {
-            state: SegState::Free,
-            kind: StreamKind::User,
-            class: 0,
-            volume: 0,
-            valid: 0,
-            write_ptr: 0,
-            data_blocks: 0,
-            incarnation: 0,
-            close_version: 0,
-            erase_count,
-            has_summary: false,
-            writes_inflight: 0,
-            gen: 0,
-            gc_exclude: false,
-            born: 0,
-            last_invalidated: 0,
-            closed: 0,
-        }
-    }
-}
+pub(crate) use crate::segments::{Seg, SegState, SegmentTable};
 
 pub(crate) struct OpenUnit {
     pub buf: u32,
@@ -594,14 +526,8 @@ pub struct Engine {
     /// segments are open or closing now (each holds a zone open until it is full).
     pub(crate) zone_limit: u32,
     pub(crate) zones_active: u32,
-    /// Free segments set aside because their zone could not be reset.
-    pub(crate) quarantined_segments: u64,
     /// Short units a flush moved to conventional zones (SALSA 3.2).
     pub(crate) small_units_moved: u64,
-    /// Released segments whose discard is under way (false) or done (true); they
-    /// join the free queue in release order once done.
-    pub(crate) discards: std::collections::HashMap<u32, bool>,
-    pub(crate) segments_discarded: u64,
     /// Start version of the checkpoint the durable superblocks name (recovery
     /// would start from it now).
     pub(crate) durable_ckpt_version: u64,
@@ -631,8 +557,8 @@ pub struct Engine {
     sb_writing_gen: u64,
     /// A completed sync whose flushes wait until a member failure is recorded.
     deferred_sync: Option<SyncTarget>,
-    pub(crate) segs: Vec<Seg>,
-    pub(crate) free: VecDeque<u32>,
+    /// Every segment, the free queue and the release pipeline.
+    pub(crate) segments: SegmentTable,
     pub(crate) volumes: Vec<Option<Vol>>,
     pub(crate) streams: Vec<Stream>,
     pub(crate) meta_stream: usize,
@@ -649,9 +575,6 @@ pub struct Engine {
     pub(crate) synced_gen: u64,
     sync_wanted: Option<SyncTarget>,
     sync_inflight: Option<(SyncTarget, usize)>,
-    pub(crate) draining: Vec<u32>,
-    pub(crate) release_ready: Vec<u32>,
-    pub(crate) releasing: Vec<u32>,
     /// Open data segments that hold half a segment of dead blocks: closed at the
     /// next progress so that GC can reclaim them (a class that receives little
     /// would otherwise keep its garbage out of reach for ever).
@@ -738,10 +661,7 @@ impl Engine {
             zoned: zone_layout.is_some(),
             zone_limit,
             zones_active: 0,
-            quarantined_segments: 0,
             small_units_moved: 0,
-            discards: Default::default(),
-            segments_discarded: 0,
             durable_ckpt_version: sb.checkpoint.as_ref().map_or(0, |c| c.version),
             conventional_end: shared
                 .devices
@@ -762,8 +682,7 @@ impl Engine {
             sb_dirty: false,
             sb_durable_gen: 0,
             sb_writing_gen: 0,
-            segs,
-            free,
+            segments: SegmentTable::new(segs, free),
             volumes: Vec::new(),
             streams: vec![Stream::new(StreamKind::Meta, 0, u16::MAX)],
             meta_stream: 0,
@@ -781,9 +700,6 @@ impl Engine {
             synced_gen: 0,
             sync_wanted: None,
             sync_inflight: None,
-            draining: Vec::new(),
-            release_ready: Vec::new(),
-            releasing: Vec::new(),
             stale_open: Vec::new(),
             last_idle_sweep: 0,
             gc: Default::default(),
@@ -841,12 +757,12 @@ impl Engine {
 
     /// Free segments set aside because their zone could not be reset.
     pub fn segments_set_aside(&self) -> u64 {
-        self.quarantined_segments
+        self.segments.quarantined
     }
 
     /// Released segments discarded since the array was opened.
     pub fn segments_discarded(&self) -> u64 {
-        self.segments_discarded
+        self.segments.discarded
     }
 
     /// Short units flushes moved to conventional zones.
@@ -863,7 +779,7 @@ impl Engine {
     }
 
     pub fn free_segments(&self) -> usize {
-        self.free.len()
+        self.segments.free.len()
     }
 
     // ---------------------------------------------------------------- versions
@@ -1190,11 +1106,11 @@ impl Engine {
             }
             Purpose::Discard { seg, wait } => {
                 match c.result {
-                    Ok(()) => self.segments_discarded += 1,
+                    Ok(()) => self.segments.discarded += 1,
                     Err(e) => tracing::debug!("discard of segment {seg}: {e}"),
                 }
                 if wait {
-                    self.discards.insert(seg, true);
+                    self.segments.discards.insert(seg, true);
                 }
             }
             Purpose::ZoneFinish { seg, ticket } => {
@@ -1203,7 +1119,7 @@ impl Engine {
                     self.fail(format!("zone finish of segment {seg} failed: {e}"));
                 }
                 self.zone_done(seg);
-                if self.segs[seg as usize].state == SegState::Closing {
+                if self.segments.segs[seg as usize].state == SegState::Closing {
                     self.segment_write_done(seg);
                 }
             }
@@ -1282,7 +1198,11 @@ impl Engine {
     /// Moves everything along as far as resources allow.
     pub(crate) fn progress(&mut self) {
         for _ in 0..4 {
-            let before = (self.pending.len(), self.io_out.len(), self.free.len());
+            let before = (
+                self.pending.len(),
+                self.io_out.len(),
+                self.segments.free.len(),
+            );
             self.progress_pending();
             self.close_stale_segments();
             self.progress_gc();
@@ -1291,7 +1211,12 @@ impl Engine {
             self.progress_sync();
             self.progress_member_failures();
             self.recycle_buffers();
-            if (self.pending.len(), self.io_out.len(), self.free.len()) == before {
+            if (
+                self.pending.len(),
+                self.io_out.len(),
+                self.segments.free.len(),
+            ) == before
+            {
                 break;
             }
         }
@@ -1349,11 +1274,11 @@ impl Engine {
 
     /// True when user writes wait for a segment that nothing can free.
     fn stuck_without_space(&mut self) -> bool {
-        self.free.len() <= self.user_floor()
+        self.segments.free.len() <= self.user_floor()
             && self.gc.is_idle()
-            && self.draining.is_empty()
-            && self.release_ready.is_empty()
-            && self.releasing.is_empty()
+            && self.segments.draining.is_empty()
+            && self.segments.release_ready.is_empty()
+            && self.segments.releasing.is_empty()
             && self.sync_inflight.is_none()
             && self.sync_wanted.is_none()
             && self.tags.len() == self.free_tags.len()
@@ -1405,6 +1330,7 @@ impl Engine {
             let lba = first_lba + *done;
             let stream = self.user_stream_for(*volume, lba, &mut class_slot);
             if self.ensure_unit(stream, 1, 0).is_err() {
+                self.user_block_held();
                 if let Pending::Write { class, .. } = p {
                     *class = class_slot;
                 }
@@ -1452,6 +1378,7 @@ impl Engine {
             let b = *lba + *done;
             let stream = self.user_stream_for(*volume, b, class);
             if self.ensure_unit(stream, 1, 0).is_err() {
+                self.user_block_held();
                 return Ok(false);
             }
             self.append_user(stream, *volume, b, None, class);
@@ -1485,6 +1412,7 @@ impl Engine {
         vol.user_blocks += 1;
         vol.classes[class.take().unwrap_or(0) as usize].blocks += 1;
         self.counters.user_blocks += 1;
+        self.user_block_written();
     }
 
     /// ENOSPC unless the array has room for the blocks of `lbas` not yet mapped
@@ -1622,7 +1550,7 @@ impl Engine {
             Entry::Unmapped | Entry::Bad => return,
         };
         let half = self.geo.data_blocks_per_segment() / 2;
-        let s = &mut self.segs[seg as usize];
+        let s = &mut self.segments.segs[seg as usize];
         s.valid -= 1;
         if let Some(v) = self.volumes.get(s.volume as usize).and_then(|v| v.as_ref()) {
             s.last_invalidated = v.user_blocks;
@@ -1698,7 +1626,7 @@ impl Engine {
             vol.live_blocks += 1;
             self.live_blocks += 1;
         }
-        self.segs[seg].valid += 1;
+        self.segments.segs[seg].valid += 1;
         self.unref(old);
         self.unsynced_writes = true;
         self.blocks_since_checkpoint += 1;
@@ -1796,8 +1724,8 @@ impl Engine {
             };
             match self.pop_free_for(Want::meta()) {
                 Some(next) => {
-                    self.segs[next as usize].state = SegState::Meta;
-                    self.segs[next as usize].gen = self.ckpt.meta_gen;
+                    self.segments.segs[next as usize].state = SegState::Meta;
+                    self.segments.segs[next as usize].gen = self.ckpt.meta_gen;
                     self.streams[s].next_seg = Some(next);
                 }
                 None => {
@@ -1811,7 +1739,7 @@ impl Engine {
                 StreamKind::User => self.user_floor(),
                 _ => 1,
             };
-            if self.free.len() <= floor {
+            if self.segments.free.len() <= floor {
                 return Err(Blocked);
             }
             // Geometry-aware: the read-hot GC stream's segments go outer, other
@@ -1837,8 +1765,8 @@ impl Engine {
             .and_then(|v| v.as_ref())
             .map_or(0, |v| v.user_blocks);
         let st = &mut self.streams[s];
-        let erase_count = self.segs[seg as usize].erase_count + 1;
-        self.segs[seg as usize] = Seg {
+        let erase_count = self.segments.segs[seg as usize].erase_count + 1;
+        self.segments.segs[seg as usize] = Seg {
             born,
             last_invalidated: born,
             state: if kind == StreamKind::Meta {
@@ -1874,7 +1802,8 @@ impl Engine {
 
     /// A conventional segment is among the free ones allocation may take.
     fn conventional_free(&self) -> bool {
-        (0..self.free.len().min(ALLOC_WINDOW)).any(|i| self.seg_conventional(self.free[i]))
+        (0..self.segments.free.len().min(ALLOC_WINDOW))
+            .any(|i| self.seg_conventional(self.segments.free[i]))
     }
 
     /// Segment `seg` lies in a conventional zone of a zoned device.
@@ -1904,7 +1833,7 @@ impl Engine {
                 Ok(()) => return Some(seg),
                 Err(e) => {
                     tracing::error!("segment {seg} set aside: its zone cannot be reset: {e}");
-                    self.quarantined_segments += 1;
+                    self.segments.quarantined += 1;
                 }
             }
         }
@@ -1913,13 +1842,14 @@ impl Engine {
     /// Takes a free segment (see [`Engine::pop_free_for`]) and waits out its last
     /// readers.
     fn take_free(&mut self, want: Want) -> Option<u32> {
-        let window = 0..self.free.len().min(ALLOC_WINDOW);
+        let window = 0..self.segments.free.len().min(ALLOC_WINDOW);
         // Segments of the kind the stream does not want come last.
         let miss = |i: usize| {
             want.conventional
-                .is_some_and(|c| self.seg_conventional(self.free[i]) != c) as u8
+                .is_some_and(|c| self.seg_conventional(self.segments.free[i]) != c)
+                as u8
         };
-        let offset = |i: usize| self.geo.locate(SegmentId(self.free[i]), 0).1;
+        let offset = |i: usize| self.geo.locate(SegmentId(self.segments.free[i]), 0).1;
         let i = if let Some(outer) = want.outer.filter(|_| self.geometry_aware) {
             window.min_by_key(|&i| {
                 (
@@ -1936,14 +1866,14 @@ impl Engine {
             // Wear levelling across JBOD members: among the next free segments,
             // take one on the member with the least written per byte of capacity.
             window.min_by(|&a, &b| {
-                let wa = self.member_wear(self.geo.locate(SegmentId(self.free[a]), 0).0);
-                let wb = self.member_wear(self.geo.locate(SegmentId(self.free[b]), 0).0);
+                let wa = self.member_wear(self.geo.locate(SegmentId(self.segments.free[a]), 0).0);
+                let wb = self.member_wear(self.geo.locate(SegmentId(self.segments.free[b]), 0).0);
                 miss(a).cmp(&miss(b)).then(wa.total_cmp(&wb))
             })?
         } else {
             window.min_by_key(|&i| (miss(i), i))?
         };
-        let seg = self.free.remove(i)?;
+        let seg = self.segments.free.remove(i)?;
         self.shared.set_segment_free(seg, false);
         while self.shared.segment_pinned(SegmentId(seg)) {
             std::thread::yield_now();
@@ -2009,7 +1939,7 @@ impl Engine {
             array_id: self.geo.array_id,
             segment: seg,
             offset: u.offset,
-            incarnation: self.segs[seg as usize].incarnation,
+            incarnation: self.segments.segs[seg as usize].incarnation,
             version,
             data_blocks: u.data,
             stream_kind: st.kind,
@@ -2034,7 +1964,7 @@ impl Engine {
         let volume = st.volume;
         self.shared
             .mark_unit_start(self.geo.pba(SegmentId(seg), u.offset));
-        let sg = &mut self.segs[seg as usize];
+        let sg = &mut self.segments.segs[seg as usize];
         sg.writes_inflight += 1;
         sg.write_ptr = u.offset + blocks;
         sg.data_blocks += u.data;
@@ -2087,7 +2017,7 @@ impl Engine {
                     continue;
                 }
                 if let Some(seg) = st.seg {
-                    let sg = &self.segs[seg as usize];
+                    let sg = &self.segments.segs[seg as usize];
                     if sg.data_blocks > 0 && sg.valid * 2 <= sg.data_blocks {
                         self.stale_open.push(seg);
                     }
@@ -2125,7 +2055,7 @@ impl Engine {
         for (i, r) in records.iter().enumerate() {
             put_record(&mut buf, i, r);
         }
-        let sg = &mut self.segs[seg as usize];
+        let sg = &mut self.segments.segs[seg as usize];
         SummaryHeader {
             summary_blocks: sb_blocks as u16,
             record_count: records.len() as u32,
@@ -2137,7 +2067,7 @@ impl Engine {
         }
         .seal_into(&mut buf);
         self.mark_closing(seg, true, close_version);
-        let volume = self.segs[seg as usize].volume;
+        let volume = self.segments.segs[seg as usize].volume;
         self.counters.media_blocks += sb_blocks as u64;
         if let Some(v) = self.volumes[volume as usize].as_mut() {
             v.media_blocks += sb_blocks as u64;
@@ -2161,10 +2091,10 @@ impl Engine {
     fn mark_closing(&mut self, seg: u32, has_summary: bool, close_version: u64) {
         let closed = self
             .volumes
-            .get(self.segs[seg as usize].volume as usize)
+            .get(self.segments.segs[seg as usize].volume as usize)
             .and_then(|v| v.as_ref())
             .map_or(0, |v| v.user_blocks);
-        let sg = &mut self.segs[seg as usize];
+        let sg = &mut self.segments.segs[seg as usize];
         sg.state = SegState::Closing;
         sg.has_summary = has_summary;
         sg.close_version = close_version;
@@ -2184,7 +2114,7 @@ impl Engine {
         }
         let st = &mut self.streams[s];
         let meta = st.kind == StreamKind::Meta;
-        let wp = self.segs[seg as usize].write_ptr;
+        let wp = self.segments.segs[seg as usize].write_ptr;
         if !meta && wp == self.geo.data_end {
             return false;
         }
@@ -2193,7 +2123,7 @@ impl Engine {
             // Nothing written: the zone is still empty.
             self.zone_done(seg);
             if !meta {
-                self.segs[seg as usize].state = SegState::Closed;
+                self.segments.segs[seg as usize].state = SegState::Closed;
                 self.segment_emptied(seg);
             }
             return true;
@@ -2252,7 +2182,7 @@ impl Engine {
 
     /// One of a segment's writes completed.
     fn segment_write_done(&mut self, seg: u32) {
-        let sg = &mut self.segs[seg as usize];
+        let sg = &mut self.segments.segs[seg as usize];
         sg.writes_inflight -= 1;
         if sg.writes_inflight == 0 && sg.state == SegState::Closing {
             sg.state = SegState::Closed;
@@ -2268,13 +2198,15 @@ impl Engine {
         self.cfg.discard && !self.zoned
     }
 
-    /// A released segment may be discarded if it was opened before the durable
-    /// checkpoint started: recovery from that checkpoint walks the segments opened
-    /// after it in free-queue order and takes a run of empty ones for the end of
-    /// what was allocated, so those must keep their units until reused (a segment
-    /// opened before the checkpoint reads as stale to the walk either way).
+    /// A released segment may be discarded (see [`SegmentTable::discardable`]).
     fn discardable(&self, seg: u32) -> bool {
-        self.discard_enabled() && self.segs[seg as usize].incarnation < self.durable_ckpt_version
+        self.segments.discardable(seg, self.discard_before())
+    }
+
+    /// Segments opened before this version are discarded when released (see
+    /// `discardable`); `None` when discards are off.
+    fn discard_before(&self) -> Option<u64> {
+        self.discard_enabled().then_some(self.durable_ckpt_version)
     }
 
     /// Queues the discard of segment `seg`'s whole extent.
@@ -2297,19 +2229,13 @@ impl Engine {
             if self.discard_enabled() {
                 self.submit_discard(seg, false);
             }
-            let erase_count = self.segs[seg as usize].erase_count;
-            self.segs[seg as usize] = Seg::free(erase_count);
-            self.free.push_back(seg);
+            self.segments.make_free(seg);
             self.shared.set_segment_free(seg, true);
             return;
         }
-        let sg = &mut self.segs[seg as usize];
-        debug_assert_eq!(sg.state, SegState::Closed);
-        sg.state = SegState::Draining;
         // The writes that emptied it are in units sealed by the next flush at the
         // latest; that flush's generation must be synced first.
-        sg.gen = self.flush_gen + 1;
-        self.draining.push(seg);
+        self.segments.emptied(seg, self.flush_gen + 1);
     }
 
     // ---------------------------------------------------------------- flush & sync
@@ -2408,25 +2334,18 @@ impl Engine {
     /// Puts release records for segments whose emptiness is durable into the
     /// metadata stream.
     fn add_release_records(&mut self) {
-        if self.release_ready.is_empty() {
+        if self.segments.release_ready.is_empty() {
             return;
         }
         let ms = self.meta_stream;
-        let mut i = 0;
-        while i < self.release_ready.len() {
+        while !self.segments.release_ready.is_empty() {
             if self.ensure_unit(ms, 0, 1).is_err() {
                 break;
             }
-            let seg = self.release_ready[i];
-            let inc = self.segs[seg as usize].incarnation;
+            let seg = self.segments.release_recorded(self.flush_gen + 1);
+            let inc = self.segments.segs[seg as usize].incarnation;
             self.streams[ms].extras.push(RawRecord::release(seg, inc));
-            let sg = &mut self.segs[seg as usize];
-            sg.state = SegState::Releasing;
-            sg.gen = self.flush_gen + 1;
-            self.releasing.push(seg);
-            i += 1;
         }
-        self.release_ready.drain(..i);
     }
 
     fn progress_sync(&mut self) {
@@ -2608,64 +2527,37 @@ impl Engine {
 
     /// Moves emptied segments along the release protocol as flushes complete.
     fn progress_releases(&mut self) {
-        if self.draining.is_empty() && self.release_ready.is_empty() && self.releasing.is_empty() {
+        if self.segments.in_release() == 0 {
             return;
         }
         let synced = self.synced_gen;
-        let mut i = 0;
-        while i < self.draining.len() {
-            let s = self.draining[i];
-            if self.segs[s as usize].gen <= synced {
-                self.draining.remove(i);
-                self.segs[s as usize].state = SegState::ReleaseReady;
-                self.release_ready.push(s);
-            } else {
-                i += 1;
-            }
-        }
+        self.segments.synced(synced);
         // Released segments are discarded first (once no reader holds them), all
         // those whose release is durable at once; see `discardable`.
-        for i in 0..self.releasing.len() {
-            let s = self.releasing[i];
-            if self.segs[s as usize].gen > synced {
-                break;
-            }
+        for i in 0..self.segments.released(synced) {
+            let s = self.segments.releasing[i];
             // Released: nobody reads it any more (scrub and rebuild skip it).
             self.shared.set_segment_free(s, true);
             if self.discardable(s)
-                && !self.discards.contains_key(&s)
+                && !self.segments.discards.contains_key(&s)
                 && !self.shared.segment_pinned(SegmentId(s))
             {
-                self.discards.insert(s, false);
+                self.segments.discards.insert(s, false);
                 self.submit_discard(s, true);
             }
         }
         // Segments are freed in the order their release records were sealed, which
         // is the order recovery walks them.
-        while let Some(&s) = self.releasing.first() {
-            if self.segs[s as usize].gen > synced {
-                break;
-            }
-            if self.discardable(s) && self.discards.get(&s) != Some(&true) {
-                break;
-            }
-            self.discards.remove(&s);
-            self.releasing.remove(0);
-            let erase_count = self.segs[s as usize].erase_count;
-            self.segs[s as usize] = Seg::free(erase_count);
-            self.free.push_back(s);
+        let discard_before = self.discard_before();
+        while let Some(s) = self.segments.free_next_released(synced, discard_before) {
             self.shared.set_segment_free(s, true);
         }
         // When free segments run low, run a flush to move the protocol forward.
-        let low = self.free.len() < self.gc_start_segments();
-        let stalled = !self.pending.is_empty() || !self.gc.is_idle();
         // (Released segments waiting only for their discard need no flush.)
-        let releasing_unsynced = self
-            .releasing
-            .iter()
-            .any(|&s| self.segs[s as usize].gen > synced);
+        let low = self.segments.free.len() < self.gc_start_segments();
+        let stalled = !self.pending.is_empty() || !self.gc.is_idle();
         if (low || stalled)
-            && (!self.draining.is_empty() || !self.release_ready.is_empty() || releasing_unsynced)
+            && self.segments.wants_flush(synced)
             && self.sync_inflight.is_none()
             && self.sync_wanted.is_none()
             && self.failed.is_none()
@@ -3117,6 +3009,7 @@ impl Engine {
     /// units of open ones), the garbage proportion of SepBIT's trigger.
     pub(crate) fn garbage_proportion(&self) -> f64 {
         let stored: u64 = self
+            .segments
             .segs
             .iter()
             .filter(|s| s.kind != StreamKind::Meta && s.state != SegState::Free)

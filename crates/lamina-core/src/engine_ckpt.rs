@@ -163,9 +163,10 @@ impl Engine {
         // the snapshot lists them at the tail of the free queue, in the order the
         // engine will append them. Their content is dead either way: they emptied
         // before their release record was written.
-        let mut free_queue: Vec<u32> = self.free.iter().copied().collect();
-        free_queue.extend(self.releasing.iter().copied());
+        let mut free_queue: Vec<u32> = self.segments.free.iter().copied().collect();
+        free_queue.extend(self.segments.releasing.iter().copied());
         let segments = self
+            .segments
             .segs
             .iter()
             .map(|s| SegmentRecord {
@@ -312,7 +313,7 @@ impl Engine {
                     self.checkpoint_block(&w, w.next, &mut block);
                     if w.first.is_none() {
                         let seg = self.streams[ms].seg.unwrap();
-                        w.first = Some((seg, self.segs[seg as usize].incarnation));
+                        w.first = Some((seg, self.segments.segs[seg as usize].incarnation));
                     }
                     self.append_checkpoint_block(w.gen, w.next, &block);
                     w.next += 1;
@@ -382,11 +383,10 @@ impl Engine {
         // Metadata segments of earlier generations are superseded now.
         let ms = &self.streams[self.meta_stream];
         let keep = [ms.seg, ms.next_seg];
-        for seg in 0..self.segs.len() {
-            let s = &self.segs[seg];
+        for seg in 0..self.segments.segs.len() {
+            let s = &self.segments.segs[seg];
             if s.state == SegState::Meta && s.gen < w.gen && !keep.contains(&Some(seg as u32)) {
-                self.segs[seg].state = SegState::ReleaseReady;
-                self.release_ready.push(seg as u32);
+                self.segments.superseded(seg as u32);
             }
         }
         for t in std::mem::take(&mut self.ckpt.waiters) {

@@ -34,6 +34,10 @@ pub(crate) struct GcState {
     repair: Vec<u32>,
     /// Segments moved because of a read error.
     pub repaired: u64,
+    /// Whether user writes wait at the user floor now, and how many times they
+    /// did (each wait counted once, however long it lasts).
+    held_at_floor: bool,
+    pub floor_waits: u64,
 }
 
 #[derive(Default)]
@@ -91,7 +95,7 @@ impl Engine {
         // Free ones need nothing, metadata and excluded ones are not GC's to move;
         // open ones are closed so that they can be moved.
         self.gc.repair.retain(|&s| {
-            let sg = &self.segs[s as usize];
+            let sg = &self.segments.segs[s as usize];
             sg.state != SegState::Free && sg.kind != StreamKind::Meta && !sg.gc_exclude
         });
         for k in 0..self.gc.repair.len() {
@@ -103,7 +107,7 @@ impl Engine {
             }
         }
         let i = self.gc.repair.iter().position(|&s| {
-            let sg = &self.segs[s as usize];
+            let sg = &self.segments.segs[s as usize];
             sg.state == SegState::Closed && sg.kind != StreamKind::Meta && !sg.gc_exclude
         })?;
         Some(self.gc.repair.swap_remove(i))
@@ -116,7 +120,7 @@ impl Engine {
         // Only what GC will still move counts: a victim once emptied may be named
         // again by the reads that moved it.
         let movable = |s: u32| {
-            let sg = &self.segs[s as usize];
+            let sg = &self.segments.segs[s as usize];
             let open = self.streams.iter().any(|st| st.seg == Some(s));
             (sg.state == SegState::Closed || open) && sg.kind != StreamKind::Meta && !sg.gc_exclude
         };
@@ -145,7 +149,7 @@ impl Engine {
                 && s.valid < full
         };
         let mut garbage: Vec<u64> = vec![0; self.volumes.len()];
-        for s in self.segs.iter().filter(|s| collectable(s)) {
+        for s in self.segments.segs.iter().filter(|s| collectable(s)) {
             if let Some(g) = garbage.get_mut(s.volume as usize) {
                 *g += (full - s.valid) as u64;
             }
@@ -157,7 +161,7 @@ impl Engine {
         let now = self.volumes[vol].as_ref()?.user_blocks;
         let mut cands = std::mem::take(&mut self.gc.cands);
         cands.clear();
-        for (i, s) in self.segs.iter().enumerate() {
+        for (i, s) in self.segments.segs.iter().enumerate() {
             if collectable(s) && s.volume as usize == vol {
                 cands.push(Candidate {
                     segment: i as u32,
@@ -179,6 +183,7 @@ impl Engine {
         }
         let mut capacity = 0u64;
         for s in self
+            .segments
             .segs
             .iter()
             .filter(|s| s.volume as usize == vol && s.kind != StreamKind::Meta)
@@ -195,7 +200,7 @@ impl Engine {
         // The space this volume may use: what it holds plus the free segments, or
         // under a garbage-proportion trigger the space at which GC holds it.
         capacity += classes.iter().map(|c| c.space).sum::<u64>()
-            + self.free.len() as u64 * self.geo.data_blocks_per_segment();
+            + self.segments.free.len() as u64 * self.geo.data_blocks_per_segment();
         if let Some(ratio) = self.cfg.gc_garbage_ratio {
             let live: u64 = classes.iter().map(|c| c.live).sum();
             capacity = capacity.min((live as f64 / (1.0 - ratio)) as u64);
@@ -232,7 +237,7 @@ impl Engine {
         }
         match &self.gc.phase {
             Phase::Idle => {
-                let free = self.free.len();
+                let free = self.segments.free.len();
                 if free < self.gc_start_segments() {
                     self.gc.active = true;
                 }
@@ -261,7 +266,7 @@ impl Engine {
                 };
                 self.gc.victims += 1;
                 let (class, born, volume) = {
-                    let s = &self.segs[seg as usize];
+                    let s = &self.segments.segs[seg as usize];
                     (s.class, s.born, s.volume)
                 };
                 if let Some(v) = self
@@ -275,10 +280,10 @@ impl Engine {
                         c.victims += 1;
                     }
                 }
-                let has_summary = self.segs[seg as usize].has_summary;
+                let has_summary = self.segments.segs[seg as usize].has_summary;
                 self.gc.phase = Phase::Owners {
                     seg,
-                    incarnation: self.segs[seg as usize].incarnation,
+                    incarnation: self.segments.segs[seg as usize].incarnation,
                     walking: !has_summary,
                     offset: 0,
                     live: Vec::new(),
@@ -327,7 +332,7 @@ impl Engine {
         if !self.victim_unchanged(seg, incarnation) {
             return; // emptied and released meanwhile: nothing left to do
         }
-        let sg = self.segs[seg as usize].clone();
+        let sg = self.segments.segs[seg as usize].clone();
         let buf = c.buf.unwrap_or_default();
         let ok = c.result.is_ok();
         if !walking {
@@ -443,15 +448,28 @@ impl Engine {
                     offset,
                     "unit header damaged during garbage collection"
                 );
-                self.segs[seg as usize].gc_exclude = true;
+                self.segments.segs[seg as usize].gc_exclude = true;
                 self.gc_start_relocation(seg, incarnation, live);
             }
         }
     }
 
     /// The victim is still the closed segment incarnation GC started on.
+    /// A user block could not be written now: counts a wait at the floor.
+    pub(crate) fn user_block_held(&mut self) {
+        if self.segments.free.len() <= self.user_floor() && !self.gc.held_at_floor {
+            self.gc.held_at_floor = true;
+            self.gc.floor_waits += 1;
+        }
+    }
+
+    /// A user block was written: a wait at the floor, if any, is over.
+    pub(crate) fn user_block_written(&mut self) {
+        self.gc.held_at_floor = false;
+    }
+
     fn victim_unchanged(&self, seg: u32, incarnation: u64) -> bool {
-        let s = &self.segs[seg as usize];
+        let s = &self.segments.segs[seg as usize];
         s.state == SegState::Closed && s.incarnation == incarnation
     }
 
@@ -504,7 +522,7 @@ impl Engine {
                 if *next >= live.len() {
                     let seg = *seg;
                     self.gc.phase = Phase::Idle;
-                    let s = &self.segs[seg as usize];
+                    let s = &self.segments.segs[seg as usize];
                     if s.state == SegState::Closed && s.valid > 0 {
                         // Blocks we could not move (damaged header) stay where they are.
                         tracing::warn!(
@@ -637,8 +655,8 @@ impl Engine {
                         let v = self.volumes[volume as usize].as_mut().unwrap();
                         // A segment written under another configuration may carry a
                         // class this one does not have.
-                        let seg_class = self.segs[seg as usize].class as usize;
-                        let from = self.segs[seg as usize]
+                        let seg_class = self.segments.segs[seg as usize].class as usize;
+                        let from = self.segments.segs[seg as usize]
                             .class
                             .min(v.user_classes + v.classifier.gc_classes() - 1);
                         let class = v.classifier.classify_gc(r.lba(), v.user_blocks, from);
@@ -686,7 +704,7 @@ impl Engine {
                             read_failed = run.failed,
                             "block failed verification during garbage collection; left in place"
                         );
-                        self.segs[seg as usize].gc_exclude = true;
+                        self.segments.segs[seg as usize].gc_exclude = true;
                         self.counters.corrupt_blocks += 1;
                     }
                 }

@@ -91,7 +91,7 @@ pub fn check_superblocks(devices: &[Arc<dyn BlockDevice>], report: &mut FsckRepo
 pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
     let shared = engine.shared();
     let geo = engine.geometry();
-    let mut live = vec![0u32; engine.segs.len()];
+    let mut live = vec![0u32; engine.segments.segs.len()];
     for v in engine.volumes.iter().flatten() {
         let vs = &v.shared;
         report.volumes += 1;
@@ -117,7 +117,7 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
                         );
                     }
                     live[s] += 1;
-                    let st = engine.segs[s].state;
+                    let st = engine.segments.segs[s].state;
                     if !matches!(st, SegState::Closed | SegState::Open | SegState::Closing) {
                         report.find(
                             false,
@@ -155,7 +155,7 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
             }
         });
     }
-    for (s, seg) in engine.segs.iter().enumerate() {
+    for (s, seg) in engine.segments.segs.iter().enumerate() {
         report.segments_checked += 1;
         if seg.state == SegState::Meta {
             continue;
@@ -179,7 +179,7 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
 fn check_summary(engine: &Engine, seg: SegmentId, report: &mut FsckReport) {
     let shared = engine.shared();
     let geo = engine.geometry();
-    let incarnation = engine.segs[seg.0 as usize].incarnation;
+    let incarnation = engine.segments.segs[seg.0 as usize].incarnation;
     report.summaries_checked += 1;
     let mut buf = vec![0u8; geo.summary_blocks as usize * BLOCK_SIZE];
     let (dev, off) = geo.locate(seg, geo.data_end);

@@ -21,6 +21,7 @@ pub mod placement;
 pub mod rebuild;
 pub mod recovery;
 pub mod scrub;
+mod segments;
 pub mod shared;
 pub mod status;
 mod sync;

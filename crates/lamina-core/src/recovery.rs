@@ -1615,7 +1615,7 @@ fn reconcile_zones(engine: &Engine) -> Result<(), EngineError> {
             .collect();
         reports.insert(d, zones);
     }
-    for i in 0..engine.segs.len() {
+    for i in 0..engine.segments.segs.len() {
         let (d, off) = geo.locate(SegmentId(i as u32), 0);
         if engine.seg_conventional(i as u32) {
             continue;

@@ -97,6 +97,9 @@ pub struct StatusReport {
     pub write_amplification: Option<f64>,
     pub gc_policy: String,
     pub gc_victims: u64,
+    /// Times user writes waited at the user floor for a segment to be freed
+    /// (GC, or the release of what it emptied, fell behind the writes).
+    pub gc_floor_waits: u64,
     pub flushes: u64,
     pub syncs: u64,
     pub checkpoints: u64,
@@ -151,7 +154,7 @@ impl Engine {
                 })
                 .collect();
             let mut segments = 0u64;
-            for s in self.segs.iter().filter(|s| {
+            for s in self.segments.segs.iter().filter(|s| {
                 s.state != SegState::Free && s.state != SegState::Meta && s.volume == v.shared.id.0
             }) {
                 segments += 1;
@@ -274,8 +277,8 @@ impl Engine {
             usable_bytes: self.usable_blocks * bs,
             live_bytes: self.live_blocks * bs,
             segment_count: self.geo.segment_count as u64,
-            free_segments: self.free.len() as u64,
-            used_segments: self.geo.segment_count as u64 - self.free.len() as u64,
+            free_segments: self.segments.free.len() as u64,
+            used_segments: self.geo.segment_count as u64 - self.segments.free.len() as u64,
             user_bytes_written: c.user_blocks * bs,
             media_bytes_written: c.media_blocks * bs,
             gc_bytes_relocated: c.gc_blocks * bs,
@@ -283,6 +286,7 @@ impl Engine {
             write_amplification: ratio(c.media_blocks, c.user_blocks),
             gc_policy: self.cfg.gc_policy.clone(),
             gc_victims: self.gc.victims,
+            gc_floor_waits: self.gc.floor_waits,
             flushes: c.flushes,
             syncs: c.syncs,
             checkpoints: c.checkpoints,

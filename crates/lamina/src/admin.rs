@@ -225,6 +225,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         write_amplification: s["write_amplification"].as_f64(),
         gc_policy: s["gc_policy"].as_str().unwrap_or("").into(),
         gc_victims: u("gc_victims"),
+        gc_floor_waits: u("gc_floor_waits"),
         flushes: u("flushes"),
         syncs: u("syncs"),
         checkpoints: u("checkpoints"),

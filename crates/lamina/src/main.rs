@@ -156,7 +156,8 @@ array it recovers the state read-only from the devices.
 With --json the keys are a stable interface: capacity_bytes, usable_bytes,
 live_bytes, segment_count, used_segments, free_segments, user_bytes_written,
 media_bytes_written, gc_bytes_relocated, metadata_bytes_written,
-write_amplification, and volumes[] with the same per-volume keys (plus classes[]
+write_amplification, gc_floor_waits (times user writes waited at the user floor
+for garbage collection to free a segment), and volumes[] with the same per-volume keys (plus classes[]
 per heat class). Arrays: array.members[] (index, name, state ok/failed/rebuilding,
 bytes_written, bytes_read, read_errors, rebuild_progress), array.redundancy_left,
 array.wear_spread, pad_bytes_written, blocks_rebuilt_from_parity,

@@ -46,6 +46,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "write_amplification": s.write_amplification,
         "gc_policy": s.gc_policy,
         "gc_victims": s.gc_victims,
+        "gc_floor_waits": s.gc_floor_waits,
         "flushes": s.flushes,
         "syncs": s.syncs,
         "checkpoints": s.checkpoints,
@@ -173,6 +174,10 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
         wa(s.write_amplification),
         s.gc_policy,
         s.gc_victims
+    );
+    o += &format!(
+        "  user writes waited at the floor for a free segment {} times\n",
+        s.gc_floor_waits
     );
     o += &format!(
         "  checkpoints {} (generation {}), flushes {}, syncs {}, corrupt blocks {}, read checksum errors {}\n",
@@ -343,6 +348,12 @@ pub fn metrics_text(s: &StatusReport) -> String {
         "counter",
         "Checkpoints committed.",
         vec![(String::new(), s.checkpoints as f64)],
+    );
+    metric(
+        "gc_floor_waits_total",
+        "counter",
+        "Times user writes waited at the user floor for a free segment.",
+        vec![(String::new(), s.gc_floor_waits as f64)],
     );
     metric(
         "corrupt_blocks_total",
