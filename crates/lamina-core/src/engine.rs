@@ -205,7 +205,9 @@ pub struct Reply {
     pub status: Option<Box<crate::status::StatusReport>>,
 }
 
+use crate::durability::{Durability, SyncTarget};
 pub(crate) use crate::segments::{Seg, SegState, SegmentTable};
+use crate::zones::Zones;
 
 pub(crate) struct OpenUnit {
     pub buf: u32,
@@ -429,36 +431,6 @@ pub(crate) enum Purpose {
     },
 }
 
-/// Monotonic tickets for writes, so a sync can wait for "every write issued so far".
-#[derive(Default)]
-pub(crate) struct Tickets {
-    base: u64,
-    done: VecDeque<bool>,
-}
-
-impl Tickets {
-    fn issue(&mut self) -> u64 {
-        self.done.push_back(false);
-        self.base + self.done.len() as u64 - 1
-    }
-    fn complete(&mut self, t: u64) {
-        let i = (t - self.base) as usize;
-        self.done[i] = true;
-        while self.done.front() == Some(&true) {
-            self.done.pop_front();
-            self.base += 1;
-        }
-    }
-    /// The last ticket issued (0 when none).
-    pub(crate) fn last_issued(&self) -> u64 {
-        (self.base + self.done.len() as u64).saturating_sub(1)
-    }
-    /// Every ticket up to and including `t` has completed.
-    fn completed_through(&self, t: u64) -> bool {
-        t < self.base
-    }
-}
-
 enum Pending {
     Write {
         token: Token,
@@ -496,20 +468,6 @@ enum Pending {
     },
 }
 
-/// A flush waiting for its generation to be synced.
-struct FlushWaiter {
-    gen: u64,
-    token: Token,
-    buf: Option<Vec<u8>>,
-}
-
-#[derive(Clone, Copy)]
-struct SyncTarget {
-    ticket: u64,
-    version: Version,
-    gen: u64,
-}
-
 /// Resources a step could not get; the request waits and is retried.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Blocked;
@@ -517,26 +475,13 @@ pub(crate) struct Blocked;
 pub struct Engine {
     pub(crate) shared: Arc<Shared>,
     pub(crate) geo: Geometry,
-    /// Zoned devices: segments are zones, reset before reuse and filled (or
-    /// finished) when closed.
-    pub(crate) zoned: bool,
+    /// Zoned arrays: conventional segments and open zones (see `zones.rs`).
+    pub(crate) zones: Zones,
     /// Geometry-aware placement (see [`EngineConfig::geometry_aware`]).
     pub(crate) geometry_aware: bool,
-    /// Most zones the devices let be written at once (0: no limit), and how many
-    /// segments are open or closing now (each holds a zone open until it is full).
-    pub(crate) zone_limit: u32,
-    pub(crate) zones_active: u32,
-    /// Short units a flush moved to conventional zones (SALSA 3.2).
-    pub(crate) small_units_moved: u64,
     /// Start version of the checkpoint the durable superblocks name (recovery
     /// would start from it now).
     pub(crate) durable_ckpt_version: u64,
-    /// Per device: where its sequential zones start. Segments below lie in
-    /// conventional zones (SALSA 3.2): no zone rules, and the metadata stream's
-    /// preferred home.
-    pub(crate) conventional_end: Vec<u64>,
-    /// Some segments lie in conventional zones.
-    pub(crate) conventional_segments: bool,
     pub(crate) cfg: EngineConfig,
     pub(crate) sb: Superblock,
     /// CRC-32C of a zero block (the pad blocks of striped layouts).
@@ -555,8 +500,8 @@ pub struct Engine {
     /// Generation of the newest durable superblock, and of the one being written.
     sb_durable_gen: u64,
     sb_writing_gen: u64,
-    /// A completed sync whose flushes wait until a member failure is recorded.
-    deferred_sync: Option<SyncTarget>,
+    /// Flush generations, syncs, write tickets and flush waiters (group commit).
+    pub(crate) durability: Durability,
     /// Every segment, the free queue and the release pipeline.
     pub(crate) segments: SegmentTable,
     pub(crate) volumes: Vec<Option<Vol>>,
@@ -564,17 +509,11 @@ pub struct Engine {
     pub(crate) meta_stream: usize,
     pub(crate) bufs: Vec<BufState>,
     free_bufs: Vec<u32>,
-    tickets: Tickets,
     pub(crate) next_version: Version,
     pub(crate) durable_version: Version,
     /// First version of this run; durability marks in headers start here.
     run_start: Version,
     pending: VecDeque<Pending>,
-    flush_waiters: Vec<FlushWaiter>,
-    pub(crate) flush_gen: u64,
-    pub(crate) synced_gen: u64,
-    sync_wanted: Option<SyncTarget>,
-    sync_inflight: Option<(SyncTarget, usize)>,
     /// Open data segments that hold half a segment of dead blocks: closed at the
     /// next progress so that GC can reclaim them (a class that receives little
     /// would otherwise keep its garbage out of reach for ever).
@@ -593,8 +532,6 @@ pub struct Engine {
     pub(crate) blocks_since_checkpoint: u64,
     pub(crate) failed: Option<String>,
     pub(crate) now_ms: u64,
-    last_sync_ms: u64,
-    unsynced_writes: bool,
     pub(crate) shutting_down: bool,
     /// No checkpoint starts by itself (recovery holds them while it moves the blocks
     /// of rows a crash left without parity; see `recovery::open`).
@@ -656,19 +593,19 @@ impl Engine {
         shared
             .track_reads
             .store(geometry_aware, std::sync::atomic::Ordering::Relaxed);
-        let mut e = Engine {
+        Ok(Engine {
             geometry_aware,
-            zoned: zone_layout.is_some(),
-            zone_limit,
-            zones_active: 0,
-            small_units_moved: 0,
+            zones: Zones::new(
+                &geo,
+                zone_layout.is_some(),
+                zone_limit,
+                &shared
+                    .devices
+                    .iter()
+                    .map(|d| d.zone_layout().map_or(0, |l| l.conventional_bytes))
+                    .collect::<Vec<_>>(),
+            ),
             durable_ckpt_version: sb.checkpoint.as_ref().map_or(0, |c| c.version),
-            conventional_end: shared
-                .devices
-                .iter()
-                .map(|d| d.zone_layout().map_or(0, |l| l.conventional_bytes))
-                .collect(),
-            conventional_segments: false,
             shared,
             cfg,
             sb,
@@ -676,30 +613,24 @@ impl Engine {
             failures_recorded: 0,
             sb_failures_epoch: 0,
             failures_durable: 0,
-            deferred_sync: None,
             device_blocks: counters.member_blocks.clone(),
             sb_waiters: Vec::new(),
             sb_dirty: false,
             sb_durable_gen: 0,
             sb_writing_gen: 0,
+            durability: Durability::new(),
             segments: SegmentTable::new(segs, free),
             volumes: Vec::new(),
             streams: vec![Stream::new(StreamKind::Meta, 0, u16::MAX)],
             meta_stream: 0,
             bufs: vec![BufState::Free; nbufs as usize],
             free_bufs: (0..nbufs).rev().collect(),
-            tickets: Tickets::default(),
             next_version,
             // Nothing of this run is durable yet; what earlier runs wrote is vouched
             // for by their own marks, not by ours (see `run_start`).
             durable_version: next_version - 1,
             run_start: next_version,
             pending: VecDeque::new(),
-            flush_waiters: Vec::new(),
-            flush_gen: 0,
-            synced_gen: 0,
-            sync_wanted: None,
-            sync_inflight: None,
             stale_open: Vec::new(),
             last_idle_sweep: 0,
             gc: Default::default(),
@@ -714,19 +645,13 @@ impl Engine {
             blocks_since_checkpoint: 0,
             failed: None,
             now_ms: 0,
-            last_sync_ms: 0,
-            unsynced_writes: false,
             shutting_down: false,
             hold_checkpoints: false,
             sb_busy: false,
             sb_seq: SbSeq::default(),
             classifier_factory: None,
             geo,
-        };
-        e.conventional_segments = (0..e.geo.segment_count).any(|i| e.seg_conventional(i));
-        e.tickets.issue();
-        e.tickets.complete(0);
-        Ok(e)
+        })
     }
 
     /// Blocks of live data the array accepts: data capacity less the segments kept
@@ -767,7 +692,7 @@ impl Engine {
 
     /// Short units flushes moved to conventional zones.
     pub fn small_units_moved(&self) -> u64 {
-        self.small_units_moved
+        self.zones.small_units_moved
     }
 
     pub fn counters(&self) -> &Counters {
@@ -818,7 +743,7 @@ impl Engine {
     }
 
     pub(crate) fn issue_ticket(&mut self) -> u64 {
-        self.tickets.issue()
+        self.durability.issue()
     }
 
     /// Moves queued device operations to `out`.
@@ -850,7 +775,7 @@ impl Engine {
         self.pending.is_empty()
             && self.io_out.is_empty()
             && self.tags.len() == self.free_tags.len()
-            && self.flush_waiters.is_empty()
+            && !self.durability.has_waiters()
             && self.ckpt.is_idle()
             && self.gc.is_idle()
     }
@@ -920,11 +845,7 @@ impl Engine {
                 } else {
                     self.counters.flushes += 1;
                     let gen = self.start_flush();
-                    self.flush_waiters.push(FlushWaiter {
-                        gen,
-                        token,
-                        buf: None,
-                    });
+                    self.durability.wait(gen, token, None);
                 }
             }
             Request::WriteBlocks { volume, lba, count } => {
@@ -1089,14 +1010,14 @@ impl Engine {
         self.free_tags.push(c.tag);
         match purpose {
             Purpose::UnitWrite { buf, ticket } => {
-                self.tickets.complete(ticket);
+                self.durability.complete(ticket);
                 match c.result {
                     Ok(()) => self.unit_written(buf),
                     Err(e) => self.fail(format!("unit write failed: {e}")),
                 }
             }
             Purpose::SummaryWrite { seg, ticket } => {
-                self.tickets.complete(ticket);
+                self.durability.complete(ticket);
                 if let Err(e) = c.result {
                     self.fail(format!("summary write failed: {e}"));
                 }
@@ -1114,7 +1035,7 @@ impl Engine {
                 }
             }
             Purpose::ZoneFinish { seg, ticket } => {
-                self.tickets.complete(ticket);
+                self.durability.complete(ticket);
                 if let Err(e) = c.result {
                     self.fail(format!("zone finish of segment {seg} failed: {e}"));
                 }
@@ -1136,7 +1057,7 @@ impl Engine {
                 device,
                 gen,
             } => {
-                self.tickets.complete(ticket);
+                self.durability.complete(ticket);
                 if let Err(e) = c.result {
                     self.sb_member_error(device, gen, "superblock write", e);
                 }
@@ -1164,10 +1085,10 @@ impl Engine {
                 }
             }
         }
-        if self.unsynced_writes
+        if self.durability.unsynced_writes
             && self.failed.is_none()
-            && now_ms.saturating_sub(self.last_sync_ms) >= self.cfg.auto_sync_ms
-            && self.sync_inflight.is_none()
+            && now_ms.saturating_sub(self.durability.last_sync_ms) >= self.cfg.auto_sync_ms
+            && !self.durability.sync_inflight()
         {
             self.start_flush();
         }
@@ -1180,8 +1101,9 @@ impl Engine {
             self.failed = Some(msg.clone());
         }
         // Everything waiting for durability or space now fails.
-        for w in std::mem::take(&mut self.flush_waiters) {
-            self.reply(w.token, Err(EngineError::Failed(msg.clone())), w.buf);
+        let waiters: Vec<_> = self.durability.take_all().collect();
+        for (token, buf) in waiters {
+            self.reply(token, Err(EngineError::Failed(msg.clone())), buf);
         }
         while let Some(p) = self.pending.pop_front() {
             let (token, buf) = match p {
@@ -1266,7 +1188,7 @@ impl Engine {
         };
         if result.is_ok() && fua {
             let gen = self.start_flush();
-            self.flush_waiters.push(FlushWaiter { gen, token, buf });
+            self.durability.wait(gen, token, buf);
         } else {
             self.reply(token, result, buf);
         }
@@ -1279,8 +1201,7 @@ impl Engine {
             && self.segments.draining.is_empty()
             && self.segments.release_ready.is_empty()
             && self.segments.releasing.is_empty()
-            && self.sync_inflight.is_none()
-            && self.sync_wanted.is_none()
+            && self.durability.sync_idle()
             && self.tags.len() == self.free_tags.len()
             && self.pick_victim().is_none()
     }
@@ -1537,7 +1458,7 @@ impl Engine {
                 st.extras.push(RawRecord::version(v));
                 lba += n;
             }
-            self.unsynced_writes = true;
+            self.durability.unsynced_writes = true;
         }
         Ok(true)
     }
@@ -1628,7 +1549,7 @@ impl Engine {
         }
         self.segments.segs[seg].valid += 1;
         self.unref(old);
-        self.unsynced_writes = true;
+        self.durability.unsynced_writes = true;
         self.blocks_since_checkpoint += 1;
     }
 
@@ -1712,7 +1633,7 @@ impl Engine {
             (StreamKind::Meta, Some(next)) => !self.seg_conventional(next),
             _ => !self.streams[s].small,
         };
-        if needs_zone && self.zone_limit > 0 && self.zones_active >= self.zone_limit {
+        if needs_zone && !self.zones.may_open() {
             return Err(Blocked);
         }
         let seg = if kind == StreamKind::Meta {
@@ -1786,18 +1707,14 @@ impl Engine {
         st.seg = Some(seg);
         st.write_ptr = 0;
         st.summary.clear();
-        if self.zoned && !self.seg_conventional(seg) {
-            self.zones_active += 1;
-        }
+        self.zones.opened(seg);
         Ok(())
     }
 
     /// A segment's zone became full (or was never written): it no longer counts
     /// against the open limit.
     fn zone_done(&mut self, seg: u32) {
-        if self.zoned && !self.seg_conventional(seg) {
-            self.zones_active = self.zones_active.saturating_sub(1);
-        }
+        self.zones.done(seg);
     }
 
     /// A conventional segment is among the free ones allocation may take.
@@ -1808,8 +1725,7 @@ impl Engine {
 
     /// Segment `seg` lies in a conventional zone of a zoned device.
     pub(crate) fn seg_conventional(&self, seg: u32) -> bool {
-        let (d, off) = self.geo.locate(SegmentId(seg), 0);
-        self.zoned && off < self.conventional_end[d]
+        self.zones.conventional(seg)
     }
 
     /// Takes a segment of the free queue, waiting out any last readers, for a
@@ -1819,7 +1735,7 @@ impl Engine {
     fn pop_free_for(&mut self, want: Want) -> Option<u32> {
         loop {
             let seg = self.take_free(want)?;
-            if !self.zoned || self.seg_conventional(seg) {
+            if !self.zones.zoned || self.seg_conventional(seg) {
                 return Some(seg);
             }
             // The zone still holds the segment's previous incarnation (or what a
@@ -2039,7 +1955,7 @@ impl Engine {
         let Some(seg) = self.streams[s].seg.take() else {
             return;
         };
-        if self.zoned && self.finish_zone_early(s, seg) {
+        if self.zones.zoned && self.finish_zone_early(s, seg) {
             return;
         }
         let st = &mut self.streams[s];
@@ -2195,7 +2111,7 @@ impl Engine {
     /// Discards are issued on arrays whose devices take writes anywhere (a zoned
     /// device's zone is reset when its segment is reused instead).
     fn discard_enabled(&self) -> bool {
-        self.cfg.discard && !self.zoned
+        self.cfg.discard && !self.zones.zoned
     }
 
     /// A released segment may be discarded (see [`SegmentTable::discardable`]).
@@ -2235,7 +2151,7 @@ impl Engine {
         }
         // The writes that emptied it are in units sealed by the next flush at the
         // latest; that flush's generation must be synced first.
-        self.segments.emptied(seg, self.flush_gen + 1);
+        self.segments.emptied(seg, self.durability.flush_gen + 1);
     }
 
     // ---------------------------------------------------------------- flush & sync
@@ -2244,7 +2160,7 @@ impl Engine {
     /// Returns the flush generation a caller waits for.
     pub(crate) fn start_flush(&mut self) -> u64 {
         self.add_release_records();
-        if self.conventional_segments {
+        if self.zones.any_conventional {
             for s in 0..self.streams.len() {
                 self.move_small_unit(s);
             }
@@ -2252,16 +2168,8 @@ impl Engine {
         for s in 0..self.streams.len() {
             self.seal_unit(s);
         }
-        self.flush_gen += 1;
-        let target = SyncTarget {
-            ticket: self.tickets.last_issued(),
-            version: self.next_version - 1,
-            gen: self.flush_gen,
-        };
-        self.sync_wanted = Some(target);
-        self.last_sync_ms = self.now_ms;
-        self.unsynced_writes = false;
-        self.flush_gen
+        self.durability
+            .start_flush(self.next_version - 1, self.now_ms)
     }
 
     /// SALSA 3.2: a flush would write user stream `s`'s open unit into its
@@ -2321,7 +2229,7 @@ impl Engine {
         // once no reader holds it.
         self.streams[s].unit = None;
         self.bufs[buf as usize] = BufState::Done;
-        self.small_units_moved += 1;
+        self.zones.small_units_moved += 1;
         let class = self.streams[small].class as usize;
         if let Some(c) = self.volumes[volume as usize]
             .as_mut()
@@ -2342,25 +2250,19 @@ impl Engine {
             if self.ensure_unit(ms, 0, 1).is_err() {
                 break;
             }
-            let seg = self.segments.release_recorded(self.flush_gen + 1);
+            let seg = self
+                .segments
+                .release_recorded(self.durability.flush_gen + 1);
             let inc = self.segments.segs[seg as usize].incarnation;
             self.streams[ms].extras.push(RawRecord::release(seg, inc));
         }
     }
 
     fn progress_sync(&mut self) {
-        if self.sync_inflight.is_some() {
-            return;
-        }
-        let Some(t) = self.sync_wanted else {
-            return;
-        };
-        if !self.tickets.completed_through(t.ticket) {
-            return;
-        }
-        self.sync_wanted = None;
         let data = self.geo.data_devices();
-        self.sync_inflight = Some((t, data.len()));
+        if self.durability.send_sync(data.len()).is_none() {
+            return;
+        }
         self.counters.syncs += 1;
         for d in data {
             self.submit_io(Purpose::Sync, d, 0, IoKind::Sync);
@@ -2368,14 +2270,9 @@ impl Engine {
     }
 
     fn sync_part_done(&mut self) {
-        let (t, remaining) = self
-            .sync_inflight
-            .take()
-            .expect("sync completion without a sync");
-        if remaining > 1 {
-            self.sync_inflight = Some((t, remaining - 1));
+        let Some(t) = self.durability.sync_part_done() else {
             return;
-        }
+        };
         if self.failed.is_some() {
             return;
         }
@@ -2383,7 +2280,7 @@ impl Engine {
         // superblocks say it failed: otherwise a restart could trust its stale data.
         if let Some(st) = &self.shared.striped {
             if st.failure_epoch() != self.failures_durable {
-                self.deferred_sync = Some(t);
+                self.durability.deferred = Some(t);
                 return;
             }
         }
@@ -2399,7 +2296,7 @@ impl Engine {
                 self.start_superblock_write();
             }
             if epoch == self.failures_durable {
-                if let Some(t) = self.deferred_sync.take() {
+                if let Some(t) = self.durability.deferred.take() {
                     self.finish_sync(t);
                 }
             }
@@ -2442,7 +2339,7 @@ impl Engine {
                 "only striped arrays (said0/5/6) replace members".into(),
             ));
         };
-        if !self.zoned && device.zone_layout().is_some() {
+        if !self.zones.zoned && device.zone_layout().is_some() {
             return Err(EngineError::Invalid(format!(
                 "{} is a zoned device; this array's members are not",
                 device.describe()
@@ -2465,7 +2362,7 @@ impl Engine {
             ));
         }
         // Zoned: checked, and emptied, once everything else is known to be right.
-        let device = if self.zoned {
+        let device = if self.zones.zoned {
             self.zoned_replacement(device)?
         } else {
             device
@@ -2493,7 +2390,7 @@ impl Engine {
             l.conventional_bytes == self.geo.data_offset
                 && l.zone_bytes == chunk
                 && l.zones >= self.geo.segment_count as u64
-                && (l.open_limit() == 0 || l.open_limit() >= self.zone_limit)
+                && (l.open_limit() == 0 || l.open_limit() >= self.zones.limit)
         });
         if !fits {
             return Err(EngineError::Invalid(format!(
@@ -2502,7 +2399,7 @@ impl Engine {
                 self.geo.data_offset,
                 chunk,
                 self.geo.segment_count,
-                self.zone_limit
+                self.zones.limit
             )));
         }
         crate::recovery::empty_zones(&*device)?;
@@ -2511,16 +2408,9 @@ impl Engine {
 
     fn finish_sync(&mut self, t: SyncTarget) {
         self.durable_version = self.durable_version.max(t.version);
-        self.synced_gen = self.synced_gen.max(t.gen);
-        let synced = self.synced_gen;
-        let mut i = 0;
-        while i < self.flush_waiters.len() {
-            if self.flush_waiters[i].gen <= synced {
-                let w = self.flush_waiters.swap_remove(i);
-                self.reply(w.token, Ok(()), w.buf);
-            } else {
-                i += 1;
-            }
+        self.durability.synced(t);
+        while let Some((token, buf)) = self.durability.take_ready() {
+            self.reply(token, Ok(()), buf);
         }
         self.ckpt_synced();
     }
@@ -2530,7 +2420,7 @@ impl Engine {
         if self.segments.in_release() == 0 {
             return;
         }
-        let synced = self.synced_gen;
+        let synced = self.durability.synced_gen;
         self.segments.synced(synced);
         // Released segments are discarded first (once no reader holds them), all
         // those whose release is durable at once; see `discardable`.
@@ -2558,8 +2448,7 @@ impl Engine {
         let stalled = !self.pending.is_empty() || !self.gc.is_idle();
         if (low || stalled)
             && self.segments.wants_flush(synced)
-            && self.sync_inflight.is_none()
-            && self.sync_wanted.is_none()
+            && self.durability.sync_idle()
             && self.failed.is_none()
         {
             self.start_flush();
@@ -2751,7 +2640,7 @@ impl Engine {
             ));
         }
         let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64);
-        if self.zone_limit > 0 {
+        if self.zones.limit > 0 {
             // Every stream may hold a zone open; with the metadata stream they must
             // fit the devices' open-zone limit.
             // (The small stream takes conventional segments only: no zone.)
@@ -2765,10 +2654,10 @@ impl Engine {
                 .flatten()
                 .map(|v| v.streams.len() - v.small_stream.is_some() as usize)
                 .sum();
-            if 1 + used + need > self.zone_limit as usize {
+            if 1 + used + need > self.zones.limit as usize {
                 return Err(EngineError::Invalid(format!(
                     "the devices let {} zones be open at once; the metadata stream and the volumes' {used} streams hold {}, and volume {name:?} needs {need} more (fewer heat classes: classifier = \"none\" needs 2)",
-                    self.zone_limit,
+                    self.zones.limit,
                     1 + used
                 )));
             }
@@ -2839,7 +2728,8 @@ impl Engine {
             .geometry_aware
             .then(|| extra(self, StreamKind::Gc, total, |st| st.read_hot = true));
         let small_stream = self
-            .conventional_segments
+            .zones
+            .any_conventional
             .then(|| extra(self, StreamKind::User, total + 1, |st| st.small = true));
         streams.extend(read_hot_stream);
         streams.extend(small_stream);

@@ -325,7 +325,7 @@ impl Engine {
                 }
             }
             Phase::Syncing(gen) => {
-                if self.synced_gen >= gen && !self.sb_busy {
+                if self.durability.synced_gen >= gen && !self.sb_busy {
                     let (seg, inc) = w.first.expect("checkpoint without blocks");
                     self.sb.checkpoint = Some(CheckpointRef {
                         version: w.start_version,

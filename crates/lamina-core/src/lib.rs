@@ -7,6 +7,7 @@
 //! * [`io`] is the boundary to devices: the engine asks, a driver executes.
 
 pub mod buffer;
+mod durability;
 pub mod engine;
 mod engine_ckpt;
 mod engine_gc;
@@ -26,6 +27,7 @@ pub mod shared;
 pub mod status;
 mod sync;
 pub mod types;
+mod zones;
 
 pub use engine::{Engine, EngineConfig, NewDevice, Reply, Request, Token};
 pub use error::EngineError;

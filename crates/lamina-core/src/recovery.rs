@@ -1562,13 +1562,13 @@ pub fn open_unfinished(
         vol.live_blocks = live;
         engine.live_blocks += live;
     }
-    if mode == OpenMode::ReadWrite && engine.zoned {
+    if mode == OpenMode::ReadWrite && engine.zones.zoned {
         // Small streams take conventional segments only: no zone.
         let streams = engine.streams.iter().filter(|s| !s.small).count() as u32;
-        if engine.zone_limit > 0 && streams > engine.zone_limit {
+        if engine.zones.limit > 0 && streams > engine.zones.limit {
             return Err(EngineError::Invalid(format!(
                 "the volumes' streams and the metadata stream need {streams} zones open at once, the devices allow {}: configure fewer heat classes (classifier) or geometry_aware = false",
-                engine.zone_limit
+                engine.zones.limit
             )));
         }
         reconcile_zones(&engine)?;

@@ -263,8 +263,8 @@ impl Engine {
             wear_spread: spread,
             pad_bytes_written: c.pad_blocks * bs,
             segments_repaired: self.gc.repaired,
-            zones_open: self.zoned.then_some(self.zones_active as u64),
-            zone_open_limit: self.zone_limit as u64,
+            zones_open: self.zones.zoned.then_some(self.zones.active as u64),
+            zone_open_limit: self.zones.limit as u64,
             blocks_rebuilt_from_parity: self
                 .shared
                 .striped
