@@ -82,6 +82,8 @@ pub(crate) struct Durability {
     /// A completed sync whose flushes wait until a member failure is recorded.
     pub deferred: Option<SyncTarget>,
     waiters: Vec<FlushWaiter>,
+    /// Waiters whose generation became durable, to be answered.
+    ready: VecDeque<FlushWaiter>,
     /// When the last flush started, and whether writes were issued since.
     pub last_sync_ms: u64,
     pub unsynced_writes: bool,
@@ -101,6 +103,7 @@ impl Durability {
             inflight: None,
             deferred: None,
             waiters: Vec::new(),
+            ready: VecDeque::new(),
             last_sync_ms: 0,
             unsynced_writes: false,
         }
@@ -170,9 +173,22 @@ impl Durability {
         Some(t)
     }
 
-    /// `t`'s generation (and every older one) is durable.
+    /// `t`'s generation (and every older one) is durable: its waiters are ready
+    /// (one pass over the waiters, in the order they came).
     pub fn synced(&mut self, t: SyncTarget) {
         self.synced_gen = self.synced_gen.max(t.gen);
+        let (synced, ready) = (self.synced_gen, &mut self.ready);
+        self.waiters.retain_mut(|w| {
+            if w.gen > synced {
+                return true;
+            }
+            ready.push_back(FlushWaiter {
+                gen: w.gen,
+                token: w.token,
+                buf: w.buf.take(),
+            });
+            false
+        });
     }
 
     /// `token` waits until generation `gen` is durable; `buf` goes back with the
@@ -181,22 +197,23 @@ impl Durability {
         self.waiters.push(FlushWaiter { gen, token, buf });
     }
 
-    /// A waiter whose generation is durable, if any.
+    /// A waiter whose generation is durable, if any, oldest first.
     pub fn take_ready(&mut self) -> Option<(Token, Option<Vec<u8>>)> {
-        let i = self.waiters.iter().position(|w| w.gen <= self.synced_gen)?;
-        let w = self.waiters.swap_remove(i);
+        let w = self.ready.pop_front()?;
+        debug_assert!(w.gen <= self.synced_gen);
         Some((w.token, w.buf))
     }
 
     /// Every waiter, durable or not (the array failed).
     pub fn take_all(&mut self) -> impl Iterator<Item = (Token, Option<Vec<u8>>)> {
-        std::mem::take(&mut self.waiters)
+        std::mem::take(&mut self.ready)
             .into_iter()
+            .chain(std::mem::take(&mut self.waiters))
             .map(|w| (w.token, w.buf))
     }
 
     pub fn has_waiters(&self) -> bool {
-        !self.waiters.is_empty()
+        !self.waiters.is_empty() || !self.ready.is_empty()
     }
 }
 
@@ -255,8 +272,7 @@ mod tests {
         assert_eq!(t2.gen, g1 + 3, "the newest generation covers all three");
         let t = d.sync_part_done().unwrap();
         d.synced(t);
-        let mut woken: Vec<_> = std::iter::from_fn(|| d.take_ready()).collect();
-        woken.sort_by_key(|(t, _)| t.handle);
+        let woken: Vec<_> = std::iter::from_fn(|| d.take_ready()).collect();
         assert_eq!(
             woken,
             (2..5u64)

@@ -454,7 +454,6 @@ impl Engine {
         }
     }
 
-    /// The victim is still the closed segment incarnation GC started on.
     /// A user block could not be written now: counts a wait at the floor.
     pub(crate) fn user_block_held(&mut self) {
         if self.segments.free.len() <= self.user_floor() && !self.gc.held_at_floor {
@@ -468,6 +467,7 @@ impl Engine {
         self.gc.held_at_floor = false;
     }
 
+    /// The victim is still the closed segment incarnation GC started on.
     fn victim_unchanged(&self, seg: u32, incarnation: u64) -> bool {
         let s = &self.segments.segs[seg as usize];
         s.state == SegState::Closed && s.incarnation == incarnation
