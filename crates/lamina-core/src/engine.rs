@@ -207,6 +207,7 @@ pub struct Reply {
 
 use crate::durability::{Durability, SyncTarget};
 pub(crate) use crate::segments::{Seg, SegState, SegmentTable};
+use crate::space::Space;
 use crate::zones::Zones;
 
 pub(crate) struct OpenUnit {
@@ -527,8 +528,8 @@ pub struct Engine {
     tags: Vec<Option<Purpose>>,
     free_tags: Vec<u64>,
     pub(crate) counters: Counters,
-    pub(crate) live_blocks: u64,
-    pub(crate) usable_blocks: u64,
+    /// Usable capacity, mapped blocks and the GC watermarks.
+    pub(crate) space: Space,
     pub(crate) blocks_since_checkpoint: u64,
     pub(crate) failed: Option<String>,
     pub(crate) now_ms: u64,
@@ -549,10 +550,6 @@ pub type ClassifierFactory =
 /// Allocation picks among this many segments at the head of the free queue (JBOD
 /// wear levelling); recovery's walk of the free queue allows for the skips.
 pub const ALLOC_WINDOW: usize = 32;
-
-/// Free segments below which user streams may not open a new segment; the rest is
-/// kept for garbage collection and the metadata stream so they can always progress.
-pub(crate) const USER_FLOOR_SEGMENTS: usize = 4;
 
 impl Engine {
     /// Builds an engine around recovered state. Used by [`crate::recovery`].
@@ -580,7 +577,13 @@ impl Engine {
             EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy))
         })?;
         let nbufs = shared.buffers.count();
-        let usable_blocks = Self::compute_usable(&geo, &sb);
+        let space = Space::new(
+            Space::usable_blocks(&geo, &sb),
+            cfg.enforce_capacity,
+            cfg.user_floor_segments,
+            cfg.gc_start_segments,
+            geo.segment_count as usize,
+        );
         let zone_layout = geo
             .data_devices()
             .map(|d| shared.devices[d].zone_layout())
@@ -640,8 +643,7 @@ impl Engine {
             tags: Vec::new(),
             free_tags: Vec::new(),
             counters,
-            live_blocks: 0,
-            usable_blocks,
+            space,
             blocks_since_checkpoint: 0,
             failed: None,
             now_ms: 0,
@@ -656,18 +658,6 @@ impl Engine {
 
     /// Blocks of live data the array accepts: data capacity less the segments kept
     /// in reserve, divided by 1 + over-provisioning.
-    pub(crate) fn compute_usable(geo: &Geometry, sb: &Superblock) -> u64 {
-        let per_seg = geo.data_blocks_per_segment();
-        let total_blocks = geo.segment_count as u64 * per_seg;
-        // A checkpoint holds up to one map page per 1024 live blocks plus its table;
-        // two may coexist. Keep room for both, plus stream heads and the GC floor.
-        let ckpt_blocks = total_blocks / 1024 + geo.segment_count as u64 / 100 + 4;
-        let reserve = 2 * ckpt_blocks.div_ceil(per_seg) + USER_FLOOR_SEGMENTS as u64 + 4;
-        let segs = (geo.segment_count as u64).saturating_sub(reserve);
-        let op = sb.overprovision_ppm as f64 / 1e6;
-        ((segs * per_seg) as f64 / (1.0 + op)) as u64
-    }
-
     pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }
@@ -700,7 +690,7 @@ impl Engine {
     }
 
     pub fn usable_bytes(&self) -> u64 {
-        self.usable_blocks * BLOCK_SIZE_U64
+        self.space.usable * BLOCK_SIZE_U64
     }
 
     pub fn free_segments(&self) -> usize {
@@ -1344,13 +1334,7 @@ impl Engine {
         lbas: std::ops::Range<u64>,
     ) -> Result<(), EngineError> {
         let new_blocks = lbas.filter(|&l| vol.map.load(l) == UNMAPPED).count() as u64;
-        if self.cfg.enforce_capacity && self.live_blocks + new_blocks > self.usable_blocks {
-            return Err(EngineError::NoSpace(format!(
-                "{} of {} usable blocks are in use",
-                self.live_blocks, self.usable_blocks
-            )));
-        }
-        Ok(())
+        self.space.admit(new_blocks)
     }
 
     /// Applies a zero / trim request: unmaps whole blocks, zeroes partial edges.
@@ -1445,7 +1429,7 @@ impl Engine {
                     vol_shared.map.store(lba, UNMAPPED);
                     vol_shared.map.take_read(lba);
                     self.unref(old);
-                    self.live_blocks -= 1;
+                    self.space.unmapped(1);
                     self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
                 }
             }
@@ -1545,7 +1529,7 @@ impl Engine {
         vol.shared.map.store(lba, encode_buffer(slot));
         if old == UNMAPPED {
             vol.live_blocks += 1;
-            self.live_blocks += 1;
+            self.space.mapped(1);
         }
         self.segments.segs[seg].valid += 1;
         self.unref(old);
@@ -1922,7 +1906,7 @@ impl Engine {
     /// since the previous sweep and whose written part is mostly dead: a class that
     /// stopped receiving writes would otherwise hold its garbage out of GC's reach.
     fn close_stale_segments(&mut self) {
-        let period = (self.usable_blocks / 64).max(1024);
+        let period = (self.space.usable / 64).max(1024);
         if self.counters.user_blocks >= self.last_idle_sweep + period {
             self.last_idle_sweep = self.counters.user_blocks;
             for s in 0..self.streams.len() {
@@ -2861,7 +2845,7 @@ impl Engine {
                     if old != UNMAPPED {
                         map.map.store(lba, UNMAPPED);
                         self.unref(old);
-                        self.live_blocks -= 1;
+                        self.space.unmapped(1);
                     }
                 }
                 self.volumes[i] = None;
@@ -2869,30 +2853,30 @@ impl Engine {
         }
     }
 
-    /// Free segments user streams leave to GC and the metadata stream. GC may need a
-    /// fresh segment for each of its classes to finish one victim, so the floor grows
-    /// with the largest number of GC classes of any volume.
-    pub(crate) fn user_floor(&self) -> usize {
-        let gc_classes = self
-            .volumes
+    /// The largest number of GC classes of any volume (GC may need a fresh segment
+    /// in each to finish one victim; see [`Space::user_floor`]).
+    fn gc_classes(&self) -> usize {
+        self.volumes
             .iter()
             .flatten()
             .map(|v| v.streams.len() - v.user_classes as usize)
             .max()
-            .unwrap_or(1);
-        self.cfg
-            .user_floor_segments
-            .unwrap_or(USER_FLOOR_SEGMENTS)
-            .max(gc_classes + 2)
+            .unwrap_or(1)
+    }
+
+    /// Free segments user streams leave to GC and the metadata stream.
+    pub(crate) fn user_floor(&self) -> usize {
+        self.space.user_floor(self.gc_classes())
     }
 
     /// Free segments below which GC runs (always above the user floor).
     pub(crate) fn gc_start_segments(&self) -> usize {
-        let floor = self.user_floor();
-        self.cfg
-            .gc_start_segments
-            .unwrap_or(floor + 2.max(self.geo.segment_count as usize / 50))
-            .max(floor + 1)
+        self.space.gc_start(self.gc_classes())
+    }
+
+    /// Free segments at which GC stops.
+    pub(crate) fn gc_stop_segments(&self) -> usize {
+        self.space.gc_stop(self.gc_classes())
     }
 
     /// Dead blocks over stored blocks in the data segments (closed, and the sealed
@@ -2905,19 +2889,7 @@ impl Engine {
             .filter(|s| s.kind != StreamKind::Meta && s.state != SegState::Free)
             .map(|s| s.data_blocks as u64)
             .sum();
-        if stored == 0 {
-            return 0.0;
-        }
-        stored.saturating_sub(self.live_blocks) as f64 / stored as f64
-    }
-
-    /// Free segments at which GC stops (hysteresis: one step above the start, or
-    /// exactly one more when the start was configured).
-    pub(crate) fn gc_stop_segments(&self) -> usize {
-        match self.cfg.gc_start_segments {
-            Some(_) => self.gc_start_segments() + 1,
-            None => self.gc_start_segments() + 1.max(self.geo.segment_count as usize / 100),
-        }
+        self.space.garbage_proportion(stored)
     }
 }
 

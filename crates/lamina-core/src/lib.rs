@@ -24,6 +24,7 @@ pub mod recovery;
 pub mod scrub;
 mod segments;
 pub mod shared;
+mod space;
 pub mod status;
 mod sync;
 pub mod types;

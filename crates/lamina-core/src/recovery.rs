@@ -1560,7 +1560,7 @@ pub fn open_unfinished(
         vol.gc_blocks = rec.gc_blocks_relocated + g;
         vol.media_blocks = rec.media_blocks_written + m;
         vol.live_blocks = live;
-        engine.live_blocks += live;
+        engine.space.mapped(live);
     }
     if mode == OpenMode::ReadWrite && engine.zones.zoned {
         // Small streams take conventional segments only: no zone.

@@ -1,0 +1,172 @@
+//! Space accounting: how many blocks volumes may map (the usable capacity), how many
+//! they map now, and the free-segment watermarks that start and stop garbage
+//! collection and hold user writes back.
+//!
+//! Free segments are counted by the segment table; this module turns the engine's
+//! configuration into the three watermarks and decides when a write would exceed
+//! the capacity (ENOSPC).
+
+use crate::error::EngineError;
+use crate::geometry::Geometry;
+use lamina_format::superblock::Superblock;
+
+/// Free segments user streams leave to GC and the metadata stream (at least).
+pub(crate) const USER_FLOOR_SEGMENTS: usize = 4;
+
+pub(crate) struct Space {
+    /// Blocks the volumes may map in all, and blocks mapped now.
+    pub usable: u64,
+    pub live: u64,
+    /// Refuse writes beyond `usable` (off in simulations).
+    enforce: bool,
+    /// Configured user floor and GC start (free segments); `None`: the defaults.
+    floor: Option<usize>,
+    start: Option<usize>,
+    segment_count: usize,
+}
+
+impl Space {
+    pub fn new(
+        usable: u64,
+        enforce: bool,
+        floor: Option<usize>,
+        start: Option<usize>,
+        segment_count: usize,
+    ) -> Self {
+        Space {
+            usable,
+            live: 0,
+            enforce,
+            floor,
+            start,
+            segment_count,
+        }
+    }
+
+    /// Blocks volumes may map on an array of this geometry: the data blocks of the
+    /// segments left after the reserve, over (1 + over-provisioning).
+    pub fn usable_blocks(geo: &Geometry, sb: &Superblock) -> u64 {
+        let per_seg = geo.data_blocks_per_segment();
+        let total_blocks = geo.segment_count as u64 * per_seg;
+        // A checkpoint holds up to one map page per 1024 live blocks plus its table;
+        // two may coexist. Keep room for both, plus stream heads and the GC floor.
+        let ckpt_blocks = total_blocks / 1024 + geo.segment_count as u64 / 100 + 4;
+        let reserve = 2 * ckpt_blocks.div_ceil(per_seg) + USER_FLOOR_SEGMENTS as u64 + 4;
+        let segs = (geo.segment_count as u64).saturating_sub(reserve);
+        let op = sb.overprovision_ppm as f64 / 1e6;
+        ((segs * per_seg) as f64 / (1.0 + op)) as u64
+    }
+
+    /// ENOSPC unless `new_blocks` more mapped blocks fit.
+    pub fn admit(&self, new_blocks: u64) -> Result<(), EngineError> {
+        if self.enforce && self.live + new_blocks > self.usable {
+            return Err(EngineError::NoSpace(format!(
+                "{} of {} usable blocks are in use",
+                self.live, self.usable
+            )));
+        }
+        Ok(())
+    }
+
+    /// A block was mapped (`mapped(1)`) or unmapped.
+    pub fn mapped(&mut self, blocks: u64) {
+        self.live += blocks;
+    }
+
+    pub fn unmapped(&mut self, blocks: u64) {
+        debug_assert!(self.live >= blocks, "unmapped more than was mapped");
+        self.live = self.live.saturating_sub(blocks);
+    }
+
+    /// Free segments user streams leave to GC and the metadata stream. GC may need
+    /// a fresh segment for each of its classes to finish one victim, so the floor
+    /// grows with the largest number of GC classes of any volume (`gc_classes`).
+    pub fn user_floor(&self, gc_classes: usize) -> usize {
+        self.floor
+            .unwrap_or(USER_FLOOR_SEGMENTS)
+            .max(gc_classes + 2)
+    }
+
+    /// Free segments below which GC runs (always above the user floor): by default
+    /// the floor plus 2% of the segments (at least 2).
+    pub fn gc_start(&self, gc_classes: usize) -> usize {
+        let floor = self.user_floor(gc_classes);
+        self.start
+            .unwrap_or(floor + 2.max(self.segment_count / 50))
+            .max(floor + 1)
+    }
+
+    /// Free segments at which GC stops (hysteresis: 1% of the segments above the
+    /// start, or exactly one more when the start was configured).
+    pub fn gc_stop(&self, gc_classes: usize) -> usize {
+        let start = self.gc_start(gc_classes);
+        match self.start {
+            Some(_) => start + 1,
+            None => start + 1.max(self.segment_count / 100),
+        }
+    }
+
+    /// Dead blocks over `stored` blocks (those of the data segments), the garbage
+    /// proportion of SepBIT's trigger.
+    pub fn garbage_proportion(&self, stored: u64) -> f64 {
+        if stored == 0 {
+            return 0.0;
+        }
+        stored.saturating_sub(self.live) as f64 / stored as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_watermarks_sit_above_the_floor_and_grow_with_the_array() {
+        let small = Space::new(0, true, None, None, 64);
+        assert_eq!(small.user_floor(1), 4);
+        assert_eq!(small.gc_start(1), 6, "floor + 2");
+        assert_eq!(small.gc_stop(1), 7);
+        let big = Space::new(0, true, None, None, 10_000);
+        assert_eq!(big.gc_start(1), 4 + 200, "floor + 2% of the segments");
+        assert_eq!(big.gc_stop(1), 204 + 100, "start + 1%");
+        // Many GC classes raise the floor, and the start with it.
+        assert_eq!(small.user_floor(5), 7);
+        assert_eq!(small.gc_start(5), 9);
+    }
+
+    #[test]
+    fn configured_watermarks_are_kept_above_the_floor() {
+        let s = Space::new(0, true, Some(6), Some(3), 1000);
+        assert_eq!(s.user_floor(1), 6);
+        assert_eq!(
+            s.gc_start(1),
+            7,
+            "a start at or below the floor moves above it"
+        );
+        assert_eq!(s.gc_stop(1), 8);
+        let s = Space::new(0, true, None, Some(50), 1000);
+        assert_eq!((s.gc_start(1), s.gc_stop(1)), (50, 51));
+    }
+
+    #[test]
+    fn writes_beyond_the_usable_capacity_are_refused_unless_not_enforced() {
+        let mut s = Space::new(100, true, None, None, 64);
+        s.mapped(90);
+        assert!(s.admit(10).is_ok());
+        let e = s.admit(11).unwrap_err();
+        assert!(matches!(e, EngineError::NoSpace(_)), "{e}");
+        assert!(e.to_string().contains("90 of 100"), "{e}");
+        s.unmapped(50);
+        assert!(s.admit(60).is_ok());
+        assert!(Space::new(100, false, None, None, 64).admit(1000).is_ok());
+    }
+
+    #[test]
+    fn garbage_proportion_is_dead_over_stored() {
+        let mut s = Space::new(1000, true, None, None, 64);
+        s.mapped(300);
+        assert_eq!(s.garbage_proportion(0), 0.0);
+        assert!((s.garbage_proportion(400) - 0.25).abs() < 1e-12);
+        assert_eq!(s.garbage_proportion(200), 0.0, "never negative");
+    }
+}
