@@ -656,8 +656,6 @@ impl Engine {
         })
     }
 
-    /// Blocks of live data the array accepts: data capacity less the segments kept
-    /// in reserve, divided by 1 + over-provisioning.
     pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }
@@ -1012,7 +1010,7 @@ impl Engine {
                     self.fail(format!("summary write failed: {e}"));
                 }
                 // The summary fills the segment's zone.
-                self.zone_done(seg);
+                self.zones.done(seg);
                 self.segment_write_done(seg);
             }
             Purpose::Discard { seg, wait } => {
@@ -1029,7 +1027,7 @@ impl Engine {
                 if let Err(e) = c.result {
                     self.fail(format!("zone finish of segment {seg} failed: {e}"));
                 }
-                self.zone_done(seg);
+                self.zones.done(seg);
                 if self.segments.segs[seg as usize].state == SegState::Closing {
                     self.segment_write_done(seg);
                 }
@@ -1188,9 +1186,7 @@ impl Engine {
     fn stuck_without_space(&mut self) -> bool {
         self.segments.free.len() <= self.user_floor()
             && self.gc.is_idle()
-            && self.segments.draining.is_empty()
-            && self.segments.release_ready.is_empty()
-            && self.segments.releasing.is_empty()
+            && self.segments.in_release() == 0
             && self.durability.sync_idle()
             && self.tags.len() == self.free_tags.len()
             && self.pick_victim().is_none()
@@ -1695,12 +1691,6 @@ impl Engine {
         Ok(())
     }
 
-    /// A segment's zone became full (or was never written): it no longer counts
-    /// against the open limit.
-    fn zone_done(&mut self, seg: u32) {
-        self.zones.done(seg);
-    }
-
     /// A conventional segment is among the free ones allocation may take.
     fn conventional_free(&self) -> bool {
         (0..self.segments.free.len().min(ALLOC_WINDOW))
@@ -1719,7 +1709,7 @@ impl Engine {
     fn pop_free_for(&mut self, want: Want) -> Option<u32> {
         loop {
             let seg = self.take_free(want)?;
-            if !self.zones.zoned || self.seg_conventional(seg) {
+            if !self.zones.holds_zone(seg) {
                 return Some(seg);
             }
             // The zone still holds the segment's previous incarnation (or what a
@@ -2021,7 +2011,7 @@ impl Engine {
         st.summary.clear();
         if wp == 0 {
             // Nothing written: the zone is still empty.
-            self.zone_done(seg);
+            self.zones.done(seg);
             if !meta {
                 self.segments.segs[seg as usize].state = SegState::Closed;
                 self.segment_emptied(seg);
@@ -2098,13 +2088,8 @@ impl Engine {
         self.cfg.discard && !self.zones.zoned
     }
 
-    /// A released segment may be discarded (see [`SegmentTable::discardable`]).
-    fn discardable(&self, seg: u32) -> bool {
-        self.segments.discardable(seg, self.discard_before())
-    }
-
-    /// Segments opened before this version are discarded when released (see
-    /// `discardable`); `None` when discards are off.
+    /// Released segments opened before this version are discarded (see
+    /// [`SegmentTable::discardable`]); `None` when discards are off.
     fn discard_before(&self) -> Option<u64> {
         self.discard_enabled().then_some(self.durable_ckpt_version)
     }
@@ -2226,9 +2211,6 @@ impl Engine {
     /// Puts release records for segments whose emptiness is durable into the
     /// metadata stream.
     fn add_release_records(&mut self) {
-        if self.segments.release_ready.is_empty() {
-            return;
-        }
         let ms = self.meta_stream;
         while !self.segments.release_ready.is_empty() {
             if self.ensure_unit(ms, 0, 1).is_err() {
@@ -2405,14 +2387,15 @@ impl Engine {
             return;
         }
         let synced = self.durability.synced_gen;
+        let discard_before = self.discard_before();
         self.segments.synced(synced);
         // Released segments are discarded first (once no reader holds them), all
-        // those whose release is durable at once; see `discardable`.
+        // those whose release is durable at once; see `SegmentTable::discardable`.
         for i in 0..self.segments.released(synced) {
             let s = self.segments.releasing[i];
             // Released: nobody reads it any more (scrub and rebuild skip it).
             self.shared.set_segment_free(s, true);
-            if self.discardable(s)
+            if self.segments.discardable(s, discard_before)
                 && !self.segments.discards.contains_key(&s)
                 && !self.shared.segment_pinned(SegmentId(s))
             {
@@ -2422,7 +2405,6 @@ impl Engine {
         }
         // Segments are freed in the order their release records were sealed, which
         // is the order recovery walks them.
-        let discard_before = self.discard_before();
         while let Some(s) = self.segments.free_next_released(synced, discard_before) {
             self.shared.set_segment_free(s, true);
         }
