@@ -573,6 +573,15 @@ impl Engine {
         for &s in &free {
             shared.set_segment_free(s, true);
         }
+        for (i, s) in segs.iter().enumerate() {
+            // Emptied or superseded before the restart: nothing in them is read.
+            if !matches!(
+                s.state,
+                SegState::Open | SegState::Closing | SegState::Closed | SegState::Meta
+            ) {
+                shared.set_written_end(SegmentId(i as u32), 0);
+            }
+        }
         policy_by_name(&cfg.gc_policy).ok_or_else(|| {
             EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy))
         })?;
@@ -1855,6 +1864,11 @@ impl Engine {
         self.shared
             .mark_unit_start(self.geo.pba(SegmentId(seg), u.offset));
         let sg = &mut self.segments.segs[seg as usize];
+        if sg.writes_inflight == 0 {
+            // Everything before this unit is on the media (a segment recovery left
+            // open has `u32::MAX` until here).
+            self.shared.set_written_end(SegmentId(seg), u.offset);
+        }
         sg.writes_inflight += 1;
         sg.write_ptr = u.offset + blocks;
         sg.data_blocks += u.data;
@@ -2074,6 +2088,9 @@ impl Engine {
     fn segment_write_done(&mut self, seg: u32) {
         let sg = &mut self.segments.segs[seg as usize];
         sg.writes_inflight -= 1;
+        if sg.writes_inflight == 0 {
+            self.shared.set_written_end(SegmentId(seg), sg.write_ptr);
+        }
         if sg.writes_inflight == 0 && sg.state == SegState::Closing {
             sg.state = SegState::Closed;
             if sg.valid == 0 {
@@ -2108,6 +2125,8 @@ impl Engine {
 
     /// A closed segment has no live block left: start releasing it.
     pub(crate) fn segment_emptied(&mut self, seg: u32) {
+        // Scrub stops trusting it before its discard (or zone reset) can start.
+        self.shared.set_written_end(SegmentId(seg), 0);
         if self.cfg.metadata_only {
             // Nothing is durable in a simulation: reuse at once (an emulated SSD
             // under the simulator still hears of it).

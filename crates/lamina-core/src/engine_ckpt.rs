@@ -387,6 +387,7 @@ impl Engine {
             let s = &self.segments.segs[seg];
             if s.state == SegState::Meta && s.gen < w.gen && !keep.contains(&Some(seg as u32)) {
                 self.segments.superseded(seg as u32);
+                self.shared.set_written_end(SegmentId(seg as u32), 0);
             }
         }
         for t in std::mem::take(&mut self.ckpt.waiters) {

@@ -3,9 +3,10 @@
 //! the parity allows (a bad data block is rebuilt and written back; bad parity is
 //! recomputed). JBOD and SAID0 have no parity: scrub reports what it finds there.
 //!
-//! Only the written part of a segment is scrubbed: its units, found by walking
-//! their headers (each checked by its own checksum). Runs beside the engine; a
-//! segment is pinned while it is scrubbed so that it is not reused under it.
+//! Only the written part of a segment is scrubbed: its units whose writes have
+//! completed (`Shared::written_end`), found by walking their headers (each
+//! checked by its own checksum). Runs beside the engine; a segment is pinned
+//! while it is scrubbed so that it is not reused under it.
 
 use crate::error::EngineError;
 use crate::shared::Shared;
@@ -25,7 +26,22 @@ pub struct ScrubReport {
     /// Damaged unit headers read correctly by leaving one member out (their
     /// blocks are then repaired like data blocks).
     pub headers_found_by_parity: u64,
+    /// Segments emptied or reused while scrub read them: their findings are
+    /// dropped (they hold nothing anyone reads any more).
+    pub changed_while_read: u64,
     pub stats: ScrubStats,
+}
+
+impl ScrubReport {
+    fn add(&mut self, o: &ScrubReport) {
+        self.segments += o.segments;
+        self.units += o.units;
+        self.blocks_checked += o.blocks_checked;
+        self.damaged_headers += o.damaged_headers;
+        self.headers_found_by_parity += o.headers_found_by_parity;
+        self.changed_while_read += o.changed_while_read;
+        self.stats.add(&o.stats);
+    }
 }
 
 /// What a block of a segment should hold.
@@ -39,15 +55,22 @@ enum Expect {
     Good,
 }
 
-/// What each block of a segment should hold, the end of its units, and their count.
+/// One incarnation of a segment, as scrub found it when it started on it.
+#[derive(Clone, Copy)]
+struct Incarnation {
+    seg: u32,
+    incarnation: u64,
+}
+
 /// The unit header at `offset` of `seg`, if one that belongs there decodes.
 fn header_at(
     shared: &Shared,
-    seg: u32,
+    seg: Incarnation,
     offset: u32,
     hdr: &mut [u8],
     without: Option<usize>,
 ) -> Option<UnitHeader> {
+    let Incarnation { seg, incarnation } = seg;
     let geo = &shared.geo;
     let (dev, off) = geo.locate(SegmentId(seg), offset);
     let read = match (without, &shared.striped) {
@@ -58,7 +81,7 @@ fn header_at(
     let u = UnitHeader::decode(hdr).ok()?;
     let ok = u.segment == seg
         && u.offset == offset
-        && u.incarnation == shared.incarnation(SegmentId(seg))
+        && u.incarnation == incarnation
         && u.array_id == geo.array_id
         && offset + u.total_blocks() <= geo.data_end;
     ok.then_some(u)
@@ -67,12 +90,19 @@ fn header_at(
 /// What each block of a segment should hold, the end of its units, their count,
 /// whether a damaged header hid units, and how many damaged headers were found
 /// good again by leaving one member out (their blocks are then expected by CRC,
-/// so that scrub rewrites them).
+/// so that scrub rewrites them). Only units that end within `written` (the
+/// prefix whose writes completed) count: a unit still being written may show its
+/// header before its data.
 #[allow(clippy::type_complexity)]
-fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64, bool, u64), EngineError> {
+fn unit_crcs(
+    shared: &Shared,
+    inc: Incarnation,
+    written: u32,
+) -> Result<(Vec<Expect>, u32, u64, bool, u64), EngineError> {
     let geo = &shared.geo;
     let h = geo.header_blocks as u32;
-    let incarnation = shared.incarnation(SegmentId(seg));
+    let Incarnation { seg, incarnation } = inc;
+    let limit = written.min(geo.data_end);
     let mut crcs = vec![Expect::Unknown; geo.data_end as usize];
     let mut hdr = vec![0u8; h as usize * BLOCK_SIZE];
     // A closed segment's summary says where its units end.
@@ -90,17 +120,27 @@ fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64, bool, 
     let mut offset = 0;
     let mut units = 0;
     let mut rebuilt = 0;
+    // Where the walk stopped because the rest is not written yet (not damage).
+    let mut unwritten = false;
     while offset + h <= geo.data_end {
-        let mut found = header_at(shared, seg, offset, &mut hdr, None).map(|u| (u, false));
+        if offset + h > limit {
+            unwritten = true;
+            break;
+        }
+        let mut found = header_at(shared, inc, offset, &mut hdr, None).map(|u| (u, false));
         // Units should go on here: a damaged header? Try each member left out.
         if found.is_none() && summary_end.is_some_and(|e| offset < e) {
             found = (0..members)
-                .find_map(|m| header_at(shared, seg, offset, &mut hdr, Some(m)))
+                .find_map(|m| header_at(shared, inc, offset, &mut hdr, Some(m)))
                 .map(|u| (u, true));
         }
         let Some((u, was_rebuilt)) = found else {
             break;
         };
+        if offset + u.total_blocks() > limit {
+            unwritten = true;
+            break;
+        }
         for (i, b) in (offset..offset + h).enumerate() {
             crcs[b as usize] = if was_rebuilt {
                 Expect::Crc(lamina_format::crc32c(
@@ -120,7 +160,7 @@ fn unit_crcs(shared: &Shared, seg: u32) -> Result<(Vec<Expect>, u32, u64, bool, 
         units += 1;
         offset += u.total_blocks();
     }
-    let damaged = summary_end.is_some_and(|e| offset < e);
+    let damaged = !unwritten && summary_end.is_some_and(|e| offset < e);
     Ok((crcs, offset, units, damaged, rebuilt))
 }
 
@@ -129,54 +169,89 @@ pub fn scrub(
     shared: &Shared,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ScrubReport, EngineError> {
-    let geo = &shared.geo;
-    let total = geo.segment_count as u64;
+    let total = shared.geo.segment_count as u64;
     let mut report = ScrubReport::default();
-    for seg in 0..geo.segment_count {
+    for seg in 0..shared.geo.segment_count {
         let _pin = shared.pin_segment(SegmentId(seg));
         if !shared.segment_free(seg) {
-            let (crcs, end, units, damaged, rebuilt) = unit_crcs(shared, seg)?;
-            if damaged {
-                report.damaged_headers += 1;
-            }
-            report.headers_found_by_parity += rebuilt;
-            if end > 0 {
-                report.segments += 1;
-                report.units += units;
-                report.blocks_checked +=
-                    crcs.iter().filter(|c| matches!(c, Expect::Crc(_))).count() as u64;
-                let check = |b: u64, data: &[u8]| match crcs.get(b as usize) {
-                    Some(Expect::Crc(c)) => Some(lamina_format::crc32c(data) == *c),
-                    Some(Expect::Good) => Some(true),
-                    _ => None,
-                };
-                match &shared.striped {
-                    Some(st) => {
-                        let rows = (end as u64).div_ceil(geo.row_blocks as u64);
-                        report.stats.add(&st.scrub_rows(seg as u64, rows, &check));
-                    }
-                    None => {
-                        let (dev, off) = geo.locate(SegmentId(seg), 0);
-                        let mut buf = vec![0u8; end as usize * BLOCK_SIZE];
-                        match shared.devices[dev].read_at(&mut buf, off) {
-                            Ok(()) => {
-                                for b in 0..end as usize {
-                                    if check(b as u64, &buf[b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE])
-                                        == Some(false)
-                                    {
-                                        report.stats.checksum_errors += 1;
-                                        report.stats.unrecoverable += 1;
-                                    }
-                                }
-                            }
-                            Err(_) => report.stats.unrecoverable += 1,
-                        }
-                        report.stats.rows += end as u64;
-                    }
-                }
+            // The incarnation before the prefix: the engine zeroes the prefix
+            // before it sets a new incarnation (`Shared::reset_segment`).
+            let inc = Incarnation {
+                seg,
+                incarnation: shared.incarnation(SegmentId(seg)),
+            };
+            let written = shared.written_end(SegmentId(seg));
+            let found = scrub_segment(shared, inc, written)?;
+            // The pin keeps the segment from being discarded or taken for reuse,
+            // except in one window: `take_free` marks it in use, then waits out
+            // the pins, and a pin that arrives just after its check is not waited
+            // for. The prefix covers that: it is zero from the moment a segment is
+            // emptied until units of its next incarnation complete. A segment
+            // emptied or reused while it was read anyway holds nothing of the old
+            // incarnation that is read any more: its findings are dropped. (A
+            // repair written meanwhile was checked against the old checksums
+            // under the stripe lock, so it only ever put back old content.)
+            if shared.incarnation(SegmentId(seg)) != inc.incarnation
+                || shared.written_end(SegmentId(seg)) < written
+            {
+                report.changed_while_read += 1;
+            } else {
+                report.add(&found);
             }
         }
         progress(seg as u64 + 1, total);
+    }
+    Ok(report)
+}
+
+/// Scrubs the blocks of one incarnation of a segment within its written prefix.
+fn scrub_segment(
+    shared: &Shared,
+    inc: Incarnation,
+    written: u32,
+) -> Result<ScrubReport, EngineError> {
+    let geo = &shared.geo;
+    let seg = inc.seg;
+    let mut report = ScrubReport::default();
+    let (crcs, end, units, damaged, rebuilt) = unit_crcs(shared, inc, written)?;
+    if damaged {
+        report.damaged_headers += 1;
+    }
+    report.headers_found_by_parity += rebuilt;
+    if end == 0 {
+        return Ok(report);
+    }
+    report.segments += 1;
+    report.units += units;
+    report.blocks_checked += crcs.iter().filter(|c| matches!(c, Expect::Crc(_))).count() as u64;
+    let check = |b: u64, data: &[u8]| match crcs.get(b as usize) {
+        Some(Expect::Crc(c)) => Some(lamina_format::crc32c(data) == *c),
+        Some(Expect::Good) => Some(true),
+        _ => None,
+    };
+    match &shared.striped {
+        Some(st) => {
+            let rows = (end as u64).div_ceil(geo.row_blocks as u64);
+            report.stats.add(&st.scrub_rows(seg as u64, rows, &check));
+        }
+        None => {
+            let (dev, off) = geo.locate(SegmentId(seg), 0);
+            let mut buf = vec![0u8; end as usize * BLOCK_SIZE];
+            match shared.devices[dev].read_at(&mut buf, off) {
+                Ok(()) => {
+                    for b in 0..end as usize {
+                        if check(b as u64, &buf[b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE])
+                            == Some(false)
+                        {
+                            report.stats.checksum_errors += 1;
+                            report.stats.unrecoverable += 1;
+                        }
+                    }
+                }
+                Err(_) => report.stats.unrecoverable += 1,
+            }
+            report.stats.rows += end as u64;
+        }
     }
     Ok(report)
 }

@@ -20,7 +20,7 @@ use lamina_device::BlockDevice;
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, pack_volume_lba, record_at, UnitHeader};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// Blocks one device read covers at most.
@@ -157,6 +157,13 @@ pub struct Shared {
     /// Per segment: in the free queue (holds nothing anyone reads). A rebuild
     /// skips these.
     seg_free: Box<[AtomicBool]>,
+    /// Per segment: the blocks from its start whose writes have completed (a
+    /// prefix; `u32::MAX` for everything recovery found). Zero while the segment
+    /// holds no incarnation anyone reads: from the moment it is emptied (before
+    /// its discard or zone reset) until units of its next incarnation complete.
+    /// Scrub checks nothing beyond it, and drops what it found in a segment whose
+    /// incarnation changed or whose prefix shrank while it read.
+    seg_written: Box<[AtomicU32]>,
     volumes: RwLock<Vec<Option<Arc<VolumeShared>>>>,
     crc_cache: CrcCache,
     pub read_stats: ReadStats,
@@ -182,6 +189,7 @@ impl Shared {
                 .collect(),
             starts_known: (0..segs).map(|_| AtomicBool::new(false)).collect(),
             seg_free: (0..segs).map(|_| AtomicBool::new(false)).collect(),
+            seg_written: (0..segs).map(|_| AtomicU32::new(u32::MAX)).collect(),
             volumes: RwLock::new(Vec::new()),
             crc_cache: CrcCache::new(CrcCache::entries_for(
                 header_cache_bytes,
@@ -281,12 +289,26 @@ impl Shared {
         self.seg_free[seg as usize].store(free, Ordering::SeqCst);
     }
 
+    /// How many blocks from the start of `seg` hold completed writes (see
+    /// `seg_written`).
+    pub fn written_end(&self, seg: SegmentId) -> u32 {
+        self.seg_written[seg.0 as usize].load(Ordering::SeqCst)
+    }
+
+    /// The writes of `seg` up to block `end` have completed; `0` when the
+    /// segment stops holding anything anyone reads (emptied, superseded).
+    pub(crate) fn set_written_end(&self, seg: SegmentId, end: u32) {
+        self.seg_written[seg.0 as usize].store(end, Ordering::SeqCst);
+    }
+
     pub(crate) fn segment_pinned(&self, seg: SegmentId) -> bool {
         self.seg_pins.pinned(seg.0)
     }
 
     /// Prepares a segment for a new incarnation: clears its unit-start bits.
     pub(crate) fn reset_segment(&self, seg: SegmentId, incarnation: u64) {
+        // Before the incarnation: whoever sees the new one sees no old prefix.
+        self.set_written_end(seg, 0);
         self.seg_incarnation[seg.0 as usize].store(incarnation, Ordering::SeqCst);
         let first = seg.0 as usize * self.geo.segment_blocks as usize;
         let last = first + self.geo.segment_blocks as usize;

@@ -147,6 +147,7 @@ pub fn scrub_json(r: &lamina_core::scrub::ScrubReport) -> Value {
         "unrecoverable": r.stats.unrecoverable,
         "damaged_unit_headers": r.damaged_headers,
         "unit_headers_rebuilt": r.headers_found_by_parity,
+        "segments_changed_while_read": r.changed_while_read,
     })
 }
 

@@ -565,6 +565,12 @@ fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
             n("unrecoverable"),
             n("damaged_unit_headers")
         );
+        if n("segments_changed_while_read") > 0 {
+            println!(
+                "  {} segments emptied or reused while read: skipped (nothing in them is read any more)",
+                n("segments_changed_while_read")
+            );
+        }
     }
     if n("unrecoverable") > 0 || n("unresolved") > 0 || n("damaged_unit_headers") > 0 {
         std::process::exit(2);
