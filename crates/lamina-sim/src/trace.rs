@@ -26,9 +26,24 @@ pub enum Format {
     /// `blkparse` default text output; dispatch (`D`) events, `W` writes and `D`
     /// (discard) in the RWBS field, sector and sector count.
     Blkparse,
+    /// DiskSim ASCII: `time devno blkno bcount flags`, whitespace separated,
+    /// block number and count in 512-byte sectors, flags bit 0 set for reads (the
+    /// MSN file server and TPC-C samples; MQSim and DiskSim read them this way).
+    Disksim,
+    /// Sysinternals DiskMon logs: `seq time duration disk Read|Write sector length`,
+    /// tab separated, sectors of 512 bytes (some logs end every line with a tab).
+    Diskmon,
+    /// Windows Performance Analyzer disk I/O export (`wpaexporter`, `;` separated,
+    /// a header line): `IO Type` (column 1), `Size (B)` (8) with `.` as thousands
+    /// separator, `Min Offset` (9) as a hex byte address, `Disk` (13). Flush rows
+    /// are skipped.
+    Wpa,
 }
 
 impl Format {
+    /// The names `parse` takes.
+    pub const NAMES: &'static str = "msr, alibaba, tencent, spc, blkparse, disksim, diskmon, wpa";
+
     pub fn parse(s: &str) -> Result<Self, String> {
         Ok(match s {
             "msr" => Format::Msr,
@@ -36,11 +51,10 @@ impl Format {
             "tencent" => Format::Tencent,
             "spc" | "umass" => Format::Spc,
             "blkparse" => Format::Blkparse,
-            _ => {
-                return Err(format!(
-                    "unknown trace format {s:?} (msr, alibaba, tencent, spc, blkparse)"
-                ))
-            }
+            "disksim" => Format::Disksim,
+            "diskmon" => Format::Diskmon,
+            "wpa" => Format::Wpa,
+            _ => return Err(format!("unknown trace format {s:?} ({})", Format::NAMES)),
         })
     }
 }
@@ -104,11 +118,122 @@ fn num(fields: &[&str], i: usize) -> Result<u64, String> {
         .map_err(|_| format!("field {} is not a number: {f:?}", i + 1))
 }
 
-fn parse_line(format: Format, line: &str) -> Result<Option<Request>, String> {
+/// A WPA integer: `.` separates thousands (`16.384` is 16384).
+fn wpa_int(fields: &[&str], i: usize) -> Result<u64, String> {
+    let f = field(fields, i)?;
+    f.replace('.', "")
+        .parse::<u64>()
+        .map_err(|_| format!("field {} is not a number: {f:?}", i + 1))
+}
+
+/// A hex byte address, `0x` first.
+fn hex(fields: &[&str], i: usize) -> Result<u64, String> {
+    let f = field(fields, i)?;
+    let digits = f
+        .strip_prefix("0x")
+        .or_else(|| f.strip_prefix("0X"))
+        .unwrap_or(f);
+    u64::from_str_radix(digits, 16).map_err(|_| format!("field {} is not hex: {f:?}", i + 1))
+}
+
+/// Sectors to bytes; `None` (a garbage record) where that overflows.
+fn sectors(n: u64) -> Option<u64> {
+    n.checked_mul(512)
+}
+
+/// Sectors to bytes, an error where that overflows.
+fn bytes_of_sectors(n: u64) -> Result<u64, String> {
+    sectors(n).ok_or_else(|| format!("{n} sectors do not fit 64 bits in bytes"))
+}
+
+/// What a line holds.
+enum Line {
+    Request(Request),
+    /// Nothing to replay (a header, a comment, another event).
+    Skip,
+    /// Well formed but impossible (DiskMon logs hold a few records whose sector
+    /// does not fit 64 bits in bytes): counted and skipped.
+    Garbage,
+}
+
+fn parse_line(format: Format, line: &str) -> Result<Line, String> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
-        return Ok(None);
+        return Ok(Line::Skip);
     }
+    let sectors_or_garbage = |offset: u64, len: u64| match (sectors(offset), sectors(len)) {
+        (Some(o), Some(l)) if o.checked_add(l).is_some() => Some((o, l)),
+        _ => None,
+    };
+    match format {
+        Format::Disksim => {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let Some((offset_bytes, len_bytes)) = sectors_or_garbage(num(&f, 2)?, num(&f, 3)?)
+            else {
+                return Ok(Line::Garbage);
+            };
+            Ok(Line::Request(Request {
+                volume: field(&f, 1)?.to_string(),
+                offset_bytes,
+                len_bytes,
+                write: num(&f, 4)? & 1 == 0,
+                trim: false,
+            }))
+        }
+        Format::Diskmon => {
+            let f: Vec<&str> = line.split('\t').collect();
+            let kind = field(&f, 4)?;
+            if !kind.eq_ignore_ascii_case("write") && !kind.eq_ignore_ascii_case("read") {
+                return Err(format!("field 5 is neither Read nor Write: {kind:?}"));
+            }
+            let Some((offset_bytes, len_bytes)) = sectors_or_garbage(num(&f, 5)?, num(&f, 6)?)
+            else {
+                return Ok(Line::Garbage);
+            };
+            Ok(Line::Request(Request {
+                volume: field(&f, 3)?.to_string(),
+                offset_bytes,
+                len_bytes,
+                write: kind.eq_ignore_ascii_case("write"),
+                trim: false,
+            }))
+        }
+        Format::Wpa => {
+            let f: Vec<&str> = line.split(';').collect();
+            let kind = field(&f, 0)?;
+            if kind == "IO Type" {
+                let col = |i: usize| f.get(i).map(|c| c.trim());
+                if col(7) != Some("Size (B)")
+                    || col(8) != Some("Min Offset")
+                    || col(12) != Some("Disk")
+                {
+                    return Err(
+                        "a WPA header without Size (B), Min Offset and Disk in columns 8, 9 and 13"
+                            .into(),
+                    );
+                }
+                return Ok(Line::Skip);
+            }
+            if !kind.eq_ignore_ascii_case("write") {
+                return Ok(Line::Skip); // reads, flushes
+            }
+            let (offset_bytes, len_bytes) = (hex(&f, 8)?, wpa_int(&f, 7)?);
+            if offset_bytes.checked_add(len_bytes).is_none() {
+                return Ok(Line::Garbage);
+            }
+            Ok(Line::Request(Request {
+                volume: field(&f, 12)?.to_string(),
+                offset_bytes,
+                len_bytes,
+                write: true,
+                trim: false,
+            }))
+        }
+        _ => Ok(parse_line_csv(format, line)?.map_or(Line::Skip, Line::Request)),
+    }
+}
+
+fn parse_line_csv(format: Format, line: &str) -> Result<Option<Request>, String> {
     match format {
         Format::Msr => {
             let f: Vec<&str> = line.split(',').collect();
@@ -146,8 +271,8 @@ fn parse_line(format: Format, line: &str) -> Result<Option<Request>, String> {
             }
             Ok(Some(Request {
                 volume: field(&f, 4)?.to_string(),
-                offset_bytes: num(&f, 1)? * 512,
-                len_bytes: num(&f, 2)? * 512,
+                offset_bytes: bytes_of_sectors(num(&f, 1)?)?,
+                len_bytes: bytes_of_sectors(num(&f, 2)?)?,
                 write: num(&f, 3)? == 1,
                 trim: false,
             }))
@@ -157,7 +282,7 @@ fn parse_line(format: Format, line: &str) -> Result<Option<Request>, String> {
             let op = field(&f, 3)?;
             Ok(Some(Request {
                 volume: field(&f, 0)?.to_string(),
-                offset_bytes: num(&f, 1)? * 512,
+                offset_bytes: bytes_of_sectors(num(&f, 1)?)?,
                 len_bytes: num(&f, 2)?,
                 write: op.eq_ignore_ascii_case("w"),
                 trim: false,
@@ -181,12 +306,13 @@ fn parse_line(format: Format, line: &str) -> Result<Option<Request>, String> {
                 .map_err(|_| format!("bad sector count {:?}", f[9]))?;
             Ok(Some(Request {
                 volume: f[0].to_string(),
-                offset_bytes: sector * 512,
-                len_bytes: count * 512,
+                offset_bytes: bytes_of_sectors(sector)?,
+                len_bytes: bytes_of_sectors(count)?,
                 write: write && !trim,
                 trim,
             }))
         }
+        Format::Disksim | Format::Diskmon | Format::Wpa => unreachable!("parsed by parse_line"),
     }
 }
 
@@ -199,6 +325,11 @@ pub struct TraceReader {
     volumes: HashMap<String, u32>,
     names: Vec<String>,
     pending: Option<Op>,
+    /// Added to every offset, in bytes (a partition that starts at sector 63 puts
+    /// 4 KiB clusters on 4 KiB boundaries with +512).
+    shift: i64,
+    /// Records skipped as impossible (see [`Line::Garbage`]).
+    pub garbage: u64,
     pub error: Option<TraceError>,
 }
 
@@ -212,8 +343,17 @@ impl TraceReader {
             volumes: HashMap::new(),
             names: Vec::new(),
             pending: None,
+            shift: 0,
+            garbage: 0,
             error: None,
         })
+    }
+
+    /// Adds `bytes` to every offset (records that would start below 0 are
+    /// garbage).
+    pub fn with_shift(mut self, bytes: i64) -> Self {
+        self.shift = bytes;
+        self
     }
 
     /// Names of the volumes seen so far, by id.
@@ -249,9 +389,13 @@ impl Workload for TraceReader {
                 }
             };
             self.line_no += 1;
-            let req = match parse_line(self.format, &line) {
-                Ok(Some(r)) => r,
-                Ok(None) => continue,
+            let mut req = match parse_line(self.format, &line) {
+                Ok(Line::Request(r)) => r,
+                Ok(Line::Skip) => continue,
+                Ok(Line::Garbage) => {
+                    self.garbage += 1;
+                    continue;
+                }
                 Err(detail) => {
                     self.error = Some(TraceError::Parse {
                         path: self.path.clone(),
@@ -263,6 +407,13 @@ impl Workload for TraceReader {
             };
             if (!req.write && !req.trim) || req.len_bytes == 0 {
                 continue;
+            }
+            match req.offset_bytes.checked_add_signed(self.shift) {
+                Some(o) if o.checked_add(req.len_bytes).is_some() => req.offset_bytes = o,
+                _ => {
+                    self.garbage += 1;
+                    continue;
+                }
             }
             let first = req.offset_bytes / 4096;
             let last = (req.offset_bytes + req.len_bytes - 1) / 4096;
@@ -433,5 +584,83 @@ mod tests {
         assert!(r.next_op().is_none());
         let e = r.error.unwrap().to_string();
         assert!(e.contains(":2:") && e.contains("abc"), "{e}");
+    }
+
+    /// Excerpts of the traces in `../shared/traces` (see its SOURCES.md), quirks
+    /// included.
+    #[test]
+    fn disksim_flags_bit_zero_is_a_read() {
+        let p = write_tmp(
+            "disksim",
+            "0.000 5 174224064 16 1\n938513000 4 264719034 16 0\n938944000 13 93230992 32 0\n",
+            false,
+        );
+        let (v, names) = ops(&p, Format::Disksim);
+        assert_eq!(names, vec!["4", "13"]);
+        // Sector 264719034 is 2 sectors into block 33089879: 16 sectors touch three.
+        assert_eq!((v[0].lba, v[0].blocks), (33089879, 3));
+        assert_eq!((v[1].volume, v[1].lba, v[1].blocks), (1, 93230992 / 8, 4));
+    }
+
+    #[test]
+    fn diskmon_skips_garbage_records_and_trailing_tabs() {
+        let p = write_tmp(
+            "diskmon",
+            "0\t0.484119\t0.00530243\t0\tWrite\t8486082789636758048\t2742488\t\r\n\
+             2\t0.613500\t0.00968933\t0\tWrite\t34767\t80\t\r\n\
+             3\t0.613759\t0.00968933\t0\tRead\t215\t8\t\r\n\
+             4\t0.016375\t0.00038147\t1\tWrite\t3271215\t8\r\n",
+            false,
+        );
+        let mut r = TraceReader::open(&p, Format::Diskmon).unwrap();
+        let v: Vec<Op> = std::iter::from_fn(|| r.next_op()).collect();
+        assert!(r.error.is_none(), "{:?}", r.error);
+        assert_eq!(r.garbage, 1);
+        assert_eq!(r.volume_names(), ["0", "1"]);
+        // 34767 sectors = byte 17800704 (block 4345.875), 80 sectors: 11 blocks.
+        assert_eq!((v[0].lba, v[0].blocks), (4345, 11));
+        // 3271215 is 7 mod 8: a 4 KiB write straddles two blocks...
+        assert_eq!((v[1].lba, v[1].blocks), (3271215 / 8, 2));
+        // ...and with the partition shifted by one sector it covers one.
+        let mut r = TraceReader::open(&p, Format::Diskmon)
+            .unwrap()
+            .with_shift(512);
+        let v: Vec<Op> = std::iter::from_fn(|| r.next_op()).collect();
+        assert_eq!((v[1].lba, v[1].blocks), (3271216 / 8, 1));
+    }
+
+    #[test]
+    fn wpa_reads_its_locale_and_hex_offsets() {
+        let p = write_tmp(
+            "wpa",
+            "IO Type;Priority;Process (Name);Init Time (s);Complete Time (s);IO Time (\u{b5}s);Disk Service Time (\u{b5}s);Size (B);Min Offset;Max Offset;QD/I - Queue Depth at Init Time;QD/C - Queue Depth at Complete Time;Disk;Count\r\n\
+             Read;Normal;System;1,079943800;1,080031000;87,200;87,200;512;0x0000000000000000;0x00000000000001FF;0;0;1;1\r\n\
+             Write;Normal;System;2,5;2,6;1.795,900;1,0;16.384;0x0000000000014000;0x0000000000017FFF;0;0;1;1\r\n\
+             Flush;Normal;System;3,0;3,1;1,0;1,0;0;0xFFFFFFFFFFFFFFFF;0xFFFFFFFFFFFFFFFF;0;0;1;1\r\n",
+            true,
+        );
+        let (v, names) = ops(&p, Format::Wpa);
+        assert_eq!(names, vec!["1"]);
+        assert_eq!(
+            v,
+            vec![Op {
+                volume: 0,
+                lba: 0x14000 / 4096,
+                blocks: 4,
+                trim: false
+            }]
+        );
+        let p = write_tmp("wpa-cols", "IO Type;Priority;Size\r\n", false);
+        let mut r = TraceReader::open(&p, Format::Wpa).unwrap();
+        assert!(r.next_op().is_none());
+        assert!(r.error.unwrap().to_string().contains("WPA header"));
+    }
+
+    #[test]
+    fn sector_counts_that_overflow_are_errors() {
+        let p = write_tmp("tencent-big", "1,36028797018963968,8,1,7\n", false);
+        let mut r = TraceReader::open(&p, Format::Tencent).unwrap();
+        assert!(r.next_op().is_none());
+        assert!(r.error.unwrap().to_string().contains("do not fit"));
     }
 }

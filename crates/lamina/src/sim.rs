@@ -38,9 +38,16 @@ pub struct SimArgs {
     /// Block trace to replay (gzip is detected).
     #[arg(long, value_name = "FILE", requires = "trace_format")]
     trace: Option<PathBuf>,
-    /// Format of --trace: msr, alibaba, tencent, spc, blkparse.
+    /// Format of --trace: msr, alibaba, tencent, spc, blkparse, disksim (DiskSim
+    /// ASCII), diskmon (Sysinternals DiskMon), wpa (Windows Performance Analyzer
+    /// disk I/O export).
     #[arg(long, value_name = "FORMAT")]
     trace_format: Option<String>,
+    /// Add this many 512-byte sectors to every offset of --trace (1 puts the
+    /// clusters of a partition that starts at sector 63 on 4 KiB boundaries; a
+    /// negative value subtracts).
+    #[arg(long, value_name = "SECTORS", default_value_t = 0, allow_hyphen_values = true)]
+    trace_shift: i64,
     /// Synthetic workload: uniform, zipf:THETA, hotcold:HOT/COLD (e.g. 90/10),
     /// sequential, mixed, sepbit-zipf:THETA[:PERIOD].
     #[arg(long, default_value = "uniform", conflicts_with = "trace")]
@@ -124,7 +131,11 @@ impl SimArgs {
         let path = self.trace.as_ref().unwrap();
         let format = Format::parse(self.trace_format.as_deref().unwrap_or(""))
             .map_err(anyhow::Error::msg)?;
-        Ok(TraceReader::open(path, format)?)
+        let shift = self
+            .trace_shift
+            .checked_mul(512)
+            .ok_or_else(|| anyhow::anyhow!("--trace-shift {} is too large", self.trace_shift))?;
+        Ok(TraceReader::open(path, format)?.with_shift(shift))
     }
 
     /// A trace's volumes and, for the oracle, its next-write tables (pre-passes).
@@ -133,6 +144,13 @@ impl SimArgs {
         let sizes = lamina_sim::measure(&mut r);
         if let Some(e) = r.error.take() {
             return Err(e.into());
+        }
+        if r.garbage > 0 {
+            eprintln!(
+                "lamina sim: {} records of {} skipped: their offset or length does not fit 64 bits in bytes",
+                r.garbage,
+                self.trace.as_ref().unwrap().display()
+            );
         }
         let names = r.volume_names().to_vec();
         let volumes: Vec<VolumeSpec> = sizes
