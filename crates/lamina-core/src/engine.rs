@@ -2880,17 +2880,27 @@ impl Engine {
         self.space.gc_stop(self.gc_classes())
     }
 
-    /// Dead blocks over stored blocks in the data segments (closed, and the sealed
-    /// units of open ones), the garbage proportion of SepBIT's trigger.
+    /// Dead blocks GC could reclaim (those of closed data segments) over the
+    /// blocks stored in data segments, the garbage proportion of SepBIT's trigger.
+    /// Dead blocks of open segments do not count: GC cannot reach them, and on a
+    /// working set of a few segments they alone can hold the proportion above the
+    /// trigger, so that GC would run without end on segments with little garbage.
     pub(crate) fn garbage_proportion(&self) -> f64 {
-        let stored: u64 = self
-            .segments
-            .segs
-            .iter()
-            .filter(|s| s.kind != StreamKind::Meta && s.state != SegState::Free)
-            .map(|s| s.data_blocks as u64)
-            .sum();
-        self.space.garbage_proportion(stored)
+        let (mut stored, mut garbage) = (0u64, 0u64);
+        for s in &self.segments.segs {
+            if s.kind == StreamKind::Meta || s.state == SegState::Free {
+                continue;
+            }
+            stored += s.data_blocks as u64;
+            if s.state == SegState::Closed {
+                garbage += s.data_blocks.saturating_sub(s.valid) as u64;
+            }
+        }
+        if stored == 0 {
+            0.0
+        } else {
+            garbage as f64 / stored as f64
+        }
     }
 }
 

@@ -142,11 +142,21 @@ impl Engine {
         // A segment closed early (half dead while open, or at shutdown) frees its
         // unwritten tail too: its capacity is the full segment.
         let full = self.geo.data_blocks_per_segment() as u32;
+        // Under the garbage-proportion trigger alone (free space is not short), a
+        // victim must hold at least that proportion of garbage itself, as in
+        // SepBIT: otherwise GC spends a segment's worth of writes to free little,
+        // and on a working set of a few segments keeps rewriting what it wrote.
+        let min_garbage = match self.cfg.gc_garbage_ratio {
+            Some(r) if self.segments.free.len() >= self.gc_start_segments() => {
+                (full as f64 * r).ceil() as u32
+            }
+            _ => 1,
+        };
         let collectable = |s: &crate::engine::Seg| {
             s.state == SegState::Closed
                 && s.kind != StreamKind::Meta
                 && !s.gc_exclude
-                && s.valid < full
+                && full - s.valid.min(full) >= min_garbage
         };
         let mut garbage: Vec<u64> = vec![0; self.volumes.len()];
         for s in self.segments.segs.iter().filter(|s| collectable(s)) {

@@ -105,15 +105,6 @@ impl Space {
             None => start + 1.max(self.segment_count / 100),
         }
     }
-
-    /// Dead blocks over `stored` blocks (those of the data segments), the garbage
-    /// proportion of SepBIT's trigger.
-    pub fn garbage_proportion(&self, stored: u64) -> f64 {
-        if stored == 0 {
-            return 0.0;
-        }
-        stored.saturating_sub(self.live) as f64 / stored as f64
-    }
 }
 
 #[cfg(test)]
@@ -159,14 +150,5 @@ mod tests {
         s.unmapped(50);
         assert!(s.admit(60).is_ok());
         assert!(Space::new(100, false, None, None, 64).admit(1000).is_ok());
-    }
-
-    #[test]
-    fn garbage_proportion_is_dead_over_stored() {
-        let mut s = Space::new(1000, true, None, None, 64);
-        s.mapped(300);
-        assert_eq!(s.garbage_proportion(0), 0.0);
-        assert!((s.garbage_proportion(400) - 0.25).abs() < 1e-12);
-        assert_eq!(s.garbage_proportion(200), 0.0, "never negative");
     }
 }

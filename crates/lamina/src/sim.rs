@@ -46,7 +46,12 @@ pub struct SimArgs {
     /// Add this many 512-byte sectors to every offset of --trace (1 puts the
     /// clusters of a partition that starts at sector 63 on 4 KiB boundaries; a
     /// negative value subtracts).
-    #[arg(long, value_name = "SECTORS", default_value_t = 0, allow_hyphen_values = true)]
+    #[arg(
+        long,
+        value_name = "SECTORS",
+        default_value_t = 0,
+        allow_hyphen_values = true
+    )]
     trace_shift: i64,
     /// Synthetic workload: uniform, zipf:THETA, hotcold:HOT/COLD (e.g. 90/10),
     /// sequential, mixed, sepbit-zipf:THETA[:PERIOD].
@@ -315,9 +320,17 @@ fn print_report(r: &SimReport) {
         );
     }
     if r.config.policy == "greedy" && r.config.classifier == "none" && r.workload == "uniform" {
+        // Under the garbage trigger GC holds the array at 1/(1 - ratio) of the live
+        // data when that is less than what over-provisioning gives.
+        let op = r
+            .config
+            .gc_garbage_ratio
+            .map_or(r.config.overprovision, |g| {
+                r.config.overprovision.min(1.0 / (1.0 - g) - 1.0)
+            });
         println!(
             "  model (uniform, greedy, large segments): {:.3}",
-            lamina_sim::model_wa(r.config.overprovision)
+            lamina_sim::model_wa(op)
         );
     }
     let j = r.to_json();
