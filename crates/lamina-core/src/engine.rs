@@ -302,6 +302,8 @@ pub(crate) struct Vol {
     pub classifier: Box<dyn crate::placement::Classifier>,
     pub policy: Box<dyn VictimPolicy>,
     pub classes: Vec<ClassCounters>,
+    /// The classes kept open while the spare is short (see `classcap`).
+    pub caps: crate::classcap::Caps,
     pub created_version: u64,
     pub user_blocks: u64,
     pub gc_blocks: u64,
@@ -1307,7 +1309,10 @@ impl Engine {
     /// waiting for room keeps its class), else what the volume's classifier says.
     fn user_stream_for(&mut self, volume: u16, lba: u64, class: &mut Option<u8>) -> usize {
         let vol = self.volumes[volume as usize].as_mut().unwrap();
-        let c = *class.get_or_insert_with(|| vol.classifier.classify_user(lba, vol.user_blocks));
+        let c = *class.get_or_insert_with(|| {
+            vol.caps
+                .user_class(vol.classifier.classify_user(lba, vol.user_blocks))
+        });
         vol.streams[c as usize]
     }
 
@@ -1913,6 +1918,7 @@ impl Engine {
         let period = (self.space.usable / 64).max(1024);
         if self.counters.user_blocks >= self.last_idle_sweep + period {
             self.last_idle_sweep = self.counters.user_blocks;
+            self.update_class_caps();
             for s in 0..self.streams.len() {
                 let st = &mut self.streams[s];
                 let idle = st.appended == st.appended_at_sweep;
@@ -2659,6 +2665,7 @@ impl Engine {
         });
         let vol = self.attach_volume_with(shared, created, false, placement);
         vol.publish_at = publish_at;
+        self.update_class_caps();
         Ok(())
     }
 
@@ -2732,6 +2739,10 @@ impl Engine {
             classifier,
             policy,
             classes: vec![ClassCounters::default(); n_streams],
+            caps: crate::classcap::Caps {
+                user: user_classes,
+                gc: total - user_classes,
+            },
             created_version,
             user_blocks: 0,
             gc_blocks: 0,
@@ -2742,6 +2753,45 @@ impl Engine {
             deleting: None,
         });
         self.volumes[i].as_mut().unwrap()
+    }
+
+    /// Fits the volumes' open classes to the spare space (see `classcap`): classes
+    /// no longer kept have their open segments closed, so that GC can reclaim them.
+    pub(crate) fn update_class_caps(&mut self) {
+        let ids: Vec<usize> = (0..self.volumes.len())
+            .filter(|&i| self.volumes[i].is_some())
+            .collect();
+        let wanted: Vec<crate::classcap::Caps> = ids
+            .iter()
+            .map(|&i| {
+                let v = self.volumes[i].as_ref().unwrap();
+                crate::classcap::Caps {
+                    user: v.user_classes,
+                    gc: v.classifier.gc_classes(),
+                }
+            })
+            .collect();
+        let spare = self
+            .space
+            .spare_segments(self.geo.data_blocks_per_segment());
+        let caps = crate::classcap::caps(spare, &wanted);
+        for (&i, cap) in ids.iter().zip(caps) {
+            let v = self.volumes[i].as_mut().unwrap();
+            if v.caps == cap {
+                continue;
+            }
+            v.caps = cap;
+            let (uc, total) = (v.user_classes, v.user_classes + v.classifier.gc_classes());
+            let dropped: Vec<usize> = (0..total)
+                .filter(|&c| cap.class(uc, c) != c)
+                .map(|c| v.streams[c as usize])
+                .collect();
+            for s in dropped {
+                if self.streams[s].seg.is_some() && self.failed.is_none() {
+                    self.close_segment(s);
+                }
+            }
+        }
     }
 
     /// The classifier and victim policy a volume uses: its override, else the
@@ -2860,7 +2910,11 @@ impl Engine {
         self.volumes
             .iter()
             .flatten()
-            .map(|v| v.streams.len() - v.user_classes as usize)
+            .map(|v| {
+                // The classifier's GC classes beyond the kept ones take no segment.
+                let folded = v.classifier.gc_classes() - v.caps.gc;
+                v.streams.len() - v.user_classes as usize - folded as usize
+            })
             .max()
             .unwrap_or(1)
     }

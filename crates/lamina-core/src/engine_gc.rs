@@ -669,7 +669,10 @@ impl Engine {
                         let from = self.segments.segs[seg as usize]
                             .class
                             .min(v.user_classes + v.classifier.gc_classes() - 1);
-                        let class = v.classifier.classify_gc(r.lba(), v.user_blocks, from);
+                        let class = v.caps.class(
+                            v.user_classes,
+                            v.classifier.classify_gc(r.lba(), v.user_blocks, from),
+                        );
                         let mut gc_stream = v.streams[class as usize];
                         let mut class = class as usize;
                         let read_hot = v

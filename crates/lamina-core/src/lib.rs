@@ -7,6 +7,7 @@
 //! * [`io`] is the boundary to devices: the engine asks, a driver executes.
 
 pub mod buffer;
+mod classcap;
 mod durability;
 pub mod engine;
 mod engine_ckpt;

@@ -78,6 +78,13 @@ impl Space {
         self.live = self.live.saturating_sub(blocks);
     }
 
+    /// Segments beyond what the mapped blocks fill, the metadata stream's two and
+    /// greedy's GC reserve: room for open segments and for GC to work in.
+    pub fn spare_segments(&self, per_seg: u64) -> u64 {
+        let held = self.live.div_ceil(per_seg.max(1)) + 2 + self.gc_start(1) as u64;
+        (self.segment_count as u64).saturating_sub(held)
+    }
+
     /// Free segments user streams leave to GC and the metadata stream. GC may need
     /// a fresh segment for each of its classes to finish one victim, so the floor
     /// grows with the largest number of GC classes of any volume (`gc_classes`).

@@ -49,6 +49,11 @@ pub struct SimConfig {
     /// SepBIT's trigger: GC also runs while dead blocks exceed this fraction of the
     /// stored ones.
     pub gc_garbage_ratio: Option<f64>,
+    /// Size the array's reserve (the segments kept for GC and metadata) as if the
+    /// placement had this many GC classes, so that placements with different
+    /// numbers of classes are compared on arrays of the same physical size (1: the
+    /// size greedy without separation gets). `None`: the placement's own number.
+    pub footprint_classes: Option<usize>,
     /// Replay the array's device writes on an emulated SSD with this geometry (its
     /// capacity is set to hold the simulated array): device-level write
     /// amplification and erases.
@@ -68,6 +73,7 @@ impl Default for SimConfig {
             wear_window: 0.0,
             gc_start_segments: 3,
             gc_garbage_ratio: None,
+            footprint_classes: None,
             flash: None,
         }
     }
@@ -441,9 +447,16 @@ pub fn simulate(
         None => 16, // the oracle
     };
     // GC may need a fresh segment per GC class to finish a victim: user writes stop
-    // while fewer than that remain, and GC starts a little above.
-    let user_floor = gc_classes + 2;
+    // while fewer than that remain, and GC starts a little above. These are greedy's
+    // (one GC class); the engine raises both with the GC classes it keeps open,
+    // which follow the spare space (see `EngineConfig::user_floor_segments`).
+    let user_floor = 3;
     let gc_start = cfg.gc_start_segments.max(user_floor + 1);
+    // A placement with more classes than the footprint was sized for keeps its
+    // own, higher watermarks inside the same array: its open segments and reserve
+    // come out of the spare, as they would on a real array.
+    let reserve_classes = cfg.footprint_classes.unwrap_or(gc_classes);
+    let reserve_start = cfg.gc_start_segments.max(reserve_classes + 3);
     let data: u64 = volumes
         .iter()
         .map(|v| ((v.working_set.max(1) as f64) * (1.0 + cfg.overprovision)).ceil() as u64)
@@ -451,7 +464,7 @@ pub fn simulate(
     // The metadata stream holds two segments and GC keeps about `gc_start` free; the
     // open segments of the streams are part of the placement's own cost and are not
     // compensated.
-    let overhead = 2 + gc_start as u64;
+    let overhead = 2 + reserve_start as u64;
     let segments = data.div_ceil(per_seg) + overhead;
     let segments = segments.max(lamina_core::recovery::MIN_SEGMENTS as u64);
     if segments * cfg.segment_blocks as u64 >= lamina_core::map::PBA_LIMIT as u64 {

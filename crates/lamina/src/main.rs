@@ -71,7 +71,7 @@ enum Cmd {
     Status(StatusArgs),
     /// Replay a workload or block trace through the engine, without data.
     #[command(long_about = sim::SIM_ABOUT)]
-    Sim(sim::SimArgs),
+    Sim(Box<sim::SimArgs>),
     /// Sketch an SSD's geometry from the timing of I/O patterns (a device, or an
     /// emulated drive).
     #[command(long_about = PROBE_ABOUT)]
@@ -358,7 +358,7 @@ fn main() {
         Cmd::Volume(v) => volume(v),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Status(a) => status(a),
-        Cmd::Sim(a) => sim::run(a),
+        Cmd::Sim(a) => sim::run(*a),
         Cmd::Bench(b) => bench::run(b),
         Cmd::Fsck {
             dir,

@@ -89,6 +89,12 @@ pub struct SimArgs {
     /// --overprovision so that this, not free space, decides.
     #[arg(long, value_name = "FRACTION")]
     gc_garbage: Option<f64>,
+    /// Size the array's reserve (segments kept for GC and metadata) as if the
+    /// placement had N GC classes, so that placements are compared on arrays of the
+    /// same physical size: with 1 every placement gets the array greedy without
+    /// separation gets, and pays for its extra open segments out of the spare.
+    #[arg(long, value_name = "N")]
+    footprint_classes: Option<usize>,
     /// Wear-aware tie-breaking window (0 off, 0.1 = within 10% of the best).
     #[arg(long, default_value_t = 0.0)]
     wear_window: f64,
@@ -202,6 +208,7 @@ impl SimArgs {
             wear_window: self.wear_window,
             gc_start_segments: self.gc_start,
             gc_garbage_ratio: self.gc_garbage,
+            footprint_classes: self.footprint_classes,
             flash: self
                 .flash
                 .as_deref()
