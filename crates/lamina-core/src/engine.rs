@@ -508,6 +508,10 @@ pub struct Engine {
     /// Every segment, the free queue and the release pipeline.
     pub(crate) segments: SegmentTable,
     pub(crate) volumes: Vec<Option<Vol>>,
+    /// The largest number of GC streams of any volume (see
+    /// [`Engine::refresh_gc_classes`]): the watermarks read it on every GC step, so
+    /// it is kept instead of walking the volumes each time.
+    gc_classes: usize,
     pub(crate) streams: Vec<Stream>,
     pub(crate) meta_stream: usize,
     pub(crate) bufs: Vec<BufState>,
@@ -635,6 +639,7 @@ impl Engine {
             durability: Durability::new(),
             segments: SegmentTable::new(segs, free),
             volumes: Vec::new(),
+            gc_classes: 1,
             streams: vec![Stream::new(StreamKind::Meta, 0, u16::MAX)],
             meta_stream: 0,
             bufs: vec![BufState::Free; nbufs as usize],
@@ -2752,6 +2757,7 @@ impl Engine {
             publish_at: 0,
             deleting: None,
         });
+        self.refresh_gc_classes();
         self.volumes[i].as_mut().unwrap()
     }
 
@@ -2775,6 +2781,7 @@ impl Engine {
             .space
             .spare_segments(self.geo.data_blocks_per_segment());
         let caps = crate::classcap::caps(spare, &wanted);
+        let mut dropped = Vec::new();
         for (&i, cap) in ids.iter().zip(caps) {
             let v = self.volumes[i].as_mut().unwrap();
             if v.caps == cap {
@@ -2782,14 +2789,16 @@ impl Engine {
             }
             v.caps = cap;
             let (uc, total) = (v.user_classes, v.user_classes + v.classifier.gc_classes());
-            let dropped: Vec<usize> = (0..total)
-                .filter(|&c| cap.class(uc, c) != c)
-                .map(|c| v.streams[c as usize])
-                .collect();
-            for s in dropped {
-                if self.streams[s].seg.is_some() && self.failed.is_none() {
-                    self.close_segment(s);
-                }
+            dropped.extend(
+                (0..total)
+                    .filter(|&c| cap.class(uc, c) != c)
+                    .map(|c| v.streams[c as usize]),
+            );
+        }
+        self.refresh_gc_classes();
+        for s in dropped {
+            if self.streams[s].seg.is_some() && self.failed.is_none() {
+                self.close_segment(s);
             }
         }
     }
@@ -2900,6 +2909,7 @@ impl Engine {
                     }
                 }
                 self.volumes[i] = None;
+                self.refresh_gc_classes();
             }
         }
     }
@@ -2907,6 +2917,15 @@ impl Engine {
     /// The largest number of GC classes of any volume (GC may need a fresh segment
     /// in each to finish one victim; see [`Space::user_floor`]).
     fn gc_classes(&self) -> usize {
+        debug_assert_eq!(
+            self.gc_classes,
+            self.count_gc_classes(),
+            "stale GC class count"
+        );
+        self.gc_classes
+    }
+
+    fn count_gc_classes(&self) -> usize {
         self.volumes
             .iter()
             .flatten()
@@ -2917,6 +2936,12 @@ impl Engine {
             })
             .max()
             .unwrap_or(1)
+    }
+
+    /// Recounts [`Engine::gc_classes`]: after volumes come and go, and when the
+    /// classes they keep open change.
+    pub(crate) fn refresh_gc_classes(&mut self) {
+        self.gc_classes = self.count_gc_classes();
     }
 
     /// Free segments user streams leave to GC and the metadata stream.
