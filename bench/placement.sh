@@ -7,8 +7,9 @@
 # the default (what `lamina sim` and `lamina serve` do without options), the
 # tuned Lamina classifier and the oracle, with default/greedy and default/SepBIT.
 #
-#   bench/placement.sh [TRACES_DIR] [SPARES] [SEGMENTS] [SYNTHETIC_CAPACITY]
+#   bench/placement.sh [TRACES_DIR] [SPARES] [SEGMENTS] [SYNTHETIC_CAPACITY] [WORKLOADS]
 #   bench/placement.sh ../shared/traces "0.07 0.176 0.28" "8M 512M" 4G
+#   bench/placement.sh ../shared/traces "0.07 0.176 0.28" 512M 4G ""   (traces only)
 #
 # A cell that fails (ENOSPC: the placement's open segments do not fit the spare)
 # prints "fail". "segments" is the array's size in segments, reserve included.
@@ -17,6 +18,7 @@ dir=${1:-../shared/traces}
 spares=${2:-"0.07 0.176 0.28"}
 segs=${3:-"8M 512M"}
 cap=${4:-4G}
+workloads=${5-"uniform zipf:0.2 zipf:0.6 zipf:1.0 zipf:1.2 hotcold:90/10"}
 bin=${LAMINA:-target/release/lamina}
 [ -x "$bin" ] || cargo build --release -q
 wa() {
@@ -77,7 +79,7 @@ for seg in $segs; do
       # shellcheck disable=SC2086
       row "$file" "$spare" "$seg" --trace "$path" --trace-format "$format" $extra
     done
-    for w in uniform zipf:0.2 zipf:0.6 zipf:1.0 zipf:1.2 hotcold:90/10; do
+    for w in $workloads; do
       row "$w ($cap)" "$spare" "$seg" --workload "$w" --capacity "$cap"
     done
   done

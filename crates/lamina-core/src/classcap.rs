@@ -8,24 +8,28 @@
 //! on a 45-segment array wrote about 600 blocks per user block, footprint-matched
 //! against greedy in `bench/placement.sh`; the oracle and the Lamina classifier ran
 //! out of space). So open segments may take at most a quarter of the spare: the
-//! classes a volume's classifier names are folded into fewer streams (the highest
-//! numbered into the last one kept) when the spare is short, down to one user and
-//! one GC class, which is greedy without separation.
+//! classes a volume's classifier names are folded into fewer streams when the
+//! spare is short (neighbouring classes merged, so that the hottest and the
+//! coldest stay apart), down to one user and one GC class, which is greedy
+//! without separation.
 
 /// Open segments may take at most 1/OPEN_SHARE of the spare segments.
 pub(crate) const OPEN_SHARE: u64 = 4;
 
-/// User and GC classes a volume keeps open.
+/// User and GC classes a volume keeps open, of those its classifier wants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Caps {
     pub user: u8,
     pub gc: u8,
+    pub want_user: u8,
+    pub want_gc: u8,
 }
 
 impl Caps {
-    /// Folds a user class of the classifier into the classes kept.
+    /// Folds a user class of the classifier into the classes kept (class `c` of
+    /// `want_user` goes to `c * user / want_user`).
     pub fn user_class(self, c: u8) -> u8 {
-        c.min(self.user - 1)
+        (c as u32 * self.user as u32 / self.want_user.max(1) as u32).min(self.user as u32 - 1) as u8
     }
 
     /// Folds a class index (user classes first, then GC classes) given by a
@@ -34,7 +38,9 @@ impl Caps {
         if c < user_classes {
             self.user_class(c)
         } else {
-            user_classes + (c - user_classes).min(self.gc - 1)
+            user_classes
+                + ((c - user_classes) as u32 * self.gc as u32 / self.want_gc.max(1) as u32)
+                    .min(self.gc as u32 - 1) as u8
         }
     }
 }
@@ -58,6 +64,7 @@ pub(crate) fn caps(spare: u64, wanted: &[Caps]) -> Vec<Caps> {
             Caps {
                 user: user as u8,
                 gc: gc as u8,
+                ..*w
             }
         })
         .collect()
@@ -67,7 +74,15 @@ pub(crate) fn caps(spare: u64, wanted: &[Caps]) -> Vec<Caps> {
 mod tests {
     use super::*;
 
-    const SEPBIT: Caps = Caps { user: 2, gc: 4 };
+    const SEPBIT: Caps = Caps {
+        user: 2,
+        gc: 4,
+        want_user: 2,
+        want_gc: 4,
+    };
+    fn kept(user: u8, gc: u8) -> Caps {
+        Caps { user, gc, ..SEPBIT }
+    }
 
     #[test]
     fn plenty_of_spare_keeps_every_class() {
@@ -81,23 +96,20 @@ mod tests {
 
     #[test]
     fn short_spare_folds_classes_down_to_greedy() {
-        assert_eq!(caps(16, &[SEPBIT]), vec![Caps { user: 1, gc: 3 }]);
-        assert_eq!(caps(8, &[SEPBIT]), vec![Caps { user: 1, gc: 1 }]);
-        assert_eq!(
-            caps(0, &[SEPBIT]),
-            vec![Caps { user: 1, gc: 1 }],
-            "never below one each"
-        );
+        assert_eq!(caps(16, &[SEPBIT]), vec![kept(1, 3)]);
+        assert_eq!(caps(8, &[SEPBIT]), vec![kept(1, 1)]);
+        assert_eq!(caps(0, &[SEPBIT]), vec![kept(1, 1)], "never below one each");
         // The spare is shared between volumes.
         assert_eq!(caps(48, &[SEPBIT, SEPBIT]), vec![SEPBIT, SEPBIT]);
-        assert_eq!(caps(40, &[SEPBIT, SEPBIT])[0], Caps { user: 1, gc: 4 });
+        assert_eq!(caps(40, &[SEPBIT, SEPBIT])[0], kept(1, 4));
     }
 
     #[test]
     fn folding_maps_every_class_into_the_kept_ones() {
-        let c = Caps { user: 1, gc: 2 };
+        // Neighbouring classes merge: a hot class never lands with a cold one.
+        let c = kept(1, 2);
         let folded: Vec<u8> = (0..6).map(|k| c.class(2, k)).collect();
-        assert_eq!(folded, vec![0, 0, 2, 3, 3, 3]);
+        assert_eq!(folded, vec![0, 0, 2, 2, 3, 3]);
         assert!(folded.iter().all(|&k| k < 2 || k - 2 < c.gc));
     }
 }

@@ -2747,6 +2747,8 @@ impl Engine {
             caps: crate::classcap::Caps {
                 user: user_classes,
                 gc: total - user_classes,
+                want_user: user_classes,
+                want_gc: total - user_classes,
             },
             created_version,
             user_blocks: 0,
@@ -2774,6 +2776,8 @@ impl Engine {
                 crate::classcap::Caps {
                     user: v.user_classes,
                     gc: v.classifier.gc_classes(),
+                    want_user: v.user_classes,
+                    want_gc: v.classifier.gc_classes(),
                 }
             })
             .collect();
