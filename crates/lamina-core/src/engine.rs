@@ -2701,6 +2701,7 @@ impl Engine {
         self.counters.next_volume_id = self.counters.next_volume_id.max(id.0 as u64 + 1);
         let user_classes = classifier.user_classes();
         let total = user_classes + classifier.gc_classes();
+        let active = classifier.active_classes();
         let mut streams = Vec::with_capacity(total as usize + 1);
         for c in 0..total {
             let kind = if c < user_classes {
@@ -2745,8 +2746,8 @@ impl Engine {
             policy,
             classes: vec![ClassCounters::default(); n_streams],
             caps: crate::classcap::Caps {
-                user: user_classes,
-                gc: total - user_classes,
+                user: active.0.clamp(1, user_classes),
+                gc: active.1.clamp(1, total - user_classes),
                 want_user: user_classes,
                 want_gc: total - user_classes,
             },
@@ -2773,9 +2774,10 @@ impl Engine {
             .iter()
             .map(|&i| {
                 let v = self.volumes[i].as_ref().unwrap();
+                let (user, gc) = v.classifier.active_classes();
                 crate::classcap::Caps {
-                    user: v.user_classes,
-                    gc: v.classifier.gc_classes(),
+                    user: user.clamp(1, v.user_classes),
+                    gc: gc.clamp(1, v.classifier.gc_classes()),
                     want_user: v.user_classes,
                     want_gc: v.classifier.gc_classes(),
                 }

@@ -30,6 +30,12 @@ pub trait Classifier: Send {
     fn bytes_per_block(&self) -> usize {
         0
     }
+    /// The user and GC classes worth keeping open now (at most `user_classes()`
+    /// and `gc_classes()`): a classifier that measures its classes predict nothing
+    /// asks for fewer, and the engine merges the rest (see `classcap`).
+    fn active_classes(&self) -> (u8, u8) {
+        (self.user_classes(), self.gc_classes())
+    }
 }
 
 /// One user class and one GC class: fresh writes and relocated blocks apart, no more.
@@ -187,10 +193,27 @@ impl Classifier for Frequency {
 /// class 0 go to class 2; others by age (time since last user write) into classes 3,
 /// 4, 5 with thresholds 4l and 16l.
 pub struct SepBit {
+    /// Per block: time of its last write + 1, and in the top bit the user class it
+    /// was given then.
     last_write: Stamps,
     recent: std::collections::VecDeque<u64>,
     l: f64,
+    /// Lifespans of overwritten blocks by the user class they were given (sum,
+    /// count), decayed by half every `SEPARATION_WINDOW` deaths.
+    lives: [(f64, f64); 2],
+    deaths: u64,
+    /// The classes do not separate lifespans (see [`SepBit::measure`]): only one
+    /// user and one GC class are kept open, which is greedy.
+    flat: bool,
 }
+
+/// Deaths between two looks at whether SepBIT's classes separate lifespans.
+const SEPARATION_WINDOW: u64 = 1 << 14;
+/// Class-1 blocks must live this many times longer than class-0 blocks for the
+/// classes to be kept; below `FLAT_BELOW` they are merged (hysteresis between).
+const SEPARATE_ABOVE: f64 = 3.5;
+const FLAT_BELOW: f64 = 3.0;
+const CLASS_BIT: u64 = 1 << 63;
 
 impl Default for SepBit {
     fn default() -> Self {
@@ -198,6 +221,32 @@ impl Default for SepBit {
             last_write: Stamps::default(),
             recent: std::collections::VecDeque::new(),
             l: f64::INFINITY,
+            lives: [(0.0, 0.0); 2],
+            deaths: 0,
+            // Nothing learnt yet: cost nothing until the classes prove themselves.
+            flat: true,
+        }
+    }
+}
+
+impl SepBit {
+    /// Whether the user classes separate: the mean lifespan of blocks SepBIT called
+    /// long-lived against that of blocks it called short-lived. Under memoryless
+    /// (uniform) overwrites a block's last lifespan says nothing of its next, both
+    /// classes live alike and the split only costs open segments and GC efficiency.
+    fn measure(&mut self) {
+        let mean = |(sum, n): (f64, f64)| (n > 0.0).then(|| sum / n);
+        if let (Some(short), Some(long)) = (mean(self.lives[0]), mean(self.lives[1])) {
+            let ratio = long / short.max(1.0);
+            if ratio > SEPARATE_ABOVE {
+                self.flat = false;
+            } else if ratio < FLAT_BELOW {
+                self.flat = true;
+            }
+        }
+        for l in &mut self.lives {
+            l.0 /= 2.0;
+            l.1 /= 2.0;
         }
     }
 }
@@ -213,20 +262,32 @@ impl Classifier for SepBit {
         4
     }
     fn classify_user(&mut self, lba: u64, now: u64) -> u8 {
-        let prev = self.last_write.get(lba);
-        self.last_write.set(lba, now + 1);
+        let stamp = self.last_write.get(lba);
         // Stamps hold time + 1 so that 0 means "never written".
-        if prev != 0 && ((now + 1 - prev) as f64) < self.l {
+        let prev = stamp & !CLASS_BIT;
+        let class = if prev != 0 && ((now + 1 - prev) as f64) < self.l {
             0
         } else {
             1
+        };
+        if prev != 0 {
+            let was = (stamp >> 63) as usize;
+            self.lives[was].0 += (now + 1 - prev) as f64;
+            self.lives[was].1 += 1.0;
+            self.deaths += 1;
+            if self.deaths.is_multiple_of(SEPARATION_WINDOW) {
+                self.measure();
+            }
         }
+        self.last_write.set(lba, (now + 1) | ((class as u64) << 63));
+        class
     }
     fn classify_gc(&mut self, lba: u64, now: u64, from: u8) -> u8 {
         if from == 0 {
             return 2;
         }
-        let age = (now + 1).saturating_sub(self.last_write.get(lba)) as f64;
+        let written = self.last_write.get(lba) & !CLASS_BIT;
+        let age = (now + 1).saturating_sub(written) as f64;
         if age < 4.0 * self.l {
             3
         } else if age < 16.0 * self.l {
@@ -246,6 +307,13 @@ impl Classifier for SepBit {
     }
     fn bytes_per_block(&self) -> usize {
         8
+    }
+    fn active_classes(&self) -> (u8, u8) {
+        if self.flat {
+            (1, 1)
+        } else {
+            (2, 4)
+        }
     }
 }
 
@@ -582,6 +650,34 @@ pub fn classifier_for(name: &str, blocks: u64, segment_blocks: u64) -> Option<Bo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// SepBIT keeps its classes only where they separate lifespans: under uniform
+    /// overwrites it asks for one user and one GC class (greedy), under hot/cold
+    /// traffic for all six. `l` is held where SepBIT's GC feedback would put it.
+    #[test]
+    fn sepbit_merges_its_classes_when_they_predict_nothing() {
+        let blocks = 10_000u64;
+        let run = |hot: bool, l: u64| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+            let mut s = SepBit::default();
+            assert_eq!(s.active_classes(), (1, 1), "nothing learnt yet");
+            for now in 0..40 * SEPARATION_WINDOW {
+                if now % 1000 == 0 && now > l {
+                    s.segment_collected(0, now - l, now);
+                }
+                let lba = if hot && rng.gen_bool(0.9) {
+                    rng.gen_range(0..blocks / 10)
+                } else {
+                    rng.gen_range(0..blocks)
+                };
+                s.classify_user(lba, now);
+            }
+            s.active_classes()
+        };
+        assert_eq!(run(false, blocks), (1, 1), "uniform");
+        assert_eq!(run(true, 5 * blocks / 10), (2, 4), "hot/cold");
+    }
 
     /// Per-block state follows the blocks written: one write at the far end of a
     /// 16 TiB thin volume makes one page, not an array up to that LBA (it used to
