@@ -55,6 +55,9 @@ pub struct VolumeStatus {
     pub classifier: String,
     pub gc_policy: String,
     pub classes: Vec<ClassStatus>,
+    /// User and GC classes kept open (fewer than the classifier's when the spare
+    /// is short or its classes predict nothing; see `classcap`).
+    pub classes_open: (u8, u8),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -179,6 +182,7 @@ impl Engine {
                 classifier: v.classifier.name().into(),
                 gc_policy: v.policy.name().into(),
                 classes,
+                classes_open: (v.caps.user, v.caps.gc),
             });
         }
         let rs = &self.shared.read_stats;

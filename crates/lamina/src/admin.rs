@@ -273,6 +273,10 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                 write_amplification: v["write_amplification"].as_f64(),
                 classifier: v["classifier"].as_str().unwrap_or("").into(),
                 gc_policy: v["gc_policy"].as_str().unwrap_or("").into(),
+                classes_open: (
+                    v["classes_open"]["user"].as_u64().unwrap_or(0) as u8,
+                    v["classes_open"]["gc"].as_u64().unwrap_or(0) as u8,
+                ),
                 classes: v["classes"]
                     .as_array()
                     .map(|cs| {

@@ -66,6 +66,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
             "write_amplification": v.write_amplification,
             "classifier": v.classifier,
             "gc_policy": v.gc_policy,
+            "classes_open": {"user": v.classes_open.0, "gc": v.classes_open.1},
             "classes": v.classes.iter().map(|c| json!({
                 "class": c.class,
                 "kind": c.kind,
@@ -200,8 +201,8 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
     }
     for v in &s.volumes {
         o += &format!(
-            "\n{}: classifier {}, gc policy {}\n  {:<6} {:<5} {:>9} {:>10} {:>12} {:>14} {:>8} {:>8}\n",
-            v.name, v.classifier, v.gc_policy, "CLASS", "KIND", "SEGMENTS", "LIVE", "WRITTEN", "MOVED OUT", "VICTIMS", "GC COST"
+            "\n{}: classifier {}, gc policy {}, {} user + {} GC classes open\n  {:<6} {:<5} {:>9} {:>10} {:>12} {:>14} {:>8} {:>8}\n",
+            v.name, v.classifier, v.gc_policy, v.classes_open.0, v.classes_open.1, "CLASS", "KIND", "SEGMENTS", "LIVE", "WRITTEN", "MOVED OUT", "VICTIMS", "GC COST"
         );
         for c in &v.classes {
             o += &format!(

@@ -195,5 +195,8 @@ fn zipf_costs_less_write_amplification_than_uniform() {
             .filter(|c| c["bytes_written"].as_u64().unwrap() > 0)
             .count();
         assert!(used >= 3, "blocks spread over {used} classes: {v}");
+        // The classes the spare lets it keep open (at least one of each kind).
+        let open = |k: &str| v["classes_open"][k].as_u64().unwrap_or(0);
+        assert!(open("user") >= 1 && open("gc") >= 1, "{v}");
     }
 }
