@@ -1311,14 +1311,13 @@ impl Engine {
     }
 
     /// The user stream block `lba` goes to: the class cached in `class` (a block
-    /// waiting for room keeps its class), else what the volume's classifier says.
+    /// waiting for room keeps its class), else what the volume's classifier says,
+    /// folded into the classes kept open now (the cache holds the classifier's
+    /// class: the caps may change while the block waits).
     fn user_stream_for(&mut self, volume: u16, lba: u64, class: &mut Option<u8>) -> usize {
         let vol = self.volumes[volume as usize].as_mut().unwrap();
-        let c = *class.get_or_insert_with(|| {
-            vol.caps
-                .user_class(vol.classifier.classify_user(lba, vol.user_blocks))
-        });
-        vol.streams[c as usize]
+        let c = *class.get_or_insert_with(|| vol.classifier.classify_user(lba, vol.user_blocks));
+        vol.streams[vol.caps.user_class(c) as usize]
     }
 
     /// Appends a user block and accounts for it (time, counters, class).
@@ -1336,7 +1335,8 @@ impl Engine {
         // merges into does not count either).
         vol.shared.map.take_read(lba);
         vol.user_blocks += 1;
-        vol.classes[class.take().unwrap_or(0) as usize].blocks += 1;
+        let kept = vol.caps.user_class(class.take().unwrap_or(0));
+        vol.classes[kept as usize].blocks += 1;
         self.counters.user_blocks += 1;
         self.user_block_written();
     }
@@ -1875,8 +1875,7 @@ impl Engine {
             .mark_unit_start(self.geo.pba(SegmentId(seg), u.offset));
         let sg = &mut self.segments.segs[seg as usize];
         if sg.writes_inflight == 0 {
-            // Everything before this unit is on the media (a segment recovery left
-            // open has `u32::MAX` until here).
+            // Everything before this unit is on the media.
             self.shared.set_written_end(SegmentId(seg), u.offset);
         }
         sg.writes_inflight += 1;
@@ -2787,17 +2786,28 @@ impl Engine {
             .space
             .spare_segments(self.geo.data_blocks_per_segment());
         let caps = crate::classcap::caps(spare, &wanted);
+        let free = self.segments.free.len();
         let mut dropped = Vec::new();
-        for (&i, cap) in ids.iter().zip(caps) {
+        for (&i, mut cap) in ids.iter().zip(caps) {
             let v = self.volumes[i].as_mut().unwrap();
+            if cap.gc > v.caps.gc {
+                // More GC classes raise the floor at once; GC may then need a fresh
+                // segment in each. Wait for a sweep with free segments to spare.
+                let more = (cap.gc - v.caps.gc) as usize;
+                if free < self.space.gc_start(self.gc_classes + more) {
+                    cap.gc = v.caps.gc;
+                }
+            }
             if v.caps == cap {
                 continue;
             }
             v.caps = cap;
             let (uc, total) = (v.user_classes, v.user_classes + v.classifier.gc_classes());
+            // Streams no class folds into any more; the kept ones stay open.
+            let targets: Vec<u8> = (0..total).map(|c| cap.class(uc, c)).collect();
             dropped.extend(
                 (0..total)
-                    .filter(|&c| cap.class(uc, c) != c)
+                    .filter(|c| !targets.contains(c))
                     .map(|c| v.streams[c as usize]),
             );
         }
@@ -2973,7 +2983,12 @@ impl Engine {
     pub(crate) fn garbage_proportion(&self) -> f64 {
         let (mut stored, mut garbage) = (0u64, 0u64);
         for s in &self.segments.segs {
-            if s.kind == StreamKind::Meta || s.state == SegState::Free {
+            // Segments on their way back to the free queue hold nothing any more.
+            let holds = matches!(
+                s.state,
+                SegState::Open | SegState::Closing | SegState::Closed
+            );
+            if s.kind == StreamKind::Meta || !holds {
                 continue;
             }
             stored += s.data_blocks as u64;

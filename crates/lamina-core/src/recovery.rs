@@ -1562,6 +1562,9 @@ pub fn open_unfinished(
         vol.live_blocks = live;
         engine.space.mapped(live);
     }
+    // Fit the open classes to the spare now that the mapped blocks are counted
+    // (recovery leaves no data segment open, so nothing is closed here).
+    engine.update_class_caps();
     if mode == OpenMode::ReadWrite && engine.zones.zoned {
         // Small streams take conventional segments only: no zone.
         let streams = engine.streams.iter().filter(|s| !s.small).count() as u32;

@@ -191,9 +191,10 @@ pub fn scrub(
             // incarnation that is read any more: its findings are dropped. (A
             // repair written meanwhile was checked against the old checksums
             // under the stripe lock, so it only ever put back old content.)
-            if shared.incarnation(SegmentId(seg)) != inc.incarnation
-                || shared.written_end(SegmentId(seg)) < written
-            {
+            // The prefix first, mirroring `reset_segment` (which zeroes it before
+            // it sets the new incarnation), so that this holds even without the pin.
+            let written_after = shared.written_end(SegmentId(seg));
+            if written_after < written || shared.incarnation(SegmentId(seg)) != inc.incarnation {
                 report.changed_while_read += 1;
             } else {
                 report.add(&found);

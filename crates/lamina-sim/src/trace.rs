@@ -408,8 +408,13 @@ impl Workload for TraceReader {
             if (!req.write && !req.trim) || req.len_bytes == 0 {
                 continue;
             }
+            // Beyond the largest volume the engine maps (16 PiB) is garbage too: a
+            // simulated volume is sized to the highest block written.
+            let limit = lamina_core::map::MAX_BLOCKS * 4096;
             match req.offset_bytes.checked_add_signed(self.shift) {
-                Some(o) if o.checked_add(req.len_bytes).is_some() => req.offset_bytes = o,
+                Some(o) if o.checked_add(req.len_bytes).is_some_and(|end| end <= limit) => {
+                    req.offset_bytes = o
+                }
                 _ => {
                     self.garbage += 1;
                     continue;
@@ -617,6 +622,16 @@ mod tests {
         assert!(r.error.is_none(), "{:?}", r.error);
         assert_eq!(r.garbage, 1);
         assert_eq!(r.volume_names(), ["0", "1"]);
+        // A sector within 64 bits but beyond the largest volume: garbage as well
+        // (the simulated volume would be sized to it).
+        let far = write_tmp(
+            "diskmon-far",
+            "0\t0.1\t0.1\t0\tWrite\t1125899906842624\t8\r\n",
+            false,
+        );
+        let mut r = TraceReader::open(&far, Format::Diskmon).unwrap();
+        assert!(r.next_op().is_none() && r.error.is_none());
+        assert_eq!(r.garbage, 1);
         // 34767 sectors = byte 17800704 (block 4345.875), 80 sectors: 11 blocks.
         assert_eq!((v[0].lba, v[0].blocks), (4345, 11));
         // 3271215 is 7 mod 8: a 4 KiB write straddles two blocks...
