@@ -45,6 +45,13 @@ impl Caps {
     }
 }
 
+/// The classes (of `user_classes` user classes and `total` in all) whose streams
+/// no class folds into under `cap`: their open segments can be closed.
+pub(crate) fn dropped(cap: Caps, user_classes: u8, total: u8) -> Vec<u8> {
+    let targets: Vec<u8> = (0..total).map(|c| cap.class(user_classes, c)).collect();
+    (0..total).filter(|c| !targets.contains(c)).collect()
+}
+
 /// The classes each volume keeps when `spare` segments are spare, for volumes whose
 /// classifiers want `wanted[i]` = (user, GC) classes. Every volume keeps at least
 /// one of each; the spare's share is split evenly between the volumes, and within a
@@ -102,6 +109,18 @@ mod tests {
         // The spare is shared between volumes.
         assert_eq!(caps(48, &[SEPBIT, SEPBIT]), vec![SEPBIT, SEPBIT]);
         assert_eq!(caps(40, &[SEPBIT, SEPBIT])[0], kept(1, 4));
+    }
+
+    #[test]
+    fn only_streams_nothing_folds_into_are_dropped() {
+        // SepBIT (2 user + 4 GC classes) kept at 1 + 3: user class 1 and the GC
+        // class that merges away go; the kept GC streams stay open.
+        let c = kept(1, 3);
+        let targets: Vec<u8> = (0..6).map(|k| c.class(2, k)).collect();
+        assert_eq!(targets, vec![0, 0, 2, 2, 3, 4]);
+        assert_eq!(dropped(c, 2, 6), vec![1, 5]);
+        assert_eq!(dropped(SEPBIT, 2, 6), Vec::<u8>::new());
+        assert_eq!(dropped(kept(1, 1), 2, 6), vec![1, 3, 4, 5]);
     }
 
     #[test]

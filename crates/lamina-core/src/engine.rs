@@ -2804,10 +2804,9 @@ impl Engine {
             v.caps = cap;
             let (uc, total) = (v.user_classes, v.user_classes + v.classifier.gc_classes());
             // Streams no class folds into any more; the kept ones stay open.
-            let targets: Vec<u8> = (0..total).map(|c| cap.class(uc, c)).collect();
             dropped.extend(
-                (0..total)
-                    .filter(|c| !targets.contains(c))
+                crate::classcap::dropped(cap, uc, total)
+                    .into_iter()
                     .map(|c| v.streams[c as usize]),
             );
         }
