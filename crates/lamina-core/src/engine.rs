@@ -579,15 +579,6 @@ impl Engine {
         for &s in &free {
             shared.set_segment_free(s, true);
         }
-        for (i, s) in segs.iter().enumerate() {
-            // Emptied or superseded before the restart: nothing in them is read.
-            if !matches!(
-                s.state,
-                SegState::Open | SegState::Closing | SegState::Closed | SegState::Meta
-            ) {
-                shared.set_written_end(SegmentId(i as u32), 0);
-            }
-        }
         policy_by_name(&cfg.gc_policy).ok_or_else(|| {
             EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy))
         })?;
@@ -1874,10 +1865,6 @@ impl Engine {
         self.shared
             .mark_unit_start(self.geo.pba(SegmentId(seg), u.offset));
         let sg = &mut self.segments.segs[seg as usize];
-        if sg.writes_inflight == 0 {
-            // Everything before this unit is on the media.
-            self.shared.set_written_end(SegmentId(seg), u.offset);
-        }
         sg.writes_inflight += 1;
         sg.write_ptr = u.offset + blocks;
         sg.data_blocks += u.data;

@@ -312,7 +312,7 @@ impl Classifier for SepBit {
         if self.flat {
             (1, 1)
         } else {
-            (2, 4)
+            (self.user_classes(), self.gc_classes())
         }
     }
 }

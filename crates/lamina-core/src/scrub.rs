@@ -190,9 +190,9 @@ pub fn scrub(
             // emptied or reused while it was read anyway holds nothing of the old
             // incarnation that is read any more: its findings are dropped. (A
             // repair written meanwhile was checked against the old checksums
-            // under the stripe lock, so it only ever put back old content.)
-            // The prefix first, mirroring `reset_segment` (which zeroes it before
-            // it sets the new incarnation), so that this holds even without the pin.
+            // under the stripe lock, so it only ever put back old content.) Here
+            // the prefix is read first, the reverse of the reads above, so that
+            // the check holds even without the pin.
             let written_after = shared.written_end(SegmentId(seg));
             if written_after < written || shared.incarnation(SegmentId(seg)) != inc.incarnation {
                 report.changed_while_read += 1;

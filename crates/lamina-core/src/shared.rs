@@ -158,7 +158,9 @@ pub struct Shared {
     /// skips these.
     seg_free: Box<[AtomicBool]>,
     /// Per segment: the blocks from its start whose writes have completed (a
-    /// prefix; `u32::MAX` for everything recovery found). Zero while the segment
+    /// prefix, moved to the write pointer whenever the segment's writes in flight
+    /// drain; `u32::MAX` for what recovery found, since recovery never continues
+    /// a segment). Zero while the segment
     /// holds no incarnation anyone reads: from the moment it is emptied (before
     /// its discard or zone reset) until units of its next incarnation complete.
     /// Scrub checks nothing beyond it, and drops what it found in a segment whose

@@ -461,9 +461,9 @@ pub fn simulate(
         .iter()
         .map(|v| ((v.working_set.max(1) as f64) * (1.0 + cfg.overprovision)).ceil() as u64)
         .sum();
-    // The metadata stream holds two segments and GC keeps about `gc_start` free; the
-    // open segments of the streams are part of the placement's own cost and are not
-    // compensated.
+    // The metadata stream holds two segments and GC keeps about `reserve_start`
+    // free; the open segments of the streams are part of the placement's own cost
+    // and are not compensated.
     let overhead = 2 + reserve_start as u64;
     let segments = data.div_ceil(per_seg) + overhead;
     let segments = segments.max(lamina_core::recovery::MIN_SEGMENTS as u64);

@@ -156,29 +156,37 @@ enum Line {
     Garbage,
 }
 
+/// A request addressed in 512-byte sectors (DiskSim, DiskMon); garbage where the
+/// range does not fit 64 bits in bytes.
+fn sector_line(volume: &str, sector: u64, count: u64, write: bool) -> Line {
+    match (sectors(sector), sectors(count)) {
+        (Some(offset_bytes), Some(len_bytes)) if offset_bytes.checked_add(len_bytes).is_some() => {
+            Line::Request(Request {
+                volume: volume.to_string(),
+                offset_bytes,
+                len_bytes,
+                write,
+                trim: false,
+            })
+        }
+        _ => Line::Garbage,
+    }
+}
+
 fn parse_line(format: Format, line: &str) -> Result<Line, String> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
         return Ok(Line::Skip);
     }
-    let sectors_or_garbage = |offset: u64, len: u64| match (sectors(offset), sectors(len)) {
-        (Some(o), Some(l)) if o.checked_add(l).is_some() => Some((o, l)),
-        _ => None,
-    };
     match format {
         Format::Disksim => {
             let f: Vec<&str> = line.split_whitespace().collect();
-            let Some((offset_bytes, len_bytes)) = sectors_or_garbage(num(&f, 2)?, num(&f, 3)?)
-            else {
-                return Ok(Line::Garbage);
-            };
-            Ok(Line::Request(Request {
-                volume: field(&f, 1)?.to_string(),
-                offset_bytes,
-                len_bytes,
-                write: num(&f, 4)? & 1 == 0,
-                trim: false,
-            }))
+            Ok(sector_line(
+                field(&f, 1)?,
+                num(&f, 2)?,
+                num(&f, 3)?,
+                num(&f, 4)? & 1 == 0,
+            ))
         }
         Format::Diskmon => {
             let f: Vec<&str> = line.split('\t').collect();
@@ -186,17 +194,12 @@ fn parse_line(format: Format, line: &str) -> Result<Line, String> {
             if !kind.eq_ignore_ascii_case("write") && !kind.eq_ignore_ascii_case("read") {
                 return Err(format!("field 5 is neither Read nor Write: {kind:?}"));
             }
-            let Some((offset_bytes, len_bytes)) = sectors_or_garbage(num(&f, 5)?, num(&f, 6)?)
-            else {
-                return Ok(Line::Garbage);
-            };
-            Ok(Line::Request(Request {
-                volume: field(&f, 3)?.to_string(),
-                offset_bytes,
-                len_bytes,
-                write: kind.eq_ignore_ascii_case("write"),
-                trim: false,
-            }))
+            Ok(sector_line(
+                field(&f, 3)?,
+                num(&f, 5)?,
+                num(&f, 6)?,
+                kind.eq_ignore_ascii_case("write"),
+            ))
         }
         Format::Wpa => {
             let f: Vec<&str> = line.split(';').collect();
