@@ -25,6 +25,7 @@ use crate::gc::{policy_by_name, VictimPolicy};
 use crate::geometry::Geometry;
 use crate::io::{IoCompletion, IoKind, IoOp};
 use crate::map::{decode, encode_buffer, encode_device, Entry, UNMAPPED};
+use crate::placement::Written;
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{Pba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_format::summary::SummaryHeader;
@@ -216,6 +217,11 @@ pub(crate) struct OpenUnit {
     pub data: u32,
     pub max_data: u32,
     pub opened_ms: u64,
+    /// Its volume's time when it was opened (recorded in its header).
+    pub volume_time: u64,
+    /// GC units: sum and count of the user-write times of the blocks moved in.
+    pub origin_sum: u128,
+    pub origin_n: u32,
 }
 
 pub(crate) struct Stream {
@@ -1306,9 +1312,60 @@ impl Engine {
     /// folded into the classes kept open now (the cache holds the classifier's
     /// class: the caps may change while the block waits).
     fn user_stream_for(&mut self, volume: u16, lba: u64, class: &mut Option<u8>) -> usize {
-        let vol = self.volumes[volume as usize].as_mut().unwrap();
-        let c = *class.get_or_insert_with(|| vol.classifier.classify_user(lba, vol.user_blocks));
+        let c = match *class {
+            Some(c) => c,
+            None => {
+                let vol = self.volumes[volume as usize].as_ref().unwrap();
+                let prev = match decode(vol.shared.map.load(lba)) {
+                    Entry::Device(pba) => Some(self.written_at(pba, vol.user_blocks)),
+                    Entry::Buffer(slot) => {
+                        Some(self.written_at(self.slot_pba(slot), vol.user_blocks))
+                    }
+                    Entry::Unmapped | Entry::Bad => None,
+                };
+                let vol = self.volumes[volume as usize].as_mut().unwrap();
+                *class.insert(vol.classifier.classify_user(lba, vol.user_blocks, prev))
+            }
+        };
+        let vol = self.volumes[volume as usize].as_ref().unwrap();
         vol.streams[vol.caps.user_class(c) as usize]
+    }
+
+    /// Every segment's (born, closed, origin) times, for tests.
+    #[doc(hidden)]
+    pub fn segment_times(&self) -> Vec<(u64, u64, u64)> {
+        self.segments
+            .segs
+            .iter()
+            .map(|s| (s.born, s.closed, s.origins.mean[0]))
+            .collect()
+    }
+
+    /// When the block at `pba` was written, in its volume's time (`now` is that
+    /// volume's time now), as classifiers read it ([`Written`]): a segment's blocks
+    /// are written in order from its opening to its closing (or to now, while it is
+    /// open), so a block's place in the segment dates it.
+    pub(crate) fn written_at(&self, pba: Pba, now: u64) -> Written {
+        let (seg, offset) = self.geo.split(pba);
+        let s = &self.segments.segs[seg.0 as usize];
+        let at = if s.kind == StreamKind::Gc {
+            // GC writes blocks of many ages: what dates them is where they came from.
+            s.origins.mean[crate::segments::Origins::slot(offset, self.geo.segment_blocks)]
+        } else {
+            // Blocks of the unit being filled lie past the write pointer: written now.
+            let end = if s.state == SegState::Open {
+                now
+            } else {
+                s.closed
+            };
+            let span = end.saturating_sub(s.born) as u128;
+            s.born + (span * offset.min(s.write_ptr) as u128 / s.write_ptr.max(1) as u128) as u64
+        };
+        Written {
+            at,
+            relocated: s.kind == StreamKind::Gc,
+            class: s.class,
+        }
     }
 
     /// Appends a user block and accounts for it (time, counters, class).
@@ -1578,6 +1635,11 @@ impl Engine {
             self.open_segment(s)?;
         }
         let buf = self.alloc_buffer(s)?;
+        let volume_time = self
+            .volumes
+            .get(self.streams[s].volume as usize)
+            .and_then(|v| v.as_ref())
+            .map_or(0, |v| v.user_blocks);
         let st = &mut self.streams[s];
         let room = self.geo.data_end - st.write_ptr - h;
         st.unit = Some(OpenUnit {
@@ -1586,6 +1648,9 @@ impl Engine {
             data: 0,
             max_data: room.min(self.geo.unit_data_max),
             opened_ms: self.now_ms,
+            volume_time,
+            origin_sum: 0,
+            origin_n: 0,
         });
         self.bufs[buf as usize] = BufState::Open { stream: s as u32 };
         Ok(())
@@ -1680,6 +1745,7 @@ impl Engine {
         self.segments.segs[seg as usize] = Seg {
             born,
             last_invalidated: born,
+            origins: crate::segments::Origins::at_time(born),
             state: if kind == StreamKind::Meta {
                 SegState::Meta
             } else {
@@ -1829,6 +1895,20 @@ impl Engine {
             u.data += pad;
             self.counters.pad_blocks += pad as u64;
         }
+        // What recovery dates the segment by (placement ages) if the checkpoint
+        // does not have it.
+        let (volume_time, origin) = match self.streams[s].kind {
+            StreamKind::Meta => (0, 0),
+            _ => (
+                self.volumes
+                    .get(self.streams[s].volume as usize)
+                    .and_then(|v| v.as_ref())
+                    .map_or(0, |v| v.user_blocks),
+                u.origin_sum
+                    .checked_div(u.origin_n as u128)
+                    .map_or(0, |m| m as u64),
+            ),
+        };
         let st = &mut self.streams[s];
         for (k, r) in st.extras.iter().enumerate() {
             put_record(hdr, u.data as usize + k, r);
@@ -1848,6 +1928,9 @@ impl Engine {
             next_segment: st.next_seg.unwrap_or(NO_SEGMENT),
             durable_version: self.durable_version,
             run_start: self.run_start,
+            opened_time: u.volume_time,
+            volume_time,
+            origin,
         };
         header.seal_into(hdr);
         st.extras.clear();

@@ -16,8 +16,8 @@ use crate::error::EngineError;
 use crate::map::{decode, encode_device, Entry};
 use crate::types::{SegmentId, BLOCK_SIZE};
 use lamina_format::checkpoint::{
-    meta_crc, CheckpointHeader, CheckpointMeta, SegmentRecord, SegmentState, StreamRecord,
-    VolumeRecord,
+    meta_crc, CheckpointHeader, CheckpointMeta, PlacementRecord, SegmentRecord, SegmentState,
+    SegmentTimes, StreamRecord, VolumeRecord,
 };
 use lamina_format::superblock::CheckpointRef;
 use lamina_format::unit::{kind, put_record, RawRecord, NO_SEGMENT};
@@ -134,6 +134,7 @@ impl Engine {
         let start_version = self.take_version();
 
         let mut volumes = Vec::new();
+        let mut placement = Vec::new();
         let mut pages = Vec::new();
         let mut vols = Vec::new();
         for v in self
@@ -156,6 +157,14 @@ impl Engine {
                 media_blocks_written: v.media_blocks,
                 pages: used,
             });
+            let state = v.classifier.save();
+            if !state.is_empty() {
+                placement.push(PlacementRecord {
+                    volume: v.shared.id.0,
+                    classifier: v.classifier.name().into(),
+                    state,
+                });
+            }
         }
         // Segments whose release record is already sealed will join the free queue
         // when that record is synced, possibly after this checkpoint's version; a
@@ -186,6 +195,18 @@ impl Engine {
                 erase_count: s.erase_count,
             })
             .collect();
+        let segment_times = self
+            .segments
+            .segs
+            .iter()
+            .map(|s| SegmentTimes {
+                born: s.born,
+                closed: s.closed,
+                origins: (s.kind == lamina_format::unit::StreamKind::Gc
+                    && s.state != SegState::Free)
+                    .then_some(s.origins.mean),
+            })
+            .collect();
         let streams = self
             .streams
             .iter()
@@ -211,6 +232,8 @@ impl Engine {
             free_queue,
             streams,
             counters: self.counters.to_vec(),
+            segment_times,
+            placement,
         }
         .encode();
         let header = CheckpointHeader {

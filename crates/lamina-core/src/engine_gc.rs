@@ -15,6 +15,7 @@ use crate::engine::{Engine, Purpose, SegState};
 use crate::gc::Candidate;
 use crate::io::{IoCompletion, IoKind};
 use crate::map::encode_device;
+use crate::segments::Origins;
 use crate::types::{Pba, SegmentId, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
@@ -662,11 +663,13 @@ impl Engine {
                         })
                         .flatten();
                     if crc_ok || rebuilt.is_some() {
-                        let v = self.volumes[volume as usize].as_mut().unwrap();
+                        let now = self.volumes[volume as usize].as_ref().unwrap().user_blocks;
+                        let mut from = self.written_at(pba, now);
                         // A segment written under another configuration may carry a
                         // class this one does not have.
                         let seg_class = self.segments.segs[seg as usize].class as usize;
-                        let from = self.segments.segs[seg as usize]
+                        let v = self.volumes[volume as usize].as_mut().unwrap();
+                        from.class = from
                             .class
                             .min(v.user_classes + v.classifier.gc_classes() - 1);
                         let class = v.caps.class(
@@ -696,6 +699,18 @@ impl Engine {
                             None => run_block(&batch_local[rp], &exact, at),
                         };
                         self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
+                        // Date the moved block by when a user last wrote it.
+                        let st = &mut self.streams[gc_stream];
+                        let to = st.seg.expect("ensure_unit opened it");
+                        let unit = st.unit.as_mut().expect("ensure_unit opened it");
+                        let offset = unit.offset + self.geo.header_blocks as u32 + unit.data - 1;
+                        unit.origin_sum += from.at as u128;
+                        unit.origin_n += 1;
+                        let to = &mut self.segments.segs[to as usize];
+                        if to.kind == StreamKind::Gc {
+                            let slot = Origins::slot(offset, self.geo.segment_blocks);
+                            to.origins.add(slot, from.at);
+                        }
                         self.counters.gc_blocks += 1;
                         self.blocks_since_checkpoint =
                             self.blocks_since_checkpoint.saturating_sub(1);

@@ -18,10 +18,12 @@ pub trait Classifier: Send {
     fn name(&self) -> &'static str;
     fn user_classes(&self) -> u8;
     fn gc_classes(&self) -> u8;
-    /// Class of a user write of `lba` at time `now`.
-    fn classify_user(&mut self, lba: u64, now: u64) -> u8;
-    /// Class of a block GC relocates from a segment of class `from`.
-    fn classify_gc(&mut self, lba: u64, now: u64, from: u8) -> u8;
+    /// Class of a user write of `lba` at time `now`; `prev` is where the block's
+    /// current copy was written (`None`: the block holds no data).
+    fn classify_user(&mut self, lba: u64, now: u64, prev: Option<Written>) -> u8;
+    /// Class of a block GC relocates; `from` is where its copy was written (the
+    /// victim), `from.class` the victim's class.
+    fn classify_gc(&mut self, lba: u64, now: u64, from: Written) -> u8;
     /// A segment of class `class` was chosen as a GC victim; `created` is when it was
     /// opened (in the same time unit), `now` the current time.
     fn segment_collected(&mut self, _class: u8, _created: u64, _now: u64) {}
@@ -36,6 +38,33 @@ pub trait Classifier: Send {
     fn active_classes(&self) -> (u8, u8) {
         (self.user_classes(), self.gc_classes())
     }
+    /// What the classifier has learnt that should survive a restart, bounded by
+    /// `lamina_format::checkpoint::MAX_PLACEMENT_STATE` whatever the volume's size
+    /// (per-block state is not kept: it follows the blocks, and a restarted
+    /// classifier rebuilds it as they are rewritten). Empty: nothing to keep.
+    fn save(&self) -> Vec<u8> {
+        Vec::new()
+    }
+    /// Takes back what [`Classifier::save`] wrote. A state it cannot read (damaged,
+    /// or from another version) is an error the engine reports and then ignores:
+    /// the classifier starts afresh, which costs write amplification, never data.
+    fn restore(&mut self, _state: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// When and how a block's current copy was written, as the engine knows it from
+/// where the copy lives: no per-block memory. A segment's blocks are written in
+/// order between its opening and its closing, so a block's write time is
+/// interpolated from its place in the segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Written {
+    /// Volume time of the write.
+    pub at: u64,
+    /// Written by GC: `at` is when it was moved, not when a user last wrote it.
+    pub relocated: bool,
+    /// Class of the segment that holds it (classes the caps fold share one).
+    pub class: u8,
 }
 
 /// One user class and one GC class: fresh writes and relocated blocks apart, no more.
@@ -51,10 +80,10 @@ impl Classifier for NoClassifier {
     fn gc_classes(&self) -> u8 {
         1
     }
-    fn classify_user(&mut self, _lba: u64, _now: u64) -> u8 {
+    fn classify_user(&mut self, _lba: u64, _now: u64, _prev: Option<Written>) -> u8 {
         0
     }
-    fn classify_gc(&mut self, _lba: u64, _now: u64, _from: u8) -> u8 {
+    fn classify_gc(&mut self, _lba: u64, _now: u64, _from: Written) -> u8 {
         1
     }
 }
@@ -171,13 +200,13 @@ impl Classifier for Frequency {
     fn gc_classes(&self) -> u8 {
         self.classes
     }
-    fn classify_user(&mut self, lba: u64, now: u64) -> u8 {
+    fn classify_user(&mut self, lba: u64, now: u64, _prev: Option<Written>) -> u8 {
         let h = (self.decayed(lba, now) + 1).min(u16::MAX as u32);
         self.heat.set(lba, h as u16);
         self.last.set(lba, now);
         self.class_of(h)
     }
-    fn classify_gc(&mut self, lba: u64, now: u64, _from: u8) -> u8 {
+    fn classify_gc(&mut self, lba: u64, now: u64, _from: Written) -> u8 {
         self.classes + self.class_of(self.decayed(lba, now))
     }
     fn bytes_per_block(&self) -> usize {
@@ -192,10 +221,17 @@ impl Classifier for Frequency {
 /// segments; class 1 otherwise (including first writes). GC rewrites: blocks from
 /// class 0 go to class 2; others by age (time since last user write) into classes 3,
 /// 4, 5 with thresholds 4l and 16l.
+///
+/// SepBIT's simulator keeps every block's last write time; here the engine derives
+/// it from where the block's copy lives ([`Written`]): its place in a user segment,
+/// or the mean user-write time of what GC moved into a GC segment. So the
+/// classifier keeps no per-block time (that would be 8 bytes per block, as much as
+/// the L2P map). The lifespan check ([`SepBit::measure`]) needs the class each
+/// block was given at its last write: one bit per block.
 pub struct SepBit {
-    /// Per block: time of its last write + 1, and in the top bit the user class it
-    /// was given then.
-    last_write: Stamps,
+    /// Per block, the user class it was given at its last write (bit `lba % 64` of
+    /// word `lba / 64`).
+    given: PerBlock<u64>,
     recent: std::collections::VecDeque<u64>,
     l: f64,
     /// Lifespans of overwritten blocks by the user class they were given (sum,
@@ -205,6 +241,10 @@ pub struct SepBit {
     /// The classes do not separate lifespans (see [`SepBit::measure`]): only one
     /// user and one GC class are kept open, which is greedy.
     flat: bool,
+    /// Volume time from which `given` is known: blocks last written before it (a
+    /// restart, which does not keep the bits) are not tallied. `u64::MAX`: set at
+    /// the next write.
+    known_from: u64,
 }
 
 /// Deaths between two looks at whether SepBIT's classes separate lifespans.
@@ -213,18 +253,21 @@ const SEPARATION_WINDOW: u64 = 1 << 14;
 /// classes to be kept; below `FLAT_BELOW` they are merged (hysteresis between).
 const SEPARATE_ABOVE: f64 = 3.5;
 const FLAT_BELOW: f64 = 3.0;
-const CLASS_BIT: u64 = 1 << 63;
+
+/// Encoded placement state: a version byte, then the fields.
+const SEPBIT_STATE_VERSION: u8 = 1;
 
 impl Default for SepBit {
     fn default() -> Self {
         SepBit {
-            last_write: Stamps::default(),
+            given: PerBlock::default(),
             recent: std::collections::VecDeque::new(),
             l: f64::INFINITY,
             lives: [(0.0, 0.0); 2],
             deaths: 0,
             // Nothing learnt yet: cost nothing until the classes prove themselves.
             flat: true,
+            known_from: 0,
         }
     }
 }
@@ -249,6 +292,35 @@ impl SepBit {
             l.1 /= 2.0;
         }
     }
+
+    /// Time since the block's last user write, as far as its copy tells.
+    fn lifespan(&self, now: u64, w: Written) -> f64 {
+        now.saturating_sub(w.at) as f64
+    }
+
+    /// The lifespan check's tally: the block's previous lifespan, under the class
+    /// it was given then; and the class it is given now.
+    fn tally(&mut self, lba: u64, now: u64, prev: Option<Written>, class: u8) {
+        let word = self.given.slot(lba / 64);
+        let bit = 1u64 << (lba % 64);
+        let was = (*word & bit != 0) as usize;
+        if class == 1 {
+            *word |= bit;
+        } else {
+            *word &= !bit;
+        }
+        if self.known_from == u64::MAX {
+            self.known_from = now;
+        }
+        if let Some(w) = prev.filter(|w| w.at >= self.known_from) {
+            self.lives[was].0 += self.lifespan(now, w);
+            self.lives[was].1 += 1.0;
+            self.deaths += 1;
+            if self.deaths.is_multiple_of(SEPARATION_WINDOW) {
+                self.measure();
+            }
+        }
+    }
 }
 
 impl Classifier for SepBit {
@@ -261,33 +333,19 @@ impl Classifier for SepBit {
     fn gc_classes(&self) -> u8 {
         4
     }
-    fn classify_user(&mut self, lba: u64, now: u64) -> u8 {
-        let stamp = self.last_write.get(lba);
-        // Stamps hold time + 1 so that 0 means "never written".
-        let prev = stamp & !CLASS_BIT;
-        let class = if prev != 0 && ((now + 1 - prev) as f64) < self.l {
-            0
-        } else {
-            1
+    fn classify_user(&mut self, lba: u64, now: u64, prev: Option<Written>) -> u8 {
+        let class = match prev {
+            Some(w) if self.lifespan(now, w) < self.l => 0,
+            _ => 1,
         };
-        if prev != 0 {
-            let was = (stamp >> 63) as usize;
-            self.lives[was].0 += (now + 1 - prev) as f64;
-            self.lives[was].1 += 1.0;
-            self.deaths += 1;
-            if self.deaths.is_multiple_of(SEPARATION_WINDOW) {
-                self.measure();
-            }
-        }
-        self.last_write.set(lba, (now + 1) | ((class as u64) << 63));
+        self.tally(lba, now, prev, class);
         class
     }
-    fn classify_gc(&mut self, lba: u64, now: u64, from: u8) -> u8 {
-        if from == 0 {
+    fn classify_gc(&mut self, _lba: u64, now: u64, from: Written) -> u8 {
+        if from.class == 0 {
             return 2;
         }
-        let written = self.last_write.get(lba) & !CLASS_BIT;
-        let age = (now + 1).saturating_sub(written) as f64;
+        let age = self.lifespan(now, from);
         if age < 4.0 * self.l {
             3
         } else if age < 16.0 * self.l {
@@ -306,7 +364,8 @@ impl Classifier for SepBit {
         }
     }
     fn bytes_per_block(&self) -> usize {
-        8
+        // One bit per block, below what this counts in bytes.
+        0
     }
     fn active_classes(&self) -> (u8, u8) {
         if self.flat {
@@ -314,6 +373,54 @@ impl Classifier for SepBit {
         } else {
             (self.user_classes(), self.gc_classes())
         }
+    }
+    fn save(&self) -> Vec<u8> {
+        let mut b = vec![SEPBIT_STATE_VERSION, self.flat as u8];
+        b.extend_from_slice(&self.deaths.to_le_bytes());
+        for (sum, n) in self.lives {
+            b.extend_from_slice(&sum.to_le_bytes());
+            b.extend_from_slice(&n.to_le_bytes());
+        }
+        b.push(self.recent.len() as u8);
+        for r in &self.recent {
+            b.extend_from_slice(&r.to_le_bytes());
+        }
+        b
+    }
+    fn restore(&mut self, state: &[u8]) -> Result<(), String> {
+        let fixed = 2 + 8 + 32 + 1;
+        if state.len() < fixed || state[0] != SEPBIT_STATE_VERSION {
+            return Err(format!(
+                "SepBIT state of {} bytes, version {:?}",
+                state.len(),
+                state.first()
+            ));
+        }
+        let n = state[fixed - 1] as usize;
+        if n > 16 || state.len() != fixed + 8 * n || state[1] > 1 {
+            return Err(format!("SepBIT state damaged ({n} recent lifespans)"));
+        }
+        let u64_at = |o: usize| u64::from_le_bytes(state[o..o + 8].try_into().unwrap());
+        let f64_at = |o: usize| f64::from_le_bytes(state[o..o + 8].try_into().unwrap());
+        let lives = [(f64_at(10), f64_at(18)), (f64_at(26), f64_at(34))];
+        if lives
+            .iter()
+            .any(|&(s, n)| !(s >= 0.0 && n >= 0.0 && s.is_finite() && n.is_finite()))
+        {
+            return Err("SepBIT state damaged (lifespan tallies)".into());
+        }
+        self.flat = state[1] == 1;
+        self.deaths = u64_at(2);
+        self.lives = lives;
+        self.recent = (0..n).map(|i| u64_at(fixed + 8 * i)).collect();
+        // The classes given before the restart are not kept.
+        self.known_from = u64::MAX;
+        self.l = if n == 0 {
+            f64::INFINITY
+        } else {
+            self.recent.iter().sum::<u64>() as f64 / n as f64
+        };
+        Ok(())
     }
 }
 
@@ -359,7 +466,7 @@ impl Classifier for Oracle {
     fn gc_classes(&self) -> u8 {
         self.classes
     }
-    fn classify_user(&mut self, lba: u64, now: u64) -> u8 {
+    fn classify_user(&mut self, lba: u64, now: u64, _prev: Option<Written>) -> u8 {
         let next = self
             .next_write
             .get(now as usize)
@@ -373,7 +480,7 @@ impl Classifier for Oracle {
         };
         self.class_of(rem)
     }
-    fn classify_gc(&mut self, lba: u64, now: u64, _from: u8) -> u8 {
+    fn classify_gc(&mut self, lba: u64, now: u64, _from: Written) -> u8 {
         let due = self.due.get(lba);
         let rem = if due == u64::MAX {
             u64::MAX
@@ -548,7 +655,7 @@ impl Classifier for Lamina {
     fn gc_classes(&self) -> u8 {
         self.classes
     }
-    fn classify_user(&mut self, lba: u64, now: u64) -> u8 {
+    fn classify_user(&mut self, lba: u64, now: u64, _prev: Option<Written>) -> u8 {
         let old = self.est.get(lba);
         let old_bin = self.bin(old);
         if let Some(b) = old_bin {
@@ -579,7 +686,7 @@ impl Classifier for Lamina {
         }
         self.class_of(self.predict(e, b))
     }
-    fn classify_gc(&mut self, lba: u64, now: u64, _from: u8) -> u8 {
+    fn classify_gc(&mut self, lba: u64, now: u64, _from: Written) -> u8 {
         let e = self.est.get(lba);
         let age = (now + 1).saturating_sub(e.last) as f64;
         let p = self.predict(e, self.bin(e));
@@ -661,6 +768,7 @@ mod tests {
         let run = |hot: bool, l: u64| {
             let mut rng = rand::rngs::StdRng::seed_from_u64(5);
             let mut s = SepBit::default();
+            let mut last = std::collections::HashMap::new();
             assert_eq!(s.active_classes(), (1, 1), "nothing learnt yet");
             for now in 0..40 * SEPARATION_WINDOW {
                 if now % 1000 == 0 && now > l {
@@ -671,7 +779,8 @@ mod tests {
                 } else {
                     rng.gen_range(0..blocks)
                 };
-                s.classify_user(lba, now);
+                let prev = last.insert(lba, now).map(|at| user_write(at, 0));
+                s.classify_user(lba, now, prev);
             }
             s.active_classes()
         };
@@ -687,23 +796,32 @@ mod tests {
         let blocks = 1u64 << 32;
         let far = blocks - 1;
         let mut f = Frequency::new(blocks / 4, 6);
-        f.classify_user(far, 0);
-        f.classify_user(far, 1);
+        f.classify_user(far, 0, None);
+        f.classify_user(far, 1, None);
         assert_eq!((f.heat.pages.len(), f.last.pages.len()), (1, 1));
         assert_eq!(f.heat.get(far), 2);
         let mut s = SepBit::default();
-        s.classify_user(far, 0);
-        s.classify_user(7, 1);
-        assert_eq!(s.last_write.pages.len(), 2);
+        s.classify_user(far, 0, None);
+        s.classify_user(7, 1, None);
+        assert_eq!(s.given.pages.len(), 2);
         let mut l = Lamina::new(blocks, 6, 1.0, 0.25);
         for t in 0..3 {
-            l.classify_user(far, t * 10);
+            l.classify_user(far, t * 10, None);
         }
         assert_eq!(l.est.pages.len(), 1);
         assert_eq!({ l.est.get(far).interval }, 10.0);
         assert_eq!({ l.est.get(far - 1).interval }, 0.0);
         assert_eq!({ l.est.get(far - PER_PAGE as u64).last }, 0);
         assert_eq!(std::mem::size_of::<Estimate>(), l.bytes_per_block());
+    }
+
+    /// A block a user wrote at `at` into a segment of class `class`.
+    fn user_write(at: u64, class: u8) -> Written {
+        Written {
+            at,
+            relocated: false,
+            class,
+        }
     }
 
     /// xorshift, to keep the tests free of dependencies.
@@ -724,7 +842,7 @@ mod tests {
         let mut x = 0x2545f4914f6cdd1d;
         let mut h = vec![0u64; c.user_classes() as usize];
         for t in 0..n {
-            let k = c.classify_user(pick(&mut x), t);
+            let k = c.classify_user(pick(&mut x), t, None);
             if t >= n / 2 {
                 h[k as usize] += 1;
             }
@@ -759,10 +877,10 @@ mod tests {
         let mut flat = Lamina::new(blocks, 6, 1.0, 0.25);
         let mut x = 0x1234_5678u64;
         for t in 0..blocks * 12 {
-            flat.classify_user(rng(&mut x) % blocks, t);
+            flat.classify_user(rng(&mut x) % blocks, t, None);
         }
         assert!(flat.flat, "uniform traffic is flat");
-        let young = flat.classify_gc(1, blocks * 12, 0);
+        let young = flat.classify_gc(1, blocks * 12, user_write(0, 0));
         // Old or young, a GC'd block lands in the same class.
         let mut oldest = 0;
         let mut when = u64::MAX;
@@ -773,7 +891,10 @@ mod tests {
                 oldest = lba;
             }
         }
-        assert_eq!(flat.classify_gc(oldest, blocks * 12, 0), young);
+        assert_eq!(
+            flat.classify_gc(oldest, blocks * 12, user_write(0, 0)),
+            young
+        );
         let mut skew = Lamina::new(blocks, 6, 1.0, 0.25);
         for t in 0..blocks * 12 {
             let lba = if rng(&mut x) % 10 < 9 {
@@ -781,7 +902,7 @@ mod tests {
             } else {
                 rng(&mut x) % blocks
             };
-            skew.classify_user(lba, t);
+            skew.classify_user(lba, t, None);
         }
         assert!(!skew.flat, "90/10 traffic is not flat");
     }
@@ -827,7 +948,7 @@ mod tests {
         let mut x = 7u64;
         let (mut hot_classes, mut cold_classes) = (vec![0u64; 8], vec![0u64; 8]);
         for t in 0..blocks {
-            c.classify_user(t, t);
+            c.classify_user(t, t, None);
         }
         for t in blocks..6 * blocks {
             let r = rng(&mut x);
@@ -836,7 +957,7 @@ mod tests {
             } else {
                 hot + (r >> 8) % (blocks - hot)
             };
-            let k = c.classify_user(lba, t) as usize;
+            let k = c.classify_user(lba, t, None) as usize;
             if t > 3 * blocks {
                 if lba < hot {
                     hot_classes[k] += 1
@@ -855,7 +976,7 @@ mod tests {
         let (mh, mc) = (mean(&hot_classes), mean(&cold_classes));
         assert!(mc - mh >= 1.5, "hot {hot_classes:?} cold {cold_classes:?}");
         // GC places a long-surviving block colder than its user class.
-        let age_cold = c.classify_gc(hot + 1, 100 * blocks, 0) - c.user_classes();
+        let age_cold = c.classify_gc(hot + 1, 100 * blocks, user_write(0, 0)) - c.user_classes();
         assert_eq!(age_cold, c.user_classes() - 1);
     }
 
@@ -864,37 +985,81 @@ mod tests {
         let mut s = SepBit::default();
         // Before any class-0 segment was collected, l is infinite: overwrites are
         // short-lived, first writes are long-lived.
-        assert_eq!(s.classify_user(1, 0), 1);
-        assert_eq!(s.classify_user(1, 10), 0);
+        assert_eq!(s.classify_user(1, 0, None), 1);
+        assert_eq!(s.classify_user(1, 10, Some(user_write(0, 1))), 0);
         s.segment_collected(0, 0, 100);
         assert_eq!(s.l, 100.0);
-        assert_eq!(s.classify_user(1, 50), 0); // lifespan 40 < 100
-        assert_eq!(s.classify_user(1, 500), 1); // lifespan 450 >= 100
-        assert_eq!(s.classify_gc(1, 600, 0), 2);
-        assert_eq!(s.classify_gc(1, 600, 1), 3); // age 100 < 400
-        assert_eq!(s.classify_gc(1, 1300, 1), 4); // age 800 < 1600
-        assert_eq!(s.classify_gc(1, 5000, 1), 5);
+        assert_eq!(s.classify_user(1, 50, Some(user_write(10, 0))), 0); // 40 < 100
+        assert_eq!(s.classify_user(1, 500, Some(user_write(50, 0))), 1); // 450 >= 100
+        assert_eq!(s.classify_gc(1, 600, user_write(500, 0)), 2);
+        assert_eq!(s.classify_gc(1, 600, user_write(500, 1)), 3); // age 100 < 400
+        assert_eq!(s.classify_gc(1, 1300, user_write(500, 1)), 4); // age 800 < 1600
+        assert_eq!(s.classify_gc(1, 5000, user_write(500, 1)), 5);
+        // A relocated block is dated by the user writes of what GC moved with it.
+        let moved = |at, class| Written {
+            at,
+            relocated: true,
+            class,
+        };
+        assert_eq!(s.classify_user(1, 600, Some(moved(550, 2))), 0);
+        assert_eq!(s.classify_user(1, 600, Some(moved(450, 2))), 1);
+        assert_eq!(s.classify_gc(1, 600, moved(100, 4)), 4);
         for _ in 0..16 {
             s.segment_collected(0, 0, 20);
         }
         assert_eq!(s.l, 20.0, "l is the mean of the last 16 class-0 victims");
     }
 
+    /// What SepBIT learnt survives a save and restore; damaged state is refused.
+    #[test]
+    fn sepbit_state_round_trips_and_damage_is_refused() {
+        let mut s = SepBit::default();
+        for i in 0..20 {
+            s.segment_collected(0, 0, 100 + i);
+        }
+        s.lives = [(5.0, 2.0), (70.0, 3.0)];
+        s.deaths = 1234;
+        s.flat = false;
+        let saved = s.save();
+        let mut r = SepBit::default();
+        r.restore(&saved).unwrap();
+        assert_eq!(
+            (r.l, r.recent.clone(), r.lives, r.deaths, r.flat),
+            (s.l, s.recent.clone(), s.lives, s.deaths, s.flat)
+        );
+        assert_eq!(r.save(), saved);
+        for cut in 0..saved.len() {
+            assert!(
+                SepBit::default().restore(&saved[..cut]).is_err(),
+                "cut {cut}"
+            );
+        }
+        let mut bad = saved.clone();
+        bad[0] = 9;
+        assert!(SepBit::default().restore(&bad).is_err(), "version");
+        let mut bad = saved.clone();
+        bad[10..18].copy_from_slice(&f64::NAN.to_le_bytes());
+        assert!(SepBit::default().restore(&bad).is_err(), "NaN tally");
+    }
+
     #[test]
     fn frequency_heats_and_cools() {
         let mut f = Frequency::new(100, 4);
-        let cold = f.classify_user(7, 0);
+        let cold = f.classify_user(7, 0, None);
         let mut hot = cold;
         for t in 1..10 {
-            hot = f.classify_user(7, t);
+            hot = f.classify_user(7, t, None);
         }
         assert!(
             hot < cold,
             "repeated writes make a block hotter (lower class)"
         );
         // Much later, after many half-lives, it is cold again.
-        assert_eq!(f.classify_gc(7, 100_000, 0), f.gc_classes() + 3);
-        assert_eq!(f.classify_user(8, 0), 3, "first writes are coldest");
+        assert_eq!(
+            f.classify_gc(7, 100_000, user_write(0, 0)),
+            f.gc_classes() + 3
+        );
+        assert_eq!(f.classify_user(8, 0, None), 3, "first writes are coldest");
     }
 
     #[test]
@@ -902,10 +1067,10 @@ mod tests {
         // Writes at t: block 0 at 0, 1, 2, 3 (short lives); block 1 at 4 and never again.
         let next = Arc::new(vec![1, 2, 3, u64::MAX, u64::MAX]);
         let mut o = Oracle::new(next, 8, 1000);
-        let short = o.classify_user(0, 0);
-        let never = o.classify_user(1, 4);
+        let short = o.classify_user(0, 0, None);
+        let never = o.classify_user(1, 4, None);
         assert!(short < never);
         assert_eq!(never, 7);
-        assert_eq!(o.classify_gc(1, 10, 0), 8 + 7);
+        assert_eq!(o.classify_gc(1, 10, user_write(0, 0)), 8 + 7);
     }
 }

@@ -20,12 +20,13 @@ use crate::error::EngineError;
 use crate::geometry::Geometry;
 use crate::io::execute;
 use crate::map::{encode_device, BAD, UNMAPPED};
+use crate::segments::{Origins, ORIGIN_SLOTS};
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_device::zoned::{ZoneCond, ZoneType};
 use lamina_device::BlockDevice;
 use lamina_format::checkpoint::{
-    CheckpointHeader, CheckpointMeta, SegmentState, MAP_ENTRIES_PER_PAGE,
+    CheckpointHeader, CheckpointMeta, SegmentState, VolumeRecord, MAP_ENTRIES_PER_PAGE,
 };
 use lamina_format::summary::SummaryHeader;
 use lamina_format::superblock::{
@@ -34,7 +35,7 @@ use lamina_format::superblock::{
 };
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT};
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -715,10 +716,89 @@ struct FoundUnit {
     version: u64,
     durable_version: u64,
     run_start: u64,
+    /// The volume's time at the unit's seal and, for GC units, its segment's mean
+    /// origin ([`UnitHeader::volume_time`], [`UnitHeader::origin`]).
+    opened_time: u64,
+    volume_time: u64,
+    origin: u64,
     records: Vec<RawRecord>,
     /// The header as rebuilt from parity, when it did not decode as read (or was
     /// not the one expected there).
     rebuilt: Option<Vec<u8>>,
+}
+
+/// Each volume's time (user blocks written to it) at the units recovery replays,
+/// for the segment ages GC and placement read. Units record the volume's time at
+/// their seal ([`UnitHeader::volume_time`]). Units written before they did (0
+/// there) are dated by counting: the volume's count in the checkpoint plus the
+/// user blocks of its replayed units with lower versions, which falls short when
+/// segments written since the checkpoint were collected before the crash.
+struct VolumeClocks {
+    /// Per volume: (version, time before the unit) of each replayed user unit in
+    /// version order, and the volume's time after everything replayed.
+    clocks: HashMap<u16, (Vec<(u64, u64)>, u64)>,
+}
+
+impl VolumeClocks {
+    fn new<'a>(
+        volumes: &[(Arc<VolumeShared>, VolumeRecord)],
+        units: impl Iterator<Item = (u16, StreamKind, &'a FoundUnit)>,
+    ) -> Self {
+        let mut clocks: HashMap<u16, (Vec<(u64, u64)>, u64)> = volumes
+            .iter()
+            .map(|(v, rec)| (v.id.0, (Vec::new(), rec.user_blocks_written)))
+            .collect();
+        let mut recorded: HashMap<u16, u64> = HashMap::new();
+        for (volume, kind, u) in units {
+            if let Some(c) = clocks.get_mut(&volume) {
+                if kind == StreamKind::User {
+                    c.0.push((u.version, u.data_blocks as u64));
+                }
+                let r = recorded.entry(volume).or_default();
+                *r = (*r).max(u.volume_time);
+            }
+        }
+        for (volume, (units, t)) in clocks.iter_mut() {
+            units.sort_unstable_by_key(|u| u.0);
+            for u in units.iter_mut() {
+                let blocks = u.1;
+                u.1 = *t;
+                *t += blocks;
+            }
+            *t = (*t).max(recorded.get(volume).copied().unwrap_or(0));
+        }
+        VolumeClocks { clocks }
+    }
+
+    /// The volume's time when unit `u` was opened: as recorded, or else counted.
+    fn before(&self, volume: u16, u: &FoundUnit) -> u64 {
+        if u.volume_time != 0 {
+            return u.opened_time;
+        }
+        self.clocks.get(&volume).map_or(0, |(units, end)| {
+            units
+                .get(units.partition_point(|c| c.0 < u.version))
+                .map_or(*end, |c| c.1)
+        })
+    }
+
+    /// The volume's time when unit `u` was sealed.
+    fn after(&self, volume: u16, kind: StreamKind, u: &FoundUnit) -> u64 {
+        if u.volume_time != 0 {
+            return u.volume_time;
+        }
+        self.before(volume, u)
+            + if kind == StreamKind::User {
+                u.data_blocks as u64
+            } else {
+                0
+            }
+    }
+
+    /// The volume's time after every replayed unit.
+    fn end(&self, volume: u16) -> u64 {
+        self.clocks.get(&volume).map_or(0, |c| c.1)
+    }
 }
 
 /// One segment incarnation found by the walk.
@@ -783,6 +863,9 @@ fn scan_segment(
             version: u.version,
             durable_version: u.durable_version,
             run_start: u.run_start,
+            opened_time: u.opened_time,
+            volume_time: u.volume_time,
+            origin: u.origin,
             rebuilt: rebuilt.then(|| buf.clone()),
             records,
         });
@@ -1099,6 +1182,17 @@ pub fn open_unfinished(
             SegmentState::Open | SegmentState::Closed => SegState::Closed,
             SegmentState::Checkpoint => SegState::Meta,
         };
+        // Checkpoints written before segment times were recorded have none: the
+        // segments then look equally old until they are reused.
+        if let Some(t) = meta.segment_times.get(i) {
+            s.born = t.born;
+            s.closed = t.closed;
+            s.origins = Origins::at_time(t.born);
+            if let Some(o) = t.origins {
+                s.origins.mean = o;
+            }
+            s.last_invalidated = t.closed;
+        }
     }
 
     // ---- walk
@@ -1431,6 +1525,13 @@ pub fn open_unfinished(
             *s = Seg::free(s.erase_count);
         }
     }
+    let clocks = VolumeClocks::new(
+        &volumes,
+        found
+            .iter()
+            .filter(|f| f.kind != StreamKind::Meta && !released.contains(&(f.seg, f.incarnation)))
+            .flat_map(|f| f.units.iter().map(move |u| (f.volume, f.kind, u))),
+    );
     for f in &found {
         if released.contains(&(f.seg, f.incarnation)) {
             continue;
@@ -1440,6 +1541,35 @@ pub fn open_unfinished(
         if new_incarnation {
             s.erase_count += 1;
             s.data_blocks = 0;
+        }
+        if f.kind != StreamKind::Meta {
+            if let (Some(first), Some(last)) = (f.units.first(), f.units.last()) {
+                if new_incarnation {
+                    s.born = clocks.before(f.volume, first);
+                    s.origins = Origins::at_time(s.born);
+                }
+                s.closed = clocks.after(f.volume, f.kind, last);
+                s.last_invalidated = s.closed;
+                if f.kind == StreamKind::Gc {
+                    // Each replayed unit dates the slots its blocks fall in (units
+                    // written before origins were recorded: by the segment's birth).
+                    let mut slots = [(0u128, 0u64); ORIGIN_SLOTS];
+                    for u in &f.units {
+                        let at = if u.origin != 0 { u.origin } else { s.born };
+                        for i in 0..u.data_blocks {
+                            let slot =
+                                Origins::slot(u.offset + u.header_blocks + i, geo.segment_blocks);
+                            slots[slot].0 += at as u128;
+                            slots[slot].1 += 1;
+                        }
+                    }
+                    for (k, &(sum, n)) in slots.iter().enumerate() {
+                        if n > 0 {
+                            s.origins.mean[k] = (sum / n as u128) as u64;
+                        }
+                    }
+                }
+            }
         }
         s.incarnation = f.incarnation;
         s.kind = f.kind;
@@ -1463,6 +1593,10 @@ pub fn open_unfinished(
         let empty_data = s.state == SegState::Closed && s.write_ptr == 0;
         if empty_meta || empty_data {
             *s = Seg::free(s.erase_count);
+        } else if s.state == SegState::Closed && s.closed < s.born {
+            // Open at the checkpoint and not written since: it closes now.
+            s.closed = clocks.end(s.volume);
+            s.last_invalidated = s.closed;
         }
     }
 
@@ -1556,7 +1690,22 @@ pub fn open_unfinished(
     for ((vs, rec), live) in volumes.into_iter().zip(live_per_volume) {
         let (u, g, m) = vol_media.get(&rec.id).copied().unwrap_or_default();
         let vol = engine.attach_volume(vs, rec.created_version, true);
-        vol.user_blocks = rec.user_blocks_written + u;
+        // What the volume's classifier had learnt, unless it is another one now.
+        if let Some(p) = meta
+            .placement
+            .iter()
+            .find(|p| p.volume == rec.id && p.classifier == vol.classifier.name())
+        {
+            if let Err(e) = vol.classifier.restore(&p.state) {
+                report.warnings.push(format!(
+                    "volume {:?}: the placement state in the checkpoint is not usable ({e}); placement starts afresh",
+                    rec.name
+                ));
+            }
+        }
+        // Units record the volume's count; counting replayed units falls short when
+        // segments written since the checkpoint were collected before the crash.
+        vol.user_blocks = (rec.user_blocks_written + u).max(clocks.end(rec.id));
         vol.gc_blocks = rec.gc_blocks_relocated + g;
         vol.media_blocks = rec.media_blocks_written + m;
         vol.live_blocks = live;

@@ -63,6 +63,49 @@ pub(crate) struct Seg {
     pub last_invalidated: u64,
     /// Volume time when it was closed.
     pub closed: u64,
+    /// Written by GC: when its blocks were last written by users.
+    pub origins: Origins,
+}
+
+/// Slots a GC segment is divided into for dating its blocks.
+pub const ORIGIN_SLOTS: usize = lamina_format::checkpoint::ORIGIN_SLOTS;
+
+/// When the blocks GC moved into a segment were last written by users: the mean of
+/// each sixteenth of the segment. GC writes a victim's live blocks in order, so
+/// neighbours in a GC segment come from the same part of the same victim and were
+/// written at about the same time. One mean for the whole segment would date each
+/// block by blocks of every age moved with it; and since the blocks that die soon
+/// after a move are the young ones, the overwrites it dates would all look old
+/// (SepBIT's lifespan check then saw no difference between its classes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Origins {
+    pub mean: [u64; ORIGIN_SLOTS],
+    n: [u32; ORIGIN_SLOTS],
+}
+
+impl Origins {
+    /// Every slot dated `t` (what a slot nothing was moved into yet says).
+    pub fn at_time(t: u64) -> Self {
+        Origins {
+            mean: [t; ORIGIN_SLOTS],
+            n: [0; ORIGIN_SLOTS],
+        }
+    }
+
+    /// Slot of block `offset` of a segment of `segment_blocks` blocks.
+    #[inline]
+    pub fn slot(offset: u32, segment_blocks: u32) -> usize {
+        (offset as u64 * ORIGIN_SLOTS as u64 / segment_blocks.max(1) as u64)
+            .min(ORIGIN_SLOTS as u64 - 1) as usize
+    }
+
+    /// A block last written by a user at `at` was moved into `slot`.
+    pub fn add(&mut self, slot: usize, at: u64) {
+        let n = &mut self.n[slot];
+        *n = n.saturating_add(1);
+        let m = &mut self.mean[slot];
+        *m = (*m as i128 + (at as i128 - *m as i128) / *n as i128) as u64;
+    }
 }
 
 impl Seg {
@@ -85,6 +128,7 @@ impl Seg {
             born: 0,
             last_invalidated: 0,
             closed: 0,
+            origins: Origins::at_time(0),
         }
     }
 }

@@ -170,6 +170,41 @@ pub struct StreamRecord {
     pub next_segment: u32,
 }
 
+/// When a segment was opened and closed, in its volume's time (user blocks written
+/// to the volume): the ages cost-benefit GC and the classifiers read. All zero for
+/// a segment not in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SegmentTimes {
+    pub born: u64,
+    pub closed: u64,
+    /// Segments written by GC: when the blocks in each of its [`ORIGIN_SLOTS`]
+    /// equal parts were last written by users (mean).
+    pub origins: Option<[u64; ORIGIN_SLOTS]>,
+}
+
+/// Parts a GC segment's blocks are dated by.
+pub const ORIGIN_SLOTS: usize = 16;
+
+/// A volume's placement state: what its classifier has learnt, opaque to the format
+/// (the classifier encodes and checks it), at most [`MAX_PLACEMENT_STATE`] bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlacementRecord {
+    pub volume: u16,
+    /// The classifier's name, so that a changed configuration starts afresh.
+    pub classifier: String,
+    pub state: Vec<u8>,
+}
+
+/// Largest placement state a checkpoint carries per volume: classifier state must
+/// stay bounded whatever the volume's size.
+pub const MAX_PLACEMENT_STATE: usize = 64 << 10;
+
+/// Sections after the fixed part of the metadata, each `tag: u32, length: u32,
+/// bytes`. Checkpoints written before a section existed simply lack it, and a
+/// reader skips tags it does not know, so adding one needs no format version.
+const EXT_SEGMENT_TIMES: u32 = 1;
+const EXT_PLACEMENT: u32 = 2;
+
 /// Encoded size of a [`SegmentRecord`].
 pub const SEGMENT_RECORD_SIZE: usize = 34;
 /// Encoded size of a [`StreamRecord`].
@@ -185,6 +220,10 @@ pub struct CheckpointMeta {
     pub streams: Vec<StreamRecord>,
     /// Array-wide counters: user blocks, media blocks, GC blocks, metadata blocks, ...
     pub counters: Vec<u64>,
+    /// One per segment, or none (checkpoints written before they were recorded).
+    pub segment_times: Vec<SegmentTimes>,
+    /// Volumes whose classifier has state worth keeping.
+    pub placement: Vec<PlacementRecord>,
 }
 
 impl CheckpointMeta {
@@ -232,6 +271,40 @@ impl CheckpointMeta {
         w.u32(self.counters.len() as u32);
         for c in &self.counters {
             w.u64(*c);
+        }
+        if !self.segment_times.is_empty() {
+            let mut e = Writer::default();
+            e.u32(self.segment_times.len() as u32);
+            for t in &self.segment_times {
+                e.u64(t.born);
+                e.u64(t.closed);
+                match &t.origins {
+                    None => e.u8(0),
+                    Some(o) => {
+                        e.u8(ORIGIN_SLOTS as u8);
+                        for &x in o {
+                            e.u64(x);
+                        }
+                    }
+                }
+            }
+            w.u32(EXT_SEGMENT_TIMES);
+            w.u32(e.buf.len() as u32);
+            w.buf.extend_from_slice(&e.buf);
+        }
+        if !self.placement.is_empty() {
+            let mut e = Writer::default();
+            e.u32(self.placement.len() as u32);
+            for p in &self.placement {
+                debug_assert!(p.state.len() <= MAX_PLACEMENT_STATE);
+                e.u16(p.volume);
+                e.str(&p.classifier);
+                e.u32(p.state.len() as u32);
+                e.buf.extend_from_slice(&p.state);
+            }
+            w.u32(EXT_PLACEMENT);
+            w.u32(e.buf.len() as u32);
+            w.buf.extend_from_slice(&e.buf);
         }
         w.buf
     }
@@ -322,12 +395,80 @@ impl CheckpointMeta {
         for _ in 0..n {
             counters.push(r.u64()?);
         }
+        let mut segment_times = Vec::new();
+        let mut placement = Vec::new();
+        while r.position() < buf.len() {
+            let tag = r.u32()?;
+            let len = r.u32()?;
+            let len = bounded(len, 1, &r)?;
+            let section = r.bytes(len)?;
+            let mut e = Reader::new(section, WHAT);
+            match tag {
+                EXT_SEGMENT_TIMES => {
+                    let n = e.u32()? as usize;
+                    if n != segments.len() || n.saturating_mul(17) > len {
+                        return Err(invalid(format!(
+                            "{n} segment times for {} segments in {len} bytes",
+                            segments.len()
+                        )));
+                    }
+                    segment_times = Vec::with_capacity(n);
+                    for i in 0..n {
+                        let (born, closed) = (e.u64()?, e.u64()?);
+                        let origins = match e.u8()? {
+                            0 => None,
+                            k if k as usize == ORIGIN_SLOTS => {
+                                let mut o = [0u64; ORIGIN_SLOTS];
+                                for x in &mut o {
+                                    *x = e.u64()?;
+                                }
+                                Some(o)
+                            }
+                            k => return Err(invalid(format!("segment {i}: {k} origin slots"))),
+                        };
+                        segment_times.push(SegmentTimes {
+                            born,
+                            closed,
+                            origins,
+                        });
+                    }
+                    if e.position() != len {
+                        return Err(invalid(format!(
+                            "segment times: {} bytes left over",
+                            len - e.position()
+                        )));
+                    }
+                }
+                EXT_PLACEMENT => {
+                    let n = e.u32()? as usize;
+                    for _ in 0..n.min(len) {
+                        let volume = e.u16()?;
+                        let classifier = e.str()?;
+                        let size = e.u32()? as usize;
+                        if size > MAX_PLACEMENT_STATE {
+                            return Err(invalid(format!(
+                                "placement state of volume {volume} is {size} bytes"
+                            )));
+                        }
+                        placement.push(PlacementRecord {
+                            volume,
+                            classifier,
+                            state: e.bytes(size)?.to_vec(),
+                        });
+                    }
+                }
+                // A section a later build added: not needed to recover.
+                _ => {}
+            }
+        }
         Ok(CheckpointMeta {
             volumes,
             segments,
             free_queue,
             streams,
             counters,
+            segment_times,
+            placement,
         })
     }
 }
@@ -388,7 +529,78 @@ mod tests {
                 next_segment: 5,
             }],
             counters: vec![1, 2, 3],
+            segment_times: vec![],
+            placement: vec![],
         }
+    }
+
+    #[test]
+    fn extension_sections_roundtrip_and_are_optional() {
+        let plain = sample();
+        let mut m = sample();
+        m.segment_times = vec![
+            SegmentTimes {
+                born: 7,
+                closed: 900,
+                origins: Some([3; ORIGIN_SLOTS]),
+            },
+            SegmentTimes::default(),
+        ];
+        m.placement = vec![PlacementRecord {
+            volume: 0,
+            classifier: "sepbit".into(),
+            state: vec![1, 2, 3, 4],
+        }];
+        let enc = m.encode();
+        assert_eq!(CheckpointMeta::decode(&enc).unwrap(), m);
+        // A checkpoint without the sections (an older writer) reads with none.
+        assert_eq!(CheckpointMeta::decode(&plain.encode()).unwrap(), plain);
+        // A section this build does not know is skipped.
+        let mut unknown = plain.encode();
+        unknown.extend_from_slice(&99u32.to_le_bytes());
+        unknown.extend_from_slice(&3u32.to_le_bytes());
+        unknown.extend_from_slice(&[9, 9, 9]);
+        assert_eq!(CheckpointMeta::decode(&unknown).unwrap(), plain);
+        // A cut inside a section is an error, never a panic or a wrong read; a cut
+        // between sections reads as a checkpoint without the later ones (the
+        // header's length and checksum are what catch those).
+        for cut in plain.encode().len() + 1..enc.len() {
+            if let Ok(d) = CheckpointMeta::decode(&enc[..cut]) {
+                assert_eq!(d.segment_times, m.segment_times, "cut at {cut}");
+                assert!(d.placement.is_empty(), "cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn damaged_extension_sections_are_errors() {
+        let mut m = sample();
+        // Times for the wrong number of segments.
+        m.segment_times = vec![SegmentTimes::default()];
+        assert!(CheckpointMeta::decode(&m.encode()).is_err());
+        // A placement state beyond the bound.
+        let mut m = sample();
+        m.placement = vec![PlacementRecord {
+            volume: 0,
+            classifier: "x".into(),
+            state: vec![0; MAX_PLACEMENT_STATE + 1],
+        }];
+        let mut w = Writer::default();
+        w.u32(1);
+        w.u16(0);
+        w.str("x");
+        w.u32(MAX_PLACEMENT_STATE as u32 + 1);
+        w.buf.extend_from_slice(&m.placement[0].state);
+        let mut enc = sample().encode();
+        enc.extend_from_slice(&EXT_PLACEMENT.to_le_bytes());
+        enc.extend_from_slice(&(w.buf.len() as u32).to_le_bytes());
+        enc.extend_from_slice(&w.buf);
+        assert!(CheckpointMeta::decode(&enc).is_err());
+        // A section length beyond the buffer.
+        let mut enc = sample().encode();
+        enc.extend_from_slice(&EXT_SEGMENT_TIMES.to_le_bytes());
+        enc.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(CheckpointMeta::decode(&enc).is_err());
     }
 
     #[test]

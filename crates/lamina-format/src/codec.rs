@@ -103,6 +103,10 @@ impl<'a> Reader<'a> {
             detail: "string is not UTF-8".into(),
         })
     }
+    /// The next `n` bytes.
+    pub fn bytes(&mut self, n: usize) -> Result<&'a [u8], crate::FormatError> {
+        self.take(n)
+    }
     pub fn position(&self) -> usize {
         self.pos
     }

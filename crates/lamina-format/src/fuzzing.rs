@@ -103,6 +103,9 @@ pub fn seeds() -> Vec<(Kind, Vec<u8>)> {
             next_segment: NO_SEGMENT,
             durable_version: 70,
             run_start: 60,
+            opened_time: 890,
+            volume_time: 900,
+            origin: 300,
         };
         let mut buf = vec![0u8; h.header_blocks as usize * BLOCK_SIZE];
         for i in 0..records as usize - 2 {
@@ -161,6 +164,16 @@ pub fn seeds() -> Vec<(Kind, Vec<u8>)> {
             next_segment: 5,
         }],
         counters: vec![1, 2, 3],
+        segment_times: vec![crate::checkpoint::SegmentTimes {
+            born: 4,
+            closed: 900,
+            origins: Some([2; crate::checkpoint::ORIGIN_SLOTS]),
+        }],
+        placement: vec![crate::checkpoint::PlacementRecord {
+            volume: 0,
+            classifier: "sepbit".into(),
+            state: vec![1, 2, 3, 4, 5, 6, 7, 8],
+        }],
     }
     .encode();
     let h = CheckpointHeader {

@@ -49,7 +49,10 @@ const OFF_NEXT_SEGMENT: usize = 56;
 pub(crate) const OFF_CRC: usize = 60;
 const OFF_DURABLE_VERSION: usize = 64;
 const OFF_RUN_START: usize = 72;
-const OFF_RESERVED: usize = 80;
+const OFF_OPENED_TIME: usize = 80;
+const OFF_VOLUME_TIME: usize = 88;
+const OFF_ORIGIN: usize = 96;
+const OFF_RESERVED: usize = 104;
 
 /// Record kinds (the `kind` field of a [`RawRecord`]).
 pub mod kind {
@@ -227,6 +230,15 @@ pub struct UnitHeader {
     /// First version of the run (server start) that wrote this unit. A durability
     /// mark says nothing about versions of earlier runs, which crashed.
     pub run_start: u64,
+    /// The volume's time (user blocks written to it) when the unit was opened, and
+    /// when it was sealed (its own blocks included): recovery dates the segments
+    /// written after the checkpoint from them (placement ages). 0 in units written
+    /// before they were recorded (the bytes were reserved and zero).
+    pub opened_time: u64,
+    pub volume_time: u64,
+    /// GC units: the mean volume time at which users last wrote the blocks GC has
+    /// moved into the segment so far. 0 otherwise.
+    pub origin: u64,
 }
 
 impl UnitHeader {
@@ -258,6 +270,9 @@ impl UnitHeader {
         put_u32(b, OFF_NEXT_SEGMENT, self.next_segment);
         put_u64(b, OFF_DURABLE_VERSION, self.durable_version);
         put_u64(b, OFF_RUN_START, self.run_start);
+        put_u64(b, OFF_OPENED_TIME, self.opened_time);
+        put_u64(b, OFF_VOLUME_TIME, self.volume_time);
+        put_u64(b, OFF_ORIGIN, self.origin);
         b[OFF_RESERVED..UNIT_FIXED_SIZE].fill(0);
         // Unused record slots are zeroed so the checksum covers defined bytes.
         let used = UNIT_FIXED_SIZE + self.record_count as usize * RECORD_SIZE;
@@ -307,6 +322,9 @@ impl UnitHeader {
             next_segment: get_u32(b, OFF_NEXT_SEGMENT),
             durable_version: get_u64(b, OFF_DURABLE_VERSION),
             run_start: get_u64(b, OFF_RUN_START),
+            opened_time: get_u64(b, OFF_OPENED_TIME),
+            volume_time: get_u64(b, OFF_VOLUME_TIME),
+            origin: get_u64(b, OFF_ORIGIN),
         })
     }
 
@@ -375,6 +393,9 @@ mod tests {
             next_segment: NO_SEGMENT,
             durable_version: 70,
             run_start: 60,
+            opened_time: 1200,
+            volume_time: 1234,
+            origin: 567,
         }
     }
 
