@@ -62,7 +62,8 @@ pub struct EngineConfig {
     /// Run a background flush at least this often when there are unsynced writes.
     pub auto_sync_ms: u64,
     /// Heat classifier of volumes without an override (see
-    /// [`crate::placement::CLASSIFIER_NAMES`]).
+    /// [`crate::placement::CLASSIFIER_NAMES`]; "auto" is SepBIT where its streams
+    /// fit a zoned array's open-zone limit, else "none").
     pub classifier: String,
     /// Per-volume overrides: (volume name, classifier, victim policy).
     pub volume_overrides: Vec<(String, Option<String>, Option<String>)>,
@@ -102,11 +103,11 @@ impl Default for EngineConfig {
         EngineConfig {
             buffer_units: 8,
             header_cache_bytes: DEFAULT_HEADER_CACHE_BYTES,
-            gc_policy: "greedy".into(),
+            gc_policy: "cost-benefit-sqrt".into(),
             checkpoint_interval_blocks: (1 << 30) / BLOCK_SIZE_U64,
             idle_seal_ms: 200,
             auto_sync_ms: 5000,
-            classifier: "none".into(),
+            classifier: "auto".into(),
             volume_overrides: Vec::new(),
             wear_window: 0.10,
             metadata_only: false,
@@ -1337,7 +1338,13 @@ impl Engine {
         self.segments
             .segs
             .iter()
-            .map(|s| (s.born, s.closed, s.origins.mean[0]))
+            .map(|s| {
+                (
+                    s.born,
+                    s.closed,
+                    s.origins.as_ref().map_or(s.born, |o| o.mean[0]),
+                )
+            })
             .collect()
     }
 
@@ -1348,9 +1355,9 @@ impl Engine {
     pub(crate) fn written_at(&self, pba: Pba, now: u64) -> Written {
         let (seg, offset) = self.geo.split(pba);
         let s = &self.segments.segs[seg.0 as usize];
-        let at = if s.kind == StreamKind::Gc {
+        let at = if let Some(o) = &s.origins {
             // GC writes blocks of many ages: what dates them is where they came from.
-            s.origins.mean[crate::segments::Origins::slot(offset, self.geo.segment_blocks)]
+            o.mean[crate::segments::Origins::slot(offset, self.geo.segment_blocks)]
         } else {
             // Blocks of the unit being filled lie past the write pointer: written now.
             let end = if s.state == SegState::Open {
@@ -1745,7 +1752,7 @@ impl Engine {
         self.segments.segs[seg as usize] = Seg {
             born,
             last_invalidated: born,
-            origins: crate::segments::Origins::at_time(born),
+            origins: crate::segments::Origins::for_segment(kind, born),
             state: if kind == StreamKind::Meta {
                 SegState::Meta
             } else {
@@ -2708,17 +2715,8 @@ impl Engine {
         if self.zones.limit > 0 {
             // Every stream may hold a zone open; with the metadata stream they must
             // fit the devices' open-zone limit.
-            // (The small stream takes conventional segments only: no zone.)
-            let need = (placement.0.user_classes() + placement.0.gc_classes()) as usize
-                + self.geometry_aware as usize;
-            // Volumes being deleted keep their open segments until the checkpoint
-            // that drops them commits: they count.
-            let used: usize = self
-                .volumes
-                .iter()
-                .flatten()
-                .map(|v| v.streams.len() - v.small_stream.is_some() as usize)
-                .sum();
+            let need = self.zone_streams(placement.0.as_ref());
+            let used = self.zone_streams_used();
             if 1 + used + need > self.zones.limit as usize {
                 return Err(EngineError::Invalid(format!(
                     "the devices let {} zones be open at once; the metadata stream and the volumes' {used} streams hold {}, and volume {name:?} needs {need} more (fewer heat classes: classifier = \"none\" needs 2)",
@@ -2888,6 +2886,38 @@ impl Engine {
         }
     }
 
+    /// Streams of a volume with classifier `c` that may hold a zone open (the small
+    /// stream takes conventional segments only: no zone).
+    fn zone_streams(&self, c: &dyn crate::placement::Classifier) -> usize {
+        (c.user_classes() + c.gc_classes()) as usize + self.geometry_aware as usize
+    }
+
+    /// Streams of the volumes attached so far that may hold a zone open. Volumes
+    /// being deleted keep their open segments until the checkpoint that drops them
+    /// commits: they count.
+    fn zone_streams_used(&self) -> usize {
+        self.volumes
+            .iter()
+            .flatten()
+            .map(|v| v.streams.len() - v.small_stream.is_some() as usize)
+            .sum()
+    }
+
+    /// What `classifier = "auto"` (the default) is for the next volume: SepBIT,
+    /// unless its streams would not fit a zoned array's open-zone limit beside those
+    /// already open, where greedy's one user and one GC stream are the most that
+    /// fits.
+    fn auto_classifier(&self) -> &'static str {
+        let sepbit = crate::placement::SepBit::default();
+        if self.zones.limit > 0
+            && 1 + self.zone_streams_used() + self.zone_streams(&sepbit) > self.zones.limit as usize
+        {
+            "none"
+        } else {
+            "sepbit"
+        }
+    }
+
     /// The classifier and victim policy a volume uses: its override, else the
     /// engine's defaults. Unknown names were rejected when the configuration was read.
     fn placement_for(
@@ -2896,9 +2926,12 @@ impl Engine {
         blocks: u64,
     ) -> (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>) {
         let o = self.cfg.volume_overrides.iter().find(|o| o.0 == name);
-        let cname = o
+        let mut cname = o
             .and_then(|o| o.1.clone())
             .unwrap_or_else(|| self.cfg.classifier.clone());
+        if cname == "auto" {
+            cname = self.auto_classifier().into();
+        }
         let pname = o
             .and_then(|o| o.2.clone())
             .unwrap_or_else(|| self.cfg.gc_policy.clone());

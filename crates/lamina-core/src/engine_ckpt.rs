@@ -202,9 +202,7 @@ impl Engine {
             .map(|s| SegmentTimes {
                 born: s.born,
                 closed: s.closed,
-                origins: (s.kind == lamina_format::unit::StreamKind::Gc
-                    && s.state != SegState::Free)
-                    .then_some(s.origins.mean),
+                origins: s.origins.as_ref().map(|o| o.mean),
             })
             .collect();
         let streams = self

@@ -706,10 +706,8 @@ impl Engine {
                         let offset = unit.offset + self.geo.header_blocks as u32 + unit.data - 1;
                         unit.origin_sum += from.at as u128;
                         unit.origin_n += 1;
-                        let to = &mut self.segments.segs[to as usize];
-                        if to.kind == StreamKind::Gc {
-                            let slot = Origins::slot(offset, self.geo.segment_blocks);
-                            to.origins.add(slot, from.at);
+                        if let Some(o) = &mut self.segments.segs[to as usize].origins {
+                            o.add(Origins::slot(offset, self.geo.segment_blocks), from.at);
                         }
                         self.counters.gc_blocks += 1;
                         self.blocks_since_checkpoint =

@@ -703,8 +703,10 @@ impl Classifier for Lamina {
 }
 
 /// Names accepted by [`classifier_by_name`] (the oracle needs a workload pre-pass
-/// and is built by the simulator).
-pub const CLASSIFIER_NAMES: &[&str] = &["none", "frequency", "sepbit", "lamina"];
+/// and is built by the simulator), and "auto", the default, which the engine
+/// resolves per volume: SepBIT, or "none" where a zoned array's open-zone limit
+/// cannot hold SepBIT's streams.
+pub const CLASSIFIER_NAMES: &[&str] = &["auto", "none", "frequency", "sepbit", "lamina"];
 
 /// Builds a classifier by name for a volume of `blocks` blocks (segment size
 /// unknown; see [`classifier_for`]).
@@ -721,7 +723,8 @@ pub fn classifier_for(name: &str, blocks: u64, segment_blocks: u64) -> Option<Bo
     Some(match name {
         "none" => Box::new(NoClassifier),
         "frequency" => Box::new(Frequency::new((blocks / 4).max(1024), 6)),
-        "sepbit" => Box::new(SepBit::default()),
+        // Without a zoned array to fit (the engine resolves "auto" itself).
+        "sepbit" | "auto" => Box::new(SepBit::default()),
         "lamina" => {
             // Every class keeps a user and a GC segment open, and open segments hold
             // space GC cannot collect: with large segments (few per volume) fewer,

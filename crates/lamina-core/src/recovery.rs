@@ -1187,9 +1187,9 @@ pub fn open_unfinished(
         if let Some(t) = meta.segment_times.get(i) {
             s.born = t.born;
             s.closed = t.closed;
-            s.origins = Origins::at_time(t.born);
-            if let Some(o) = t.origins {
-                s.origins.mean = o;
+            s.origins = Origins::for_segment(s.kind, t.born);
+            if let (Some(s), Some(t)) = (&mut s.origins, t.origins) {
+                s.mean = t;
             }
             s.last_invalidated = t.closed;
         }
@@ -1546,7 +1546,7 @@ pub fn open_unfinished(
             if let (Some(first), Some(last)) = (f.units.first(), f.units.last()) {
                 if new_incarnation {
                     s.born = clocks.before(f.volume, first);
-                    s.origins = Origins::at_time(s.born);
+                    s.origins = Origins::for_segment(f.kind, s.born);
                 }
                 s.closed = clocks.after(f.volume, f.kind, last);
                 s.last_invalidated = s.closed;
@@ -1563,9 +1563,12 @@ pub fn open_unfinished(
                             slots[slot].1 += 1;
                         }
                     }
+                    let o = s
+                        .origins
+                        .get_or_insert_with(|| Box::new(Origins::at_time(s.born)));
                     for (k, &(sum, n)) in slots.iter().enumerate() {
                         if n > 0 {
-                            s.origins.mean[k] = (sum / n as u128) as u64;
+                            o.mean[k] = (sum / n as u128) as u64;
                         }
                     }
                 }

@@ -63,8 +63,9 @@ pub(crate) struct Seg {
     pub last_invalidated: u64,
     /// Volume time when it was closed.
     pub closed: u64,
-    /// Written by GC: when its blocks were last written by users.
-    pub origins: Origins,
+    /// Written by GC: when its blocks were last written by users (boxed: user
+    /// segments, most of them, do not pay for it).
+    pub origins: Option<Box<Origins>>,
 }
 
 /// Slots a GC segment is divided into for dating its blocks.
@@ -99,6 +100,11 @@ impl Origins {
             .min(ORIGIN_SLOTS as u64 - 1) as usize
     }
 
+    /// For a segment of `kind` opened at `born`: GC segments only.
+    pub fn for_segment(kind: lamina_format::unit::StreamKind, born: u64) -> Option<Box<Self>> {
+        (kind == lamina_format::unit::StreamKind::Gc).then(|| Box::new(Self::at_time(born)))
+    }
+
     /// A block last written by a user at `at` was moved into `slot`.
     pub fn add(&mut self, slot: usize, at: u64) {
         let n = &mut self.n[slot];
@@ -128,7 +134,7 @@ impl Seg {
             born: 0,
             last_invalidated: 0,
             closed: 0,
-            origins: Origins::at_time(0),
+            origins: None,
         }
     }
 }

@@ -250,11 +250,36 @@ fn zoned_arrays_refuse_what_cannot_work() {
     );
     let msg = r.result.unwrap_err().to_string();
     assert!(msg.contains("6 zones be open at once"), "{msg}");
-    // With one heat class (two streams) it fits.
+    // With one heat class (two streams) it fits: the default placement ("auto")
+    // takes greedy's two streams where SepBIT's six do not fit the limit.
     drop(e);
     let mut e = open_rw(&devs, small_config());
     create_volume(&mut e, "small", 1 << 20);
+    assert_eq!(e.status().volumes[0].classifier, "none");
     within_the_rules(&z, 6);
+    // Where they fit, the default is SepBIT, and a second volume that would not
+    // fit beside it gets greedy's two.
+    let z = zoned(1, 60, ZONE, 11);
+    let devs = dyn_devs(&z);
+    format_devices(&devs, &layout_params(Layout::Jbod));
+    let mut e = open_rw(&devs, small_config());
+    create_volume(&mut e, "a", 1 << 20);
+    create_volume(&mut e, "b", 1 << 20);
+    assert_eq!(classifiers(&e), ["sepbit", "none"]);
+    // Recovery resolves "auto" the same way.
+    drop(e);
+    let e = open_rw(&devs, small_config());
+    assert_eq!(classifiers(&e), ["sepbit", "none"]);
+    within_the_rules(&z, 11);
+}
+
+/// Each volume's classifier, in volume order.
+fn classifiers(e: &lamina_core::Engine) -> Vec<String> {
+    e.status()
+        .volumes
+        .into_iter()
+        .map(|v| v.classifier)
+        .collect()
 }
 
 /// Zones that turn read-only keep serving their data; when their segments are

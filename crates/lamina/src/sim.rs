@@ -75,11 +75,13 @@ pub struct SimArgs {
     /// User blocks written before measuring.
     #[arg(long, value_name = "N")]
     warmup: Option<u64>,
-    /// Victim policy: greedy, cost-benefit, cost-benefit-sqrt, d-choices, salsa, lamina.
-    #[arg(long, default_value = "greedy")]
+    /// Victim policy: cost-benefit-sqrt (SepBIT's; as `lamina serve`), greedy,
+    /// cost-benefit, d-choices, salsa, lamina.
+    #[arg(long, default_value = "cost-benefit-sqrt")]
     policy: String,
-    /// Heat classifier: none, frequency, sepbit, lamina, oracle.
-    #[arg(long, default_value = "none")]
+    /// Heat classifier: auto (SepBIT; as `lamina serve`), none, frequency, sepbit,
+    /// lamina, oracle.
+    #[arg(long, default_value = "auto")]
     classifier: String,
     /// Free segments below which GC runs.
     #[arg(long, default_value_t = 3, value_name = "SEGMENTS")]
@@ -326,7 +328,7 @@ fn print_report(r: &SimReport) {
             f["mean_erase_count"].as_f64().unwrap_or(0.0)
         );
     }
-    if r.config.policy == "greedy" && r.config.classifier == "none" && r.workload == "uniform" {
+    if r.workload == "uniform" {
         // Under the garbage trigger GC holds the array at 1/(1 - ratio) of the live
         // data when that is less than what over-provisioning gives.
         let op = r
