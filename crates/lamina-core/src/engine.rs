@@ -2711,7 +2711,7 @@ impl Engine {
                 "volume ids of this array are exhausted (65535 volumes created)".into(),
             ));
         }
-        let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64);
+        let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
         if self.zones.limit > 0 {
             // Every stream may hold a zone open; with the metadata stream they must
             // fit the devices' open-zone limit.
@@ -2743,13 +2743,16 @@ impl Engine {
 
     /// Attaches a volume whose map already exists, creating its streams. `publish`:
     /// visible to clients at once (recovery) or only after the next checkpoint.
+    /// `recorded`: the classifier the checkpoint names for the volume, which is
+    /// what "auto" resolved to when the volume was created.
     pub(crate) fn attach_volume(
         &mut self,
         shared: Arc<VolumeShared>,
         created_version: u64,
         publish: bool,
+        recorded: Option<&str>,
     ) -> &mut Vol {
-        let placement = self.placement_for(&shared.name, shared.blocks());
+        let placement = self.placement_for(&shared.name, shared.blocks(), recorded);
         self.attach_volume_with(shared, created_version, publish, placement)
     }
 
@@ -2920,17 +2923,24 @@ impl Engine {
 
     /// The classifier and victim policy a volume uses: its override, else the
     /// engine's defaults. Unknown names were rejected when the configuration was read.
-    fn placement_for(
+    pub(crate) fn placement_for(
         &self,
         name: &str,
         blocks: u64,
+        recorded: Option<&str>,
     ) -> (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>) {
         let o = self.cfg.volume_overrides.iter().find(|o| o.0 == name);
         let mut cname = o
             .and_then(|o| o.1.clone())
             .unwrap_or_else(|| self.cfg.classifier.clone());
         if cname == "auto" {
-            cname = self.auto_classifier().into();
+            // Resolved once, when the volume was created (the checkpoint records
+            // it): resolving again at recovery could see other volumes' streams
+            // (those being deleted then are gone now) and choose otherwise.
+            cname = match recorded {
+                Some(r @ ("sepbit" | "none")) => r.into(),
+                _ => self.auto_classifier().into(),
+            };
         }
         let pname = o
             .and_then(|o| o.2.clone())

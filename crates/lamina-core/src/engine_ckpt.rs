@@ -157,14 +157,12 @@ impl Engine {
                 media_blocks_written: v.media_blocks,
                 pages: used,
             });
-            let state = v.classifier.save();
-            if !state.is_empty() {
-                placement.push(PlacementRecord {
-                    volume: v.shared.id.0,
-                    classifier: v.classifier.name().into(),
-                    state,
-                });
-            }
+            // Every volume: the name records what "auto" resolved to.
+            placement.push(PlacementRecord {
+                volume: v.shared.id.0,
+                classifier: v.classifier.name().into(),
+                state: v.classifier.save(),
+            });
         }
         // Segments whose release record is already sealed will join the free queue
         // when that record is synced, possibly after this checkpoint's version; a
@@ -232,6 +230,7 @@ impl Engine {
             counters: self.counters.to_vec(),
             segment_times,
             placement,
+            skipped: Vec::new(),
         }
         .encode();
         let header = CheckpointHeader {

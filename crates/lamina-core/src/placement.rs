@@ -267,7 +267,10 @@ impl Default for SepBit {
             deaths: 0,
             // Nothing learnt yet: cost nothing until the classes prove themselves.
             flat: true,
-            known_from: 0,
+            // Set at the first write: a volume that already holds data (a restart
+            // without saved state, or a volume placed otherwise before) has no
+            // class bits for what it holds.
+            known_from: u64::MAX,
         }
     }
 }
@@ -418,7 +421,7 @@ impl Classifier for SepBit {
         self.l = if n == 0 {
             f64::INFINITY
         } else {
-            self.recent.iter().sum::<u64>() as f64 / n as f64
+            self.recent.iter().map(|&r| r as f64).sum::<f64>() / n as f64
         };
         Ok(())
     }
@@ -1011,6 +1014,24 @@ mod tests {
             s.segment_collected(0, 0, 20);
         }
         assert_eq!(s.l, 20.0, "l is the mean of the last 16 class-0 victims");
+    }
+
+    /// A SepBIT that starts on a volume already holding data (or after a restart,
+    /// which keeps no class bits) tallies only blocks written since it started:
+    /// the bits of older blocks were never set.
+    #[test]
+    fn sepbit_tallies_only_what_it_has_seen_written() {
+        let mut s = SepBit::default();
+        s.classify_user(5, 1000, Some(user_write(10, 0)));
+        assert_eq!(s.deaths, 0, "written before SepBIT started");
+        s.classify_user(5, 1200, Some(user_write(1000, 0)));
+        assert_eq!(s.deaths, 1);
+        let mut r = SepBit::default();
+        r.restore(&s.save()).unwrap();
+        r.classify_user(6, 1300, Some(user_write(1100, 0)));
+        assert_eq!(r.deaths, 1, "written before the restart");
+        r.classify_user(6, 1400, Some(user_write(1300, 0)));
+        assert_eq!(r.deaths, 2);
     }
 
     /// What SepBIT learnt survives a save and restore; damaged state is refused.

@@ -1115,6 +1115,9 @@ pub fn open_unfinished(
                 ));
             }
             let meta = CheckpointMeta::decode(&meta_bytes)?;
+            for s in &meta.skipped {
+                report.warnings.push(format!("checkpoint: {s}"));
+            }
             if meta.segments.len() != nsegs {
                 return Err(EngineError::Format(format!(
                     "checkpoint lists {} segments, the array has {nsegs}",
@@ -1187,7 +1190,9 @@ pub fn open_unfinished(
         if let Some(t) = meta.segment_times.get(i) {
             s.born = t.born;
             s.closed = t.closed;
-            s.origins = Origins::for_segment(s.kind, t.born);
+            if r.state != SegmentState::Free {
+                s.origins = Origins::for_segment(s.kind, t.born);
+            }
             if let (Some(s), Some(t)) = (&mut s.origins, t.origins) {
                 s.mean = t;
             }
@@ -1596,9 +1601,16 @@ pub fn open_unfinished(
         let empty_data = s.state == SegState::Closed && s.write_ptr == 0;
         if empty_meta || empty_data {
             *s = Seg::free(s.erase_count);
-        } else if s.state == SegState::Closed && s.closed < s.born {
-            // Open at the checkpoint and not written since: it closes now.
-            s.closed = clocks.end(s.volume);
+        } else if s.state == SegState::Closed
+            && meta.segments.get(*seg as usize).map(|r| r.state) == Some(SegmentState::Open)
+            && !found.iter().any(|f| f.seg == *seg && !f.units.is_empty())
+        {
+            // Open at the checkpoint and not written since: its last write was
+            // before the checkpoint.
+            s.closed = volumes
+                .iter()
+                .find(|(v, _)| v.id.0 == s.volume)
+                .map_or(s.born, |(_, rec)| rec.user_blocks_written);
             s.last_invalidated = s.closed;
         }
     }
@@ -1692,13 +1704,15 @@ pub fn open_unfinished(
     )?;
     for ((vs, rec), live) in volumes.into_iter().zip(live_per_volume) {
         let (u, g, m) = vol_media.get(&rec.id).copied().unwrap_or_default();
-        let vol = engine.attach_volume(vs, rec.created_version, true);
+        let recorded = meta.placement.iter().find(|p| p.volume == rec.id);
+        let vol = engine.attach_volume(
+            vs,
+            rec.created_version,
+            true,
+            recorded.map(|p| p.classifier.as_str()),
+        );
         // What the volume's classifier had learnt, unless it is another one now.
-        if let Some(p) = meta
-            .placement
-            .iter()
-            .find(|p| p.volume == rec.id && p.classifier == vol.classifier.name())
-        {
+        if let Some(p) = recorded.filter(|p| p.classifier == vol.classifier.name()) {
             if let Err(e) = vol.classifier.restore(&p.state) {
                 report.warnings.push(format!(
                     "volume {:?}: the placement state in the checkpoint is not usable ({e}); placement starts afresh",

@@ -266,10 +266,18 @@ fn zoned_arrays_refuse_what_cannot_work() {
     create_volume(&mut e, "a", 1 << 20);
     create_volume(&mut e, "b", 1 << 20);
     assert_eq!(classifiers(&e), ["sepbit", "none"]);
-    // Recovery resolves "auto" the same way.
+    // Recovery keeps what "auto" resolved to at creation, even once the streams
+    // that decided it are gone: "b" stays greedy after "a" is deleted.
+    drop(e);
+    let mut e = open_rw(&devs, small_config());
+    assert_eq!(classifiers(&e), ["sepbit", "none"]);
+    call(&mut e, Request::DeleteVolume { name: "a".into() })
+        .result
+        .unwrap();
+    call(&mut e, Request::Checkpoint).result.unwrap();
     drop(e);
     let e = open_rw(&devs, small_config());
-    assert_eq!(classifiers(&e), ["sepbit", "none"]);
+    assert_eq!(classifiers(&e), ["none"]);
     within_the_rules(&z, 11);
 }
 

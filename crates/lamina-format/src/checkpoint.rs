@@ -222,8 +222,10 @@ pub struct CheckpointMeta {
     pub counters: Vec<u64>,
     /// One per segment, or none (checkpoints written before they were recorded).
     pub segment_times: Vec<SegmentTimes>,
-    /// Volumes whose classifier has state worth keeping.
+    /// Each volume's classifier and what it has learnt.
     pub placement: Vec<PlacementRecord>,
+    /// Optional sections this build could not read and skipped (not encoded).
+    pub skipped: Vec<String>,
 }
 
 impl CheckpointMeta {
@@ -395,70 +397,37 @@ impl CheckpointMeta {
         for _ in 0..n {
             counters.push(r.u64()?);
         }
+        // The optional sections: nothing in them is needed to recover, so a section
+        // this build cannot read (damaged, or from a later build that changed it)
+        // is skipped with a note, never an error that would keep the array closed.
         let mut segment_times = Vec::new();
         let mut placement = Vec::new();
-        while r.position() < buf.len() {
-            let tag = r.u32()?;
-            let len = r.u32()?;
-            let len = bounded(len, 1, &r)?;
-            let section = r.bytes(len)?;
-            let mut e = Reader::new(section, WHAT);
-            match tag {
+        let mut skipped = Vec::new();
+        let rest = &buf[r.position()..];
+        let mut x = Reader::new(rest, WHAT);
+        while x.position() < rest.len() {
+            let section = (|| -> Result<(u32, &[u8]), FormatError> {
+                let tag = x.u32()?;
+                let len = x.u32()? as usize;
+                Ok((tag, x.bytes(len)?))
+            })();
+            let (tag, section) = match section {
+                Ok(s) => s,
+                Err(e) => {
+                    skipped.push(format!("optional sections cut short: {e}"));
+                    break;
+                }
+            };
+            let read = match tag {
                 EXT_SEGMENT_TIMES => {
-                    let n = e.u32()? as usize;
-                    if n != segments.len() || n.saturating_mul(17) > len {
-                        return Err(invalid(format!(
-                            "{n} segment times for {} segments in {len} bytes",
-                            segments.len()
-                        )));
-                    }
-                    segment_times = Vec::with_capacity(n);
-                    for i in 0..n {
-                        let (born, closed) = (e.u64()?, e.u64()?);
-                        let origins = match e.u8()? {
-                            0 => None,
-                            k if k as usize == ORIGIN_SLOTS => {
-                                let mut o = [0u64; ORIGIN_SLOTS];
-                                for x in &mut o {
-                                    *x = e.u64()?;
-                                }
-                                Some(o)
-                            }
-                            k => return Err(invalid(format!("segment {i}: {k} origin slots"))),
-                        };
-                        segment_times.push(SegmentTimes {
-                            born,
-                            closed,
-                            origins,
-                        });
-                    }
-                    if e.position() != len {
-                        return Err(invalid(format!(
-                            "segment times: {} bytes left over",
-                            len - e.position()
-                        )));
-                    }
+                    decode_segment_times(section, segments.len()).map(|t| segment_times = t)
                 }
-                EXT_PLACEMENT => {
-                    let n = e.u32()? as usize;
-                    for _ in 0..n.min(len) {
-                        let volume = e.u16()?;
-                        let classifier = e.str()?;
-                        let size = e.u32()? as usize;
-                        if size > MAX_PLACEMENT_STATE {
-                            return Err(invalid(format!(
-                                "placement state of volume {volume} is {size} bytes"
-                            )));
-                        }
-                        placement.push(PlacementRecord {
-                            volume,
-                            classifier,
-                            state: e.bytes(size)?.to_vec(),
-                        });
-                    }
-                }
-                // A section a later build added: not needed to recover.
-                _ => {}
+                EXT_PLACEMENT => decode_placement(section).map(|p| placement = p),
+                // A section a later build added.
+                _ => Ok(()),
+            };
+            if let Err(e) = read {
+                skipped.push(format!("section {tag} skipped: {e}"));
             }
         }
         Ok(CheckpointMeta {
@@ -469,8 +438,77 @@ impl CheckpointMeta {
             counters,
             segment_times,
             placement,
+            skipped,
         })
     }
+}
+
+/// The segment-times section: one entry per segment of the table.
+fn decode_segment_times(b: &[u8], segments: usize) -> Result<Vec<SegmentTimes>, FormatError> {
+    const WHAT: &str = "checkpoint segment times";
+    let invalid = |detail: String| FormatError::Invalid { what: WHAT, detail };
+    let mut e = Reader::new(b, WHAT);
+    let n = e.u32()? as usize;
+    // Each entry takes at least 17 bytes: a damaged count cannot size the vector.
+    if n != segments || n.saturating_mul(17) > b.len() {
+        return Err(invalid(format!(
+            "{n} entries for {segments} segments in {} bytes",
+            b.len()
+        )));
+    }
+    let mut times = Vec::with_capacity(n);
+    for i in 0..n {
+        let (born, closed) = (e.u64()?, e.u64()?);
+        let origins = match e.u8()? {
+            0 => None,
+            k if k as usize == ORIGIN_SLOTS => {
+                let mut o = [0u64; ORIGIN_SLOTS];
+                for x in &mut o {
+                    *x = e.u64()?;
+                }
+                Some(o)
+            }
+            k => return Err(invalid(format!("segment {i}: {k} origin slots"))),
+        };
+        times.push(SegmentTimes {
+            born,
+            closed,
+            origins,
+        });
+    }
+    if e.position() != b.len() {
+        return Err(invalid(format!(
+            "{} bytes left over",
+            b.len() - e.position()
+        )));
+    }
+    Ok(times)
+}
+
+/// The placement section: each volume's classifier and its state.
+fn decode_placement(b: &[u8]) -> Result<Vec<PlacementRecord>, FormatError> {
+    const WHAT: &str = "checkpoint placement state";
+    let mut e = Reader::new(b, WHAT);
+    let n = e.u32()? as usize;
+    let mut out = Vec::new();
+    // Each record takes at least 8 bytes: a damaged count cannot run long.
+    for _ in 0..n.min(b.len() / 8) {
+        let volume = e.u16()?;
+        let classifier = e.str()?;
+        let size = e.u32()? as usize;
+        if size > MAX_PLACEMENT_STATE {
+            return Err(FormatError::Invalid {
+                what: WHAT,
+                detail: format!("state of volume {volume} is {size} bytes"),
+            });
+        }
+        out.push(PlacementRecord {
+            volume,
+            classifier,
+            state: e.bytes(size)?.to_vec(),
+        });
+    }
+    Ok(out)
 }
 
 /// Splits encoded metadata into payload blocks (zero padded) and returns its CRC.
@@ -531,6 +569,7 @@ mod tests {
             counters: vec![1, 2, 3],
             segment_times: vec![],
             placement: vec![],
+            skipped: vec![],
         }
     }
 
@@ -561,46 +600,79 @@ mod tests {
         unknown.extend_from_slice(&3u32.to_le_bytes());
         unknown.extend_from_slice(&[9, 9, 9]);
         assert_eq!(CheckpointMeta::decode(&unknown).unwrap(), plain);
-        // A cut inside a section is an error, never a panic or a wrong read; a cut
-        // between sections reads as a checkpoint without the later ones (the
-        // header's length and checksum are what catch those).
+        // A cut anywhere in the sections reads, never panics: the sections before
+        // it are kept, the one it falls in is skipped with a note (the header's
+        // length and checksum are what catch a cut checkpoint).
         for cut in plain.encode().len() + 1..enc.len() {
-            if let Ok(d) = CheckpointMeta::decode(&enc[..cut]) {
-                assert_eq!(d.segment_times, m.segment_times, "cut at {cut}");
-                assert!(d.placement.is_empty(), "cut at {cut}");
-            }
+            let d = CheckpointMeta::decode(&enc[..cut]).expect("decodes");
+            assert!(d.placement.is_empty(), "cut at {cut}");
+            assert!(
+                d.segment_times.is_empty() || d.segment_times == m.segment_times,
+                "cut at {cut}"
+            );
+            // Only a cut between the two sections reads without a note.
+            assert!(
+                !d.skipped.is_empty() || d.segment_times == m.segment_times,
+                "cut at {cut}"
+            );
         }
     }
 
+    /// A section this build cannot read is skipped with a note, and the
+    /// checkpoint still reads: nothing in the sections is needed to recover.
     #[test]
-    fn damaged_extension_sections_are_errors() {
-        let mut m = sample();
+    fn damaged_extension_sections_are_skipped() {
+        let with = |tag: u32, body: &[u8]| {
+            let mut enc = sample().encode();
+            enc.extend_from_slice(&tag.to_le_bytes());
+            enc.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            enc.extend_from_slice(body);
+            CheckpointMeta::decode(&enc).expect("decodes")
+        };
+        let times_skipped = |d: &CheckpointMeta| {
+            assert!(
+                d.segment_times.is_empty() && d.skipped.len() == 1,
+                "{:?}",
+                d.skipped
+            )
+        };
         // Times for the wrong number of segments.
-        m.segment_times = vec![SegmentTimes::default()];
-        assert!(CheckpointMeta::decode(&m.encode()).is_err());
-        // A placement state beyond the bound.
         let mut m = sample();
-        m.placement = vec![PlacementRecord {
-            volume: 0,
-            classifier: "x".into(),
-            state: vec![0; MAX_PLACEMENT_STATE + 1],
-        }];
+        m.segment_times = vec![SegmentTimes::default()];
+        let d = CheckpointMeta::decode(&m.encode()).unwrap();
+        times_skipped(&d);
+        // An origin slot count this build does not know.
+        let mut w = Writer::default();
+        w.u32(2);
+        for k in [0u8, 7] {
+            w.u64(1);
+            w.u64(2);
+            w.u8(k);
+        }
+        let d = with(EXT_SEGMENT_TIMES, &w.buf);
+        times_skipped(&d);
+        // A placement state beyond the bound.
         let mut w = Writer::default();
         w.u32(1);
         w.u16(0);
         w.str("x");
         w.u32(MAX_PLACEMENT_STATE as u32 + 1);
-        w.buf.extend_from_slice(&m.placement[0].state);
-        let mut enc = sample().encode();
-        enc.extend_from_slice(&EXT_PLACEMENT.to_le_bytes());
-        enc.extend_from_slice(&(w.buf.len() as u32).to_le_bytes());
-        enc.extend_from_slice(&w.buf);
-        assert!(CheckpointMeta::decode(&enc).is_err());
+        w.buf.extend_from_slice(&vec![0; MAX_PLACEMENT_STATE + 1]);
+        let d = with(EXT_PLACEMENT, &w.buf);
+        assert!(
+            d.placement.is_empty() && d.skipped.len() == 1,
+            "{:?}",
+            d.skipped
+        );
         // A section length beyond the buffer.
         let mut enc = sample().encode();
         enc.extend_from_slice(&EXT_SEGMENT_TIMES.to_le_bytes());
         enc.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(CheckpointMeta::decode(&enc).is_err());
+        let d = CheckpointMeta::decode(&enc).expect("decodes");
+        times_skipped(&d);
+        // The fixed part damaged is still an error.
+        let enc = sample().encode();
+        assert!(CheckpointMeta::decode(&enc[..enc.len() - 3]).is_err());
     }
 
     #[test]

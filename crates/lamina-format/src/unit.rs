@@ -21,7 +21,7 @@ use crate::{
 
 /// "LMNUNIT\0" as a little-endian u64.
 pub const UNIT_MAGIC: u64 = u64::from_le_bytes(*b"LMNUNIT\0");
-/// Size of the fixed part of a unit header (64 bytes in use, the rest reserved zero).
+/// Size of the fixed part of a unit header (104 bytes in use, the rest reserved zero).
 pub const UNIT_FIXED_SIZE: usize = 128;
 /// Size of one record.
 pub const RECORD_SIZE: usize = 16;
@@ -236,8 +236,8 @@ pub struct UnitHeader {
     /// before they were recorded (the bytes were reserved and zero).
     pub opened_time: u64,
     pub volume_time: u64,
-    /// GC units: the mean volume time at which users last wrote the blocks GC has
-    /// moved into the segment so far. 0 otherwise.
+    /// GC units: the mean volume time at which users last wrote the blocks GC
+    /// moved into this unit. 0 otherwise.
     pub origin: u64,
 }
 

@@ -90,11 +90,12 @@ impl Default for ServeConfig {
 #[derive(Clone, Debug, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct EngineSection {
-    /// Victim policy: greedy, cost-benefit, cost-benefit-sqrt, d-choices, salsa,
-    /// lamina.
+    /// Victim policy: cost-benefit-sqrt (the default, SepBIT's), greedy,
+    /// cost-benefit, d-choices, salsa, lamina.
     pub gc_policy: Option<String>,
-    /// Heat classifier: none, frequency, sepbit, lamina (see docs/design.md for
-    /// what each costs in memory per block).
+    /// Heat classifier: auto (the default: SepBIT, or none where a zoned array's
+    /// open-zone limit cannot hold its streams), none, frequency, sepbit, lamina
+    /// (see docs/design.md for what each costs in memory per block).
     pub classifier: Option<String>,
     /// Wear-aware tie-breaking window for victims (0 disables; default 0.1).
     pub wear_window: Option<f64>,
