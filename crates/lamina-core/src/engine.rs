@@ -1348,6 +1348,15 @@ impl Engine {
             .collect()
     }
 
+    /// A volume's time: the user blocks written to it (0 for the metadata stream's
+    /// volume number, which names no volume).
+    fn volume_time(&self, volume: u16) -> u64 {
+        self.volumes
+            .get(volume as usize)
+            .and_then(|v| v.as_ref())
+            .map_or(0, |v| v.user_blocks)
+    }
+
     /// When the block at `pba` was written, in its volume's time (`now` is that
     /// volume's time now), as classifiers read it ([`Written`]): a segment's blocks
     /// are written in order from its opening to its closing (or to now, while it is
@@ -1368,11 +1377,7 @@ impl Engine {
             let span = end.saturating_sub(s.born) as u128;
             s.born + (span * offset.min(s.write_ptr) as u128 / s.write_ptr.max(1) as u128) as u64
         };
-        Written {
-            at,
-            relocated: s.kind == StreamKind::Gc,
-            class: s.class,
-        }
+        Written { at, class: s.class }
     }
 
     /// Appends a user block and accounts for it (time, counters, class).
@@ -1642,11 +1647,7 @@ impl Engine {
             self.open_segment(s)?;
         }
         let buf = self.alloc_buffer(s)?;
-        let volume_time = self
-            .volumes
-            .get(self.streams[s].volume as usize)
-            .and_then(|v| v.as_ref())
-            .map_or(0, |v| v.user_blocks);
+        let volume_time = self.volume_time(self.streams[s].volume);
         let st = &mut self.streams[s];
         let room = self.geo.data_end - st.write_ptr - h;
         st.unit = Some(OpenUnit {
@@ -1742,11 +1743,7 @@ impl Engine {
         };
 
         let incarnation = self.take_version();
-        let born = self
-            .volumes
-            .get(self.streams[s].volume as usize)
-            .and_then(|v| v.as_ref())
-            .map_or(0, |v| v.user_blocks);
+        let born = self.volume_time(self.streams[s].volume);
         let st = &mut self.streams[s];
         let erase_count = self.segments.segs[seg as usize].erase_count + 1;
         self.segments.segs[seg as usize] = Seg {
@@ -1907,10 +1904,7 @@ impl Engine {
         let (volume_time, origin) = match self.streams[s].kind {
             StreamKind::Meta => (0, 0),
             _ => (
-                self.volumes
-                    .get(self.streams[s].volume as usize)
-                    .and_then(|v| v.as_ref())
-                    .map_or(0, |v| v.user_blocks),
+                self.volume_time(self.streams[s].volume),
                 u.origin_sum
                     .checked_div(u.origin_n as u128)
                     .map_or(0, |m| m as u64),
@@ -2080,11 +2074,7 @@ impl Engine {
 
     /// Segment `seg` is closing: its last write (summary or zone finish) is queued.
     fn mark_closing(&mut self, seg: u32, has_summary: bool, close_version: u64) {
-        let closed = self
-            .volumes
-            .get(self.segments.segs[seg as usize].volume as usize)
-            .and_then(|v| v.as_ref())
-            .map_or(0, |v| v.user_blocks);
+        let closed = self.volume_time(self.segments.segs[seg as usize].volume);
         let sg = &mut self.segments.segs[seg as usize];
         sg.state = SegState::Closing;
         sg.has_summary = has_summary;

@@ -10,6 +10,8 @@
 //! Time is counted in user blocks written to the volume, the unit in which block
 //! lifespans are measured.
 
+use lamina_format::codec::{Reader, Writer};
+use lamina_format::FormatError;
 use std::sync::Arc;
 
 /// Chooses the heat class of written blocks. User classes are `0..user_classes()`,
@@ -59,10 +61,8 @@ pub trait Classifier: Send {
 /// interpolated from its place in the segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Written {
-    /// Volume time of the write.
+    /// Volume time of the write (for a block GC moved, of the user write before).
     pub at: u64,
-    /// Written by GC: `at` is when it was moved, not when a user last wrote it.
-    pub relocated: bool,
     /// Class of the segment that holds it (classes the caps fold share one).
     pub class: u8,
 }
@@ -378,44 +378,49 @@ impl Classifier for SepBit {
         }
     }
     fn save(&self) -> Vec<u8> {
-        let mut b = vec![SEPBIT_STATE_VERSION, self.flat as u8];
-        b.extend_from_slice(&self.deaths.to_le_bytes());
+        let mut w = Writer::default();
+        w.u8(SEPBIT_STATE_VERSION);
+        w.u8(self.flat as u8);
+        w.u64(self.deaths);
         for (sum, n) in self.lives {
-            b.extend_from_slice(&sum.to_le_bytes());
-            b.extend_from_slice(&n.to_le_bytes());
+            w.u64(sum.to_bits());
+            w.u64(n.to_bits());
         }
-        b.push(self.recent.len() as u8);
-        for r in &self.recent {
-            b.extend_from_slice(&r.to_le_bytes());
+        w.u8(self.recent.len() as u8);
+        for &r in &self.recent {
+            w.u64(r);
         }
-        b
+        w.buf
     }
     fn restore(&mut self, state: &[u8]) -> Result<(), String> {
-        let fixed = 2 + 8 + 32 + 1;
-        if state.len() < fixed || state[0] != SEPBIT_STATE_VERSION {
-            return Err(format!(
-                "SepBIT state of {} bytes, version {:?}",
-                state.len(),
-                state.first()
-            ));
+        let mut r = Reader::new(state, "SepBIT state");
+        let read = |r: &mut Reader| -> Result<_, FormatError> {
+            let (version, flat, deaths) = (r.u8()?, r.u8()?, r.u64()?);
+            let mut lives = [(0.0, 0.0); 2];
+            for l in &mut lives {
+                *l = (f64::from_bits(r.u64()?), f64::from_bits(r.u64()?));
+            }
+            let n = r.u8()? as usize;
+            let recent = (0..n.min(16)).map(|_| r.u64()).collect::<Result<_, _>>()?;
+            Ok((version, flat, deaths, lives, n, recent))
+        };
+        let (version, flat, deaths, lives, n, recent) = read(&mut r).map_err(|e| e.to_string())?;
+        if version != SEPBIT_STATE_VERSION {
+            return Err(format!("SepBIT state version {version}"));
         }
-        let n = state[fixed - 1] as usize;
-        if n > 16 || state.len() != fixed + 8 * n || state[1] > 1 {
+        if n > 16 || r.position() != state.len() || flat > 1 {
             return Err(format!("SepBIT state damaged ({n} recent lifespans)"));
         }
-        let u64_at = |o: usize| u64::from_le_bytes(state[o..o + 8].try_into().unwrap());
-        let f64_at = |o: usize| f64::from_le_bytes(state[o..o + 8].try_into().unwrap());
-        let lives = [(f64_at(10), f64_at(18)), (f64_at(26), f64_at(34))];
         if lives
             .iter()
             .any(|&(s, n)| !(s >= 0.0 && n >= 0.0 && s.is_finite() && n.is_finite()))
         {
             return Err("SepBIT state damaged (lifespan tallies)".into());
         }
-        self.flat = state[1] == 1;
-        self.deaths = u64_at(2);
+        self.flat = flat == 1;
+        self.deaths = deaths;
         self.lives = lives;
-        self.recent = (0..n).map(|i| u64_at(fixed + 8 * i)).collect();
+        self.recent = recent;
         // The classes given before the restart are not kept.
         self.known_from = u64::MAX;
         self.l = if n == 0 {
@@ -823,11 +828,7 @@ mod tests {
 
     /// A block a user wrote at `at` into a segment of class `class`.
     fn user_write(at: u64, class: u8) -> Written {
-        Written {
-            at,
-            relocated: false,
-            class,
-        }
+        Written { at, class }
     }
 
     /// xorshift, to keep the tests free of dependencies.
@@ -1001,15 +1002,11 @@ mod tests {
         assert_eq!(s.classify_gc(1, 600, user_write(500, 1)), 3); // age 100 < 400
         assert_eq!(s.classify_gc(1, 1300, user_write(500, 1)), 4); // age 800 < 1600
         assert_eq!(s.classify_gc(1, 5000, user_write(500, 1)), 5);
-        // A relocated block is dated by the user writes of what GC moved with it.
-        let moved = |at, class| Written {
-            at,
-            relocated: true,
-            class,
-        };
-        assert_eq!(s.classify_user(1, 600, Some(moved(550, 2))), 0);
-        assert_eq!(s.classify_user(1, 600, Some(moved(450, 2))), 1);
-        assert_eq!(s.classify_gc(1, 600, moved(100, 4)), 4);
+        // A block GC moved (here into classes 2 and 4) is dated by the user write
+        // before the move, as any other.
+        assert_eq!(s.classify_user(1, 600, Some(user_write(550, 2))), 0);
+        assert_eq!(s.classify_user(1, 600, Some(user_write(450, 2))), 1);
+        assert_eq!(s.classify_gc(1, 600, user_write(100, 4)), 4);
         for _ in 0..16 {
             s.segment_collected(0, 0, 20);
         }

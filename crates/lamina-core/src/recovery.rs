@@ -716,8 +716,9 @@ struct FoundUnit {
     version: u64,
     durable_version: u64,
     run_start: u64,
-    /// The volume's time at the unit's seal and, for GC units, its segment's mean
-    /// origin ([`UnitHeader::volume_time`], [`UnitHeader::origin`]).
+    /// The volume's time at the unit's opening and seal and, for GC units, the
+    /// mean origin of its blocks ([`UnitHeader::opened_time`],
+    /// [`UnitHeader::volume_time`], [`UnitHeader::origin`]).
     opened_time: u64,
     volume_time: u64,
     origin: u64,
@@ -1193,8 +1194,8 @@ pub fn open_unfinished(
             if r.state != SegmentState::Free {
                 s.origins = Origins::for_segment(s.kind, t.born);
             }
-            if let (Some(s), Some(t)) = (&mut s.origins, t.origins) {
-                s.mean = t;
+            if let (Some(o), Some(mean)) = (&mut s.origins, t.origins) {
+                o.mean = mean;
             }
             s.last_invalidated = t.closed;
         }

@@ -62,12 +62,14 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
+        // The placement `lamina serve` uses without configuration.
+        let engine = EngineConfig::default();
         SimConfig {
             segment_blocks: 2048,
             write_unit_blocks: 128,
             overprovision: 0.28,
-            classifier: "auto".into(),
-            policy: "cost-benefit-sqrt".into(),
+            classifier: engine.classifier,
+            policy: engine.gc_policy,
             warmup_blocks: 0,
             series_points: 100,
             wear_window: 0.0,

@@ -77,11 +77,11 @@ pub struct SimArgs {
     warmup: Option<u64>,
     /// Victim policy: cost-benefit-sqrt (SepBIT's; as `lamina serve`), greedy,
     /// cost-benefit, d-choices, salsa, lamina.
-    #[arg(long, default_value = "cost-benefit-sqrt")]
+    #[arg(long, default_value_t = SimConfig::default().policy)]
     policy: String,
     /// Heat classifier: auto (SepBIT; as `lamina serve`), none, frequency, sepbit,
     /// lamina, oracle.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value_t = SimConfig::default().classifier)]
     classifier: String,
     /// Free segments below which GC runs.
     #[arg(long, default_value_t = 3, value_name = "SEGMENTS")]
