@@ -43,6 +43,11 @@ fn rd<const N: usize>(r: &mut impl Read) -> io::Result<[u8; N]> {
 }
 
 impl Client {
+    /// Makes [`Client::recv`] fail instead of waiting longer than `d` for a byte.
+    pub fn set_read_timeout(&self, d: Option<std::time::Duration>) -> io::Result<()> {
+        self.r.get_ref().set_read_timeout(d)
+    }
+
     /// Connects to a Unix socket and opens `export` with NBD_OPT_GO.
     pub fn connect_unix(path: &Path, export: &str) -> Result<Client, ClientError> {
         let s = UnixStream::connect(path)?;

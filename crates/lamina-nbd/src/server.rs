@@ -374,7 +374,9 @@ pub struct ReplySink {
     /// Bytes of the buffers in both pools (see [`POOL_BYTES_PER_CONNECTION`]).
     pooled: AtomicU64,
     replier: Sender<ReplierMsg>,
-    /// A kick is queued; no need for another.
+    /// A kick is queued, or the replier holds the writer and drains `pending` before
+    /// it lets go: no need for another. Set by a completer holding the writer's lock
+    /// (which sends the kick before unlocking), cleared by the replier under it.
     kicked: AtomicBool,
     /// This connection's share of payload bytes (at most [`MAX_INFLIGHT_BYTES`]).
     budget: Budget,
@@ -1070,8 +1072,14 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
         if matches!(first, ReplierMsg::Stop) {
             break;
         }
-        sink.kicked.store(false, Ordering::SeqCst);
         let mut g = writer.lock().unwrap();
+        // Cleared under the lock, and `pending` is drained before the lock is let go:
+        // a completer sets the flag and sends its kick while it holds the lock, so
+        // the flag set means a kick is queued or the bytes are drained in this round.
+        // Clearing it before taking the lock lost wake-ups: a kick consumed by the
+        // `try_recv` below left the flag set with no kick queued, and the next
+        // partial reply waited in `pending` until the client sent something else.
+        sink.kicked.store(false, Ordering::SeqCst);
         let mut take = |m: ReplierMsg, g: &mut ConnWriter| match m {
             ReplierMsg::Bytes(b) => g.pending.extend_from_slice(&b),
             ReplierMsg::Read { handle, error, buf } => reads.push((handle, error, buf)),

@@ -1,7 +1,8 @@
 //! Parallel reads: one connection keeps as many reads in flight as it sends, on a
 //! backend whose every read takes a while (a slow device), and the replies come
 //! back out of order with the right data; an error reply carries no payload and
-//! the connection goes on.
+//! the connection goes on. Large replies that the socket takes only in part never
+//! stall the connection.
 
 mod common;
 
@@ -19,12 +20,13 @@ const DELAY: Duration = Duration::from_millis(40);
 const BAD: u64 = 4096 * 7;
 
 /// Every read sleeps `DELAY`, later offsets a little less (so that replies finish
-/// out of order), and counts how many run at once. Content: each 8-byte word holds
-/// its own offset.
+/// out of order), and counts how many run at once; with `fast` set, reads do not
+/// sleep. Content: each 8-byte word holds its own offset.
 #[derive(Default)]
 struct Slow {
     now: AtomicUsize,
     most: AtomicUsize,
+    fast: bool,
 }
 
 impl Backend for Slow {
@@ -38,7 +40,9 @@ impl Backend for Slow {
     fn read(&self, _: &(), offset: u64, buf: &mut [u8]) -> Result<(), u32> {
         let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
         self.most.fetch_max(n, Ordering::SeqCst);
-        std::thread::sleep(DELAY - Duration::from_micros((offset / 4096) % 20 * 1000));
+        if !self.fast {
+            std::thread::sleep(DELAY - Duration::from_micros((offset / 4096) % 20 * 1000));
+        }
         self.now.fetch_sub(1, Ordering::SeqCst);
         if offset == BAD {
             return Err(EIO);
@@ -102,4 +106,45 @@ fn one_connection_keeps_its_reads_in_flight() {
     );
     // The connection goes on after all that.
     assert_eq!(c.read(8192, 16).unwrap().len(), 16);
+}
+
+/// Replies larger than the socket's buffer are sent in part by the thread that
+/// completes the read and finished by the replier thread. Every round ends with
+/// the client waiting for its last reply and sending nothing more, so a reply left
+/// behind in the connection's queue without the replier knowing shows as a wait
+/// that never ends (it did: the replier's "kicked" flag could stay set after the
+/// kick itself had been consumed).
+#[test]
+fn large_replies_sent_in_part_are_always_finished() {
+    let (sock, _stop) = common::serve_unix(
+        Arc::new(Slow {
+            fast: true,
+            ..Slow::default()
+        }),
+        "large-replies",
+    );
+    let mut c = Client::connect_unix(&sock, "v").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    const LEN: u32 = 1 << 20;
+    for round in 0..3000u64 {
+        let n = 1 + round % 8;
+        let mut want = std::collections::HashMap::new();
+        for i in 0..n {
+            let offset = ((round * 8 + i) % 512) * LEN as u64;
+            want.insert(c.send(CMD_READ, 0, offset, LEN, &[]).unwrap(), offset);
+        }
+        c.push().unwrap();
+        for _ in 0..n {
+            let r = c
+                .recv()
+                .unwrap_or_else(|e| panic!("round {round}: a reply never came ({e})"));
+            let offset = want.remove(&r.handle).expect("a reply per request");
+            assert_eq!((r.error, r.data.len()), (0, LEN as usize));
+            let last = r.data.len() - 8;
+            assert_eq!(
+                u64::from_le_bytes(r.data[last..].try_into().unwrap()),
+                offset + last as u64
+            );
+        }
+    }
 }
