@@ -22,7 +22,8 @@
 # Usage: bench/nbd-vs-nbdkit.sh [--quick] [--shm] [--cold] [--no-steady] [--no-fresh]
 #   env: ROUNDS (default 3), RUNTIME seconds per run (default 10), REGION (default 1g),
 #   LAMINA_ENGINE: lines added to the [engine] section of every array made here,
-#   e.g. LAMINA_ENGINE='direct_io = "on"' or LAMINA_ENGINE='io_engine = "sync"'.
+#   e.g. LAMINA_ENGINE='direct_io = "on"' or LAMINA_ENGINE='io_engine = "sync"';
+#   LAMINA_SERVE: lines added to the [serve] section, e.g. LAMINA_SERVE='io_nice = 0'.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -60,16 +61,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# Applies LAMINA_ENGINE to the array in DIR.
+# Applies LAMINA_ENGINE and LAMINA_SERVE to the array in DIR.
 configure() { # dir
-  [ -z "${LAMINA_ENGINE:-}" ] && return 0
+  [ -z "${LAMINA_ENGINE:-}${LAMINA_SERVE:-}" ] && return 0
   python3 - "$1/lamina.toml" <<'PY'
 import os, sys
 p = sys.argv[1]
 s = open(p).read()
-assert "\n[engine]\n" in s, p
-if os.environ["LAMINA_ENGINE"] not in s:
-    open(p, "w").write(s.replace("\n[engine]\n", "\n[engine]\n" + os.environ["LAMINA_ENGINE"] + "\n", 1))
+for section, var in (("engine", "LAMINA_ENGINE"), ("serve", "LAMINA_SERVE")):
+    lines = os.environ.get(var, "")
+    head = "\n[" + section + "]\n"
+    assert head in s, (p, section)
+    if lines and lines not in s:
+        s = s.replace(head, head + lines + "\n", 1)
+open(p, "w").write(s)
 PY
 }
 start_lamina() { # dir
@@ -154,6 +159,10 @@ for spec in "${specs[@]}"; do
     "$(python3 -c "print($lm/$km)")" "$lcm" "$kcm"
 done
 stop_lamina "$work/lamina"
+kill "$kpid" 2>/dev/null || true; wait "$kpid" 2>/dev/null || true
+# Give the space back before the next parts: with --shm everything is in RAM, and
+# all parts' files together (4 + 2 + 2 + 16 GiB) fill a 24 GiB machine.
+rm -rf "$work/lamina" "$work/nbdkit"
 fi
 [ $steady = 1 ] || exit 0
 
@@ -209,6 +218,7 @@ gc0=$(gc_bytes "$work/steady")
 read -r b99 b999 <<<"$(read_lat --name=writer --rw=randwrite --iodepth=32 --rate_iops=0)"
 gc1=$(gc_bytes "$work/steady")
 stop_lamina "$work/steady"
+rm -rf "$work/steady"
 # The same reader and writer on the same volume in an array eight times larger, where
 # the writer's run never needs GC: what the writer alone costs the reader (on 2 cores,
 # mostly CPU), to tell it from what GC adds.

@@ -1049,7 +1049,9 @@ fn transmission<B: Backend>(
         }
     })();
     // Wait for every outstanding command so its reply is sent (or at least its
-    // completion consumed) before the connection goes away.
+    // completion consumed) before the connection goes away; commands held back in a
+    // burst start now rather than at the backend's next tick.
+    backend.kick();
     for _ in 0..MAX_INFLIGHT {
         let _ = credit_rx.recv();
     }
@@ -1063,8 +1065,9 @@ fn transmission<B: Backend>(
 }
 
 fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
-    // Holding the sink keeps the channel open; the loop ends when the reader drops
-    // its handle and sends the final kick.
+    // Holding the sink keeps the channel open; the loop ends on `Stop`, which the
+    // reader sends after its final kick, once every command has given back its
+    // credit (so nothing writes to `pending` any more) and that kick's round drained.
     let mut broken = false;
     // Read replies of one batch (kept for its capacity).
     let mut reads: Vec<(u64, u32, Vec<u8>)> = Vec::new();

@@ -80,6 +80,14 @@ impl<O: Owner> Combiner<O> {
         let _ = self.tx.send(m);
     }
 
+    /// Queues a message for the backstop thread (or a poster that comes first),
+    /// without ever running the owner on this thread: for threads of low priority,
+    /// which holding the owner would make everybody wait for.
+    pub fn hand_off(&self, m: O::Msg) {
+        self.queue(m);
+        let _ = self.doorbell.try_send(());
+    }
+
     /// Runs what is queued if the owner is free (a bounded number of rounds).
     pub fn kick(&self) {
         self.combine(None, self.lent_rounds);
@@ -241,5 +249,42 @@ mod tests {
         let before = REFUSED.load(Ordering::SeqCst);
         c.post(1);
         assert_eq!(REFUSED.load(Ordering::SeqCst), before + 1);
+    }
+
+    /// Records the threads that ran it.
+    struct Threads(Vec<std::thread::ThreadId>, u64);
+
+    impl Owner for Threads {
+        type Msg = u64;
+        fn round(&mut self, inbox: &Receiver<u64>) -> bool {
+            while inbox.try_recv().is_ok() {
+                self.0.push(std::thread::current().id());
+                self.1 += 1;
+            }
+            false
+        }
+        fn refuse(_: u64) {}
+    }
+
+    /// A handed-off message is run by the backstop, rung at once (its timer here is
+    /// far longer than the test), and never on the thread that handed it off.
+    #[test]
+    fn handed_off_messages_never_run_on_the_caller() {
+        let c = Arc::new(Combiner::new(Threads(Vec::new(), 0), 4));
+        {
+            let c = c.clone();
+            std::thread::spawn(move || c.backstop(Duration::from_secs(600)));
+        }
+        let me = std::thread::current().id();
+        let t0 = std::time::Instant::now();
+        for i in 0..100 {
+            c.hand_off(i);
+            while c.owner.lock().unwrap().1 <= i {
+                assert!(t0.elapsed() < Duration::from_secs(30), "message {i} left");
+                std::thread::yield_now();
+            }
+        }
+        let o = c.owner.lock().unwrap();
+        assert!(o.0.iter().all(|t| *t != me), "ran on the caller's thread");
     }
 }

@@ -45,6 +45,12 @@ pub struct ServeConfig {
     /// Threads executing device writes and syncs.
     #[serde(default = "default_io_threads")]
     pub io_threads: usize,
+    /// How many nice steps below the server the I/O threads run (0-19, default
+    /// 10). They write units and carry garbage collection, work that can wait; at
+    /// 0 they take the CPU from the threads serving reads as much as those take it
+    /// from them (docs/design.md, "Read priority").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io_nice: Option<i32>,
     /// Most bytes per second a rebuild writes to a new member ("200M"), so that
     /// clients keep their share of the devices; unlimited when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -77,6 +83,7 @@ impl Default for ServeConfig {
             tcp: default_tcp(),
             metrics: None,
             io_threads: default_io_threads(),
+            io_nice: None,
             rebuild_rate: None,
             max_inflight: None,
             read_threads: None,
@@ -151,6 +158,19 @@ fn default_tcp() -> Option<String> {
 }
 fn default_io_threads() -> usize {
     4
+}
+
+/// See [`ServeConfig::io_nice`].
+pub const DEFAULT_IO_NICE: i32 = 10;
+
+impl ServeConfig {
+    /// `io_nice`, checked.
+    pub fn io_nice(&self) -> Result<i32> {
+        match self.io_nice.unwrap_or(DEFAULT_IO_NICE) {
+            n @ 0..=19 => Ok(n),
+            n => bail!("[serve] io_nice = {n}: give 0 to 19"),
+        }
+    }
 }
 
 impl Config {

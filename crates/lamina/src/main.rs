@@ -478,7 +478,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     // Offline: run the engine here.
     let cfg = Config::load(&dir)?;
     let (engine, _) = open_array(&dir, OpenMode::ReadWrite)?;
-    let rt = runtime::Runtime::start(engine, cfg.serve.io_threads);
+    let rt = runtime::Runtime::start(engine, cfg.serve.io_threads, cfg.serve.io_nice()?);
     let result = (|| -> Result<lamina_core::rebuild::RebuildReport> {
         let dev = rebuild::open_new_device(&path, size, a.force, cfg.io_options()?)?;
         rebuild::replace(&rt, a.old, dev)?;

@@ -295,8 +295,9 @@ impl Drop for ExportHandle {
 }
 
 impl Runtime {
-    /// Starts the engine's host, its engine thread and `io_threads` device threads.
-    pub fn start(engine: Engine, io_threads: usize) -> Runtime {
+    /// Starts the engine's host, its engine thread and `io_threads` device threads,
+    /// which run `io_nice` nice steps below the calling thread.
+    pub fn start(engine: Engine, io_threads: usize, io_nice: i32) -> Runtime {
         let shared = engine.shared().clone();
         let (io_tx, io_rx) = unbounded::<IoOp>();
         let now = Instant::now();
@@ -321,9 +322,14 @@ impl Runtime {
             std::thread::Builder::new()
                 .name(format!("lamina-io{i}"))
                 .spawn(move || {
+                    lower_priority(io_nice);
                     while let Ok(op) = io_rx.recv() {
                         let c = execute(&shared, op);
-                        host.post(Msg::Io(c));
+                        if io_nice > 0 {
+                            host.hand_off(Msg::Io(c));
+                        } else {
+                            host.post(Msg::Io(c));
+                        }
                     }
                 })
                 .expect("spawn I/O thread");
@@ -354,6 +360,35 @@ impl Runtime {
         let (tx, rx) = bounded(1);
         self.host.post(Msg::Shutdown(tx));
         rx.recv().map_err(|_| EngineError::ShuttingDown)?
+    }
+}
+
+/// Moves the calling thread `steps` nice steps down (at most to 19), so that it
+/// takes the CPU only when the threads serving clients leave it: I/O threads write
+/// units and, through the engine rounds they run on completions, do garbage
+/// collection's copying, neither of which a client waits for, while a read waits
+/// for its thread to get a core. Raising a priority needs privileges; lowering one
+/// does not, so this works for any user. A failure costs only the priority.
+fn lower_priority(steps: i32) {
+    if steps <= 0 {
+        return;
+    }
+    // SAFETY: plain system calls on the calling thread's own id.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        // getpriority returns the nice value itself (-1 is a valid one): errno tells.
+        *libc::__errno_location() = 0;
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        if now == -1 && *libc::__errno_location() != 0 {
+            return;
+        }
+        let to = (now + steps).min(19);
+        if libc::setpriority(libc::PRIO_PROCESS, tid, to) != 0 {
+            tracing::warn!(
+                "I/O thread keeps its priority: setpriority: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }
 

@@ -271,6 +271,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
         lamina_nbd::server::set_read_threads(n);
     }
+    let io_nice = cfg.serve.io_nice()?;
     let log_file = Config::resolve(&dir, &cfg.log_file);
     let log = init_logging(&log_file);
     let signals = block_signals();
@@ -296,7 +297,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         human(report.bytes_read)
     );
     let status = engine.status();
-    let rt = Runtime::start(engine, cfg.serve.io_threads);
+    let rt = Runtime::start(engine, cfg.serve.io_threads, io_nice);
     let rebuild_rate = cfg
         .serve
         .rebuild_rate

@@ -245,3 +245,62 @@ fn busy_volumes_are_deleted_only_with_force() {
     assert!(Client::connect_unix(&srv.sock, "v").is_err());
     srv.stop();
 }
+
+/// Nice value and name of each thread of process `pid`.
+fn thread_nices(pid: i32) -> Vec<(String, i64)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let (Ok(comm), Ok(stat)) = (
+            std::fs::read_to_string(task.join("comm")),
+            std::fs::read_to_string(task.join("stat")),
+        ) else {
+            continue; // the thread ended meanwhile
+        };
+        // Fields after the parenthesised name: state is field 3, nice field 19.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let nice = rest.split(' ').nth(16).unwrap().parse().unwrap();
+        out.push((comm.trim().to_string(), nice));
+    }
+    out
+}
+
+/// The I/O threads (unit writes and garbage collection) run `[serve] io_nice` steps
+/// below the rest of the server, 10 by default, so that the threads serving reads
+/// get a core first; a bad value is refused before anything starts.
+#[test]
+fn io_threads_run_below_the_threads_serving_clients() {
+    let t = TempDir::new("io-nice");
+    let dir = small_array(&t, "64M");
+    let cfg_path = dir.join("lamina.toml");
+    let good = std::fs::read_to_string(&cfg_path).unwrap();
+    // SAFETY: getpriority on this process.
+    let base = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) } as i64;
+    for (setting, steps) in [(None, 10), (Some(3), 3), (Some(0), 0)] {
+        let cfg = match setting {
+            None => good.clone(),
+            Some(n) => good.replace("[serve]", &format!("[serve]\nio_nice = {n}")),
+        };
+        std::fs::write(&cfg_path, cfg).unwrap();
+        let s = Server::start(&dir);
+        let threads = thread_nices(s.pid());
+        let io: Vec<i64> = threads
+            .iter()
+            .filter(|(n, _)| n.starts_with("lamina-io"))
+            .map(|t| t.1)
+            .collect();
+        assert!(!io.is_empty(), "no I/O threads among {threads:?}");
+        assert!(
+            io.iter().all(|&n| n == (base + steps).min(19)),
+            "io_nice {setting:?}: {threads:?}"
+        );
+        let engine = threads.iter().find(|(n, _)| n == "lamina-engine");
+        assert_eq!(engine.map(|t| t.1), Some(base), "{threads:?}");
+        s.stop();
+    }
+    std::fs::write(&cfg_path, good.replace("[serve]", "[serve]\nio_nice = 40")).unwrap();
+    let out = lamina_output(&["serve", dir.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("[serve] io_nice = 40: give 0 to 19"), "{err}");
+}
