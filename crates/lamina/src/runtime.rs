@@ -26,7 +26,7 @@
 use crate::combine::{Combiner, Owner};
 use anyhow::Result;
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
-use lamina_core::io::{execute, IoCompletion, IoOp};
+use lamina_core::io::{execute, IoCompletion, IoKind, IoOp};
 use lamina_core::{Engine, EngineError, Request, Shared, StatusReport, Token, VolumeShared};
 use lamina_nbd::server::ReplySink;
 use lamina_nbd::{Backend, Command, Completion, ExportInfo};
@@ -324,8 +324,14 @@ impl Runtime {
                 .spawn(move || {
                     lower_priority(io_nice);
                     while let Ok(op) = io_rx.recv() {
+                        // A sync's completion is what flushes wait for, and its round
+                        // is short (replies to them): run it here rather than pay
+                        // for waking the engine thread. Everything else (a unit
+                        // written, a GC read, which leads to GC's copying) is handed
+                        // off at low priority.
+                        let sync = matches!(op.kind, IoKind::Sync);
                         let c = execute(&shared, op);
-                        if io_nice > 0 {
+                        if io_nice > 0 && !sync {
                             host.hand_off(Msg::Io(c));
                         } else {
                             host.post(Msg::Io(c));
