@@ -100,7 +100,7 @@ for _ in $(seq "$ROUNDS"); do
   done
 done
 
-median() { python3 -c 'import sys,statistics; print(round(statistics.median(map(float,sys.argv[1:]))))' "$@"; }
+source "$here/bench/lib.sh"
 echo "# SAID5 over 4 files of 512M on $(df --output=source,fstype "$work" | tail -1 | tr -s ' ' ' '); 4 KiB, one connection, ${RUNTIME}s x $ROUNDS rounds (median IOPS)"
 printf '%-16s %12s %12s %14s %16s\n' workload sync uring uring+direct "uring / sync"
 for w in "${workloads[@]}"; do

@@ -7,6 +7,7 @@
 #   env: ROUNDS (default 3), RUNTIME seconds (default 6), TMPDIR (where the array goes)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+source "$here/bench/lib.sh"
 values=("$@"); [ ${#values[@]} -gt 0 ] || values=(0 10)
 ROUNDS=${ROUNDS:-3}; RUNTIME=${RUNTIME:-6}
 command -v fio >/dev/null || { echo "bench: fio is missing" >&2; exit 1; }
@@ -36,6 +37,5 @@ done
 echo "# write+flush (4 KiB, iodepth 1, --fsync=1), flushed writes per second, $ROUNDS rounds"
 for n in "${values[@]}"; do
   # shellcheck disable=SC2086
-  printf 'io_nice %-3s median %6s   runs%s\n' "$n" \
-    "$(printf '%s\n' ${got[$n]} | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')" "${got[$n]}"
+  printf 'io_nice %-3s median %6s   runs%s\n' "$n" "$(median ${got[$n]})" "${got[$n]}"
 done

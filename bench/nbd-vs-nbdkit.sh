@@ -108,8 +108,7 @@ run_fio() { # server-pid uri rw extra...
 fill() { # uri
   fio --name=fill --ioengine=nbd --uri="$1" --bs=1m --iodepth=8 --rw=write --size="$REGION" >/dev/null 2>&1
 }
-median() { python3 -c 'import sys,statistics; print(round(statistics.median(map(float,sys.argv[1:]))))' "$@"; }
-medianf() { python3 -c 'import sys,statistics; print(round(statistics.median(map(float,sys.argv[1:])), 1))' "$@"; }
+source "$here/bench/lib.sh"
 
 # ---- servers on the same filesystem, same kind of backing file
 if [ $fresh = 1 ]; then

@@ -161,7 +161,7 @@ fn default_io_threads() -> usize {
 }
 
 /// See [`ServeConfig::io_nice`].
-pub const DEFAULT_IO_NICE: i32 = 10;
+const DEFAULT_IO_NICE: i32 = 10;
 
 impl ServeConfig {
     /// `io_nice`, checked.

@@ -369,29 +369,23 @@ impl Runtime {
     }
 }
 
-/// Moves the calling thread `steps` nice steps down (at most to 19), so that it
-/// takes the CPU only when the threads serving clients leave it: I/O threads write
-/// units and, through the engine rounds they run on completions, do garbage
-/// collection's copying, neither of which a client waits for, while a read waits
-/// for its thread to get a core. Raising a priority needs privileges; lowering one
-/// does not, so this works for any user. A failure costs only the priority.
+/// Moves the calling thread `steps` nice steps down (the kernel stops at 19), so
+/// that it takes the CPU only when the threads serving clients leave it: I/O
+/// threads write units and read GC's victims, which no client waits for, while a
+/// read waits for its thread to get a core. Raising a priority needs privileges;
+/// lowering one does not, so this works for any user. A failure costs only the
+/// priority.
 fn lower_priority(steps: i32) {
     if steps <= 0 {
         return;
     }
-    // SAFETY: plain system calls on the calling thread's own id.
+    // SAFETY: nice(2) acts on the calling thread on Linux; errno is thread-local.
+    // It returns the new nice value, and -1 is a valid one: errno tells an error.
     unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        // getpriority returns the nice value itself (-1 is a valid one): errno tells.
         *libc::__errno_location() = 0;
-        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-        if now == -1 && *libc::__errno_location() != 0 {
-            return;
-        }
-        let to = (now + steps).min(19);
-        if libc::setpriority(libc::PRIO_PROCESS, tid, to) != 0 {
+        if libc::nice(steps) == -1 && *libc::__errno_location() != 0 {
             tracing::warn!(
-                "I/O thread keeps its priority: setpriority: {}",
+                "I/O thread keeps its priority: nice: {}",
                 std::io::Error::last_os_error()
             );
         }
