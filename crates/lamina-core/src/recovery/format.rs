@@ -1,0 +1,279 @@
+//! Making a new array: superblocks on every device, zones emptied.
+
+use super::{FormatParams, MIN_SEGMENTS};
+use crate::error::EngineError;
+use crate::geometry::Geometry;
+use crate::types::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use lamina_device::zoned::{ZoneCond, ZoneType};
+use lamina_device::BlockDevice;
+use lamina_format::superblock::{
+    DeviceEntry, Layout, Superblock, DEFAULT_DATA_OFFSET, MAX_DEVICES, MAX_NAME_LEN,
+    SUPERBLOCK_OFFSETS,
+};
+use std::sync::Arc;
+
+/// Writes fresh superblocks to `devices`, making them one new, empty array.
+pub fn format(
+    devices: &[Arc<dyn BlockDevice>],
+    params: &FormatParams,
+    array_uuid: [u8; 16],
+    device_uuids: &[[u8; 16]],
+    created_unix: u64,
+) -> Result<Superblock, EngineError> {
+    let invalid = |m: String| Err(EngineError::Invalid(m));
+    if devices.is_empty() {
+        return invalid("an array needs at least one device".into());
+    }
+    if devices.len() > MAX_DEVICES {
+        return invalid(format!("an array holds at most {MAX_DEVICES} devices"));
+    }
+    let parity = crate::geometry::layout_parity(params.layout);
+    let min_devices = match params.layout {
+        Layout::Jbod | Layout::Said0 => 1,
+        Layout::Said5 => 3,
+        Layout::Said6 => 4,
+    };
+    if devices.len() < min_devices {
+        return invalid(format!(
+            "layout {} needs at least {min_devices} devices, {} given",
+            params.layout.name(),
+            devices.len()
+        ));
+    }
+    let devices: Vec<Arc<dyn BlockDevice>> = devices
+        .iter()
+        .map(|d| lamina_device::zonehost::host(d.clone()))
+        .collect();
+    let devices = &devices[..];
+    let mut params = params.clone();
+    // Zoned devices: a segment (a striped layout's chunk) is one zone, and the
+    // superblocks live in the conventional zones before the first sequential one.
+    let zones = zoned_layout(devices)?;
+    let data_offset = match zones {
+        Some(l) => {
+            params.segment_blocks = (l.zone_bytes / BLOCK_SIZE_U64) as u32;
+            // Conventional zones past the superblocks' megabyte hold segments of
+            // their own (SALSA 3.2: the metadata stream's small writes go there)
+            // when they are as large as the sequential ones (JBOD).
+            let first = DEFAULT_DATA_OFFSET.next_multiple_of(l.zone_bytes);
+            if params.layout == Layout::Jbod
+                && first < l.conventional_bytes
+                && (l.conventional_bytes - first).is_multiple_of(l.zone_bytes)
+            {
+                first
+            } else {
+                l.conventional_bytes
+            }
+        }
+        None => DEFAULT_DATA_OFFSET,
+    };
+    // Striped layouts: the segment size given is each member's chunk; a segment
+    // (stripe) holds k chunks of data, and write units are whole rows of k blocks.
+    let striped = params.layout != Layout::Jbod;
+    let k = (devices.len() - parity) as u32;
+    let chunk_blocks = params.segment_blocks;
+    if striped {
+        params.segment_blocks = chunk_blocks
+            .checked_mul(k)
+            .filter(|&b| b <= 1 << 24)
+            .ok_or_else(|| EngineError::Invalid("stripe too large (at most 64 GiB)".into()))?;
+        params.write_unit_blocks = (params.write_unit_blocks / k * k).max(2 * k);
+    }
+    let params = &params;
+    if params.name.is_empty() || params.name.len() > MAX_NAME_LEN {
+        return invalid(format!("array name must be 1 to {MAX_NAME_LEN} bytes"));
+    }
+    if !(0.0..=10.0).contains(&params.overprovision) || params.overprovision.is_nan() {
+        return invalid(format!(
+            "over-provisioning {} must be between 0 and 10 (spare / user)",
+            params.overprovision
+        ));
+    }
+    if params.write_unit_blocks < 2 || params.write_unit_blocks > 4096 {
+        return invalid(format!(
+            "write unit of {} blocks must be 8 KiB to 16 MiB",
+            params.write_unit_blocks
+        ));
+    }
+    let summary = lamina_format::summary::summary_blocks(params.segment_blocks);
+    if params.segment_blocks < 4 * params.write_unit_blocks.max(8)
+        || params.segment_blocks < summary + params.write_unit_blocks
+    {
+        return invalid(format!(
+            "segment of {} blocks is too small for write units of {} blocks (need at least 4 units per segment)",
+            params.segment_blocks, params.write_unit_blocks
+        ));
+    }
+    if !params.force {
+        for d in devices {
+            for off in SUPERBLOCK_OFFSETS {
+                let mut b = vec![0u8; BLOCK_SIZE];
+                if d.read_at(&mut b, off).is_ok() {
+                    if let Ok(sb) = Superblock::decode(&b) {
+                        return invalid(format!(
+                            "device {} already belongs to Lamina array {:?}; refusing to overwrite it",
+                            d.describe(),
+                            sb.array_name
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    let mut entries = Vec::new();
+    let mut first = 0u32;
+    // Striped: every member holds one chunk of each stripe, so the smallest member
+    // decides how many stripes there are.
+    let stripes = devices
+        .iter()
+        .map(|d| Geometry::segments_on_device(d.size_bytes(), data_offset, chunk_blocks))
+        .min()
+        .unwrap_or(0);
+    for (i, d) in devices.iter().enumerate() {
+        let size = d.size_bytes();
+        let segs = if striped {
+            stripes
+        } else {
+            Geometry::segments_on_device(size, data_offset, params.segment_blocks)
+        };
+        if segs == 0 {
+            return invalid(format!(
+                "device {} ({} bytes) is too small for one segment of {} bytes",
+                d.describe(),
+                size,
+                chunk_blocks as u64 * BLOCK_SIZE_U64
+            ));
+        }
+        entries.push(DeviceEntry {
+            uuid: device_uuids[i],
+            size_bytes: size,
+            segment_count: segs,
+            first_segment: if striped { 0 } else { first },
+            state: 0,
+            rebuild_cursor: 0,
+        });
+        first = first
+            .checked_add(segs)
+            .ok_or_else(|| EngineError::Invalid("array too large".into()))?;
+    }
+    if striped {
+        first = stripes;
+    }
+    if first < MIN_SEGMENTS {
+        return invalid(format!(
+            "array of {first} segments is too small: need at least {MIN_SEGMENTS} segments of {} bytes",
+            params.segment_blocks as u64 * BLOCK_SIZE_U64
+        ));
+    }
+    if first as u64 * params.segment_blocks as u64 >= crate::map::PBA_LIMIT as u64 {
+        return invalid("array exceeds 16 TiB, the limit of 32-bit block addresses".into());
+    }
+    let sb = Superblock {
+        array_uuid,
+        array_name: params.name.clone(),
+        generation: 1,
+        device_index: 0,
+        layout: params.layout,
+        block_size: BLOCK_SIZE as u32,
+        segment_blocks: params.segment_blocks,
+        write_unit_blocks: params.write_unit_blocks,
+        overprovision_ppm: (params.overprovision * 1e6).round() as u32,
+        data_offset,
+        created_unix,
+        version_reserved: 1,
+        checkpoint: None,
+        devices: entries,
+    };
+    if zones.is_some() {
+        // Start from empty zones: whatever an earlier user left would hold zones
+        // open against the device's limits.
+        for d in devices {
+            empty_zones(&**d)?;
+        }
+    }
+    for off in SUPERBLOCK_OFFSETS {
+        for (i, d) in devices.iter().enumerate() {
+            let mut s = sb.clone();
+            s.device_index = i as u32;
+            d.write_at(&s.encode()[..], off)?;
+        }
+        for d in devices {
+            d.sync()?;
+        }
+    }
+    Ok(sb)
+}
+
+/// Resets every sequential zone of `d` that holds anything. Offline and read-only
+/// zones are left as they are: the engine sets their segments aside when it fails
+/// to reset them.
+pub(crate) fn empty_zones(d: &dyn BlockDevice) -> Result<(), EngineError> {
+    for z in d.report_zones()? {
+        if z.ty == ZoneType::SequentialRequired
+            && !matches!(
+                z.cond,
+                ZoneCond::Empty | ZoneCond::Offline | ZoneCond::ReadOnly
+            )
+        {
+            d.reset_zone(z.start)?;
+        }
+    }
+    Ok(())
+}
+
+/// The zone layout shared by the devices of a new array, if they are zoned; an
+/// error says why a set of devices cannot make one.
+fn zoned_layout(
+    devices: &[Arc<dyn BlockDevice>],
+) -> Result<Option<lamina_device::ZoneLayout>, EngineError> {
+    let invalid = |m: String| Err(EngineError::Invalid(m));
+    let layouts: Vec<_> = devices.iter().map(|d| d.zone_layout()).collect();
+    let Some(first) = layouts.iter().flatten().next().copied() else {
+        return Ok(None);
+    };
+    for (d, l) in devices.iter().zip(&layouts) {
+        let Some(l) = l else {
+            return invalid(format!(
+                "{} is not zoned but other devices are: an array is all zoned or not at all",
+                d.describe()
+            ));
+        };
+        if l.zone_bytes != first.zone_bytes || l.conventional_bytes != first.conventional_bytes {
+            return invalid(format!(
+                "{} has zones of {} bytes after {} conventional bytes, unlike {} ({} after {}): zoned members must match",
+                d.describe(),
+                l.zone_bytes,
+                l.conventional_bytes,
+                devices[0].describe(),
+                first.zone_bytes,
+                first.conventional_bytes
+            ));
+        }
+        if !l.zone_bytes.is_multiple_of(BLOCK_SIZE_U64)
+            || !l.conventional_bytes.is_multiple_of(BLOCK_SIZE_U64)
+        {
+            return invalid(format!(
+                "{} has zones of {} bytes after {} conventional bytes: Lamina needs multiples of 4 KiB",
+                d.describe(),
+                l.zone_bytes,
+                l.conventional_bytes
+            ));
+        }
+        if l.conventional_bytes < DEFAULT_DATA_OFFSET {
+            return invalid(format!(
+                "{} has {} bytes of conventional zones; Lamina rewrites its superblocks in place in the first {} bytes, which must be conventional",
+                d.describe(),
+                l.conventional_bytes,
+                DEFAULT_DATA_OFFSET
+            ));
+        }
+        if l.open_limit() != 0 && l.open_limit() < 4 {
+            return invalid(format!(
+                "{} lets only {} zones be open at once; Lamina needs at least 4 (metadata, one user and one GC stream, and one closing)",
+                d.describe(),
+                l.open_limit()
+            ));
+        }
+    }
+    Ok(Some(first))
+}

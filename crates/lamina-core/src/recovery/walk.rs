@@ -1,0 +1,358 @@
+//! Phase 3: the walk. Finds every unit written after the checkpoint's version
+//! `C`, without scanning the array:
+//!
+//! 1. the stream heads recorded in the checkpoint, from their write pointers (and
+//!    the successor each had reserved);
+//! 2. the free queue recorded in the checkpoint, in order: segments are allocated in
+//!    that order (within a window), so the walk stops after a run of empty segments
+//!    longer than the streams and the window could leave;
+//! 3. segments released after `C` (release records found on the way), in the order
+//!    of their release records, which is the order the engine appended them.
+
+use super::checkpoint::Checkpoint;
+use super::{read_blocks, RecoveryReport};
+use crate::engine::Seg;
+use crate::shared::Shared;
+use crate::types::{SegmentId, BLOCK_SIZE};
+use lamina_format::summary::SummaryHeader;
+use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet};
+
+/// What the walk found.
+pub(super) struct Walk {
+    /// Every segment incarnation with units written after `C`, each once, in the
+    /// order found.
+    pub found: Vec<Found>,
+    /// Stream heads (and reserved successors) named by the checkpoint.
+    pub scanned_heads: HashSet<u32>,
+    /// The part of the checkpoint's free queue the walk went through, in order.
+    pub walked_queue: Vec<u32>,
+    /// (segment, incarnation) of every release record found: those incarnations
+    /// hold nothing live any more.
+    pub released: HashSet<(u32, u64)>,
+}
+
+impl Walk {
+    /// Whether a release record after `C` retired this incarnation.
+    pub fn is_released(&self, f: &Found) -> bool {
+        self.released.contains(&(f.seg, f.incarnation))
+    }
+
+    /// The incarnations found that no release record retired: what replay applies.
+    pub fn kept(&self) -> impl Iterator<Item = &Found> {
+        self.found.iter().filter(|f| !self.is_released(f))
+    }
+
+    /// The user and GC units of [`Walk::kept`], with their volume and stream kind.
+    pub fn data_units(&self) -> impl Iterator<Item = (u16, StreamKind, &FoundUnit)> {
+        self.kept()
+            .filter(|f| f.kind != StreamKind::Meta)
+            .flat_map(|f| f.units.iter().map(move |u| (f.volume, f.kind, u)))
+    }
+}
+
+/// Walks the stream heads, the free queue and the released segments of `ckpt`;
+/// `segs` is the segment table as of the checkpoint.
+pub(super) fn walk(
+    shared: &Shared,
+    ckpt: &Checkpoint,
+    segs: &[Seg],
+    report: &mut RecoveryReport,
+) -> Walk {
+    let (meta, c_version) = (&ckpt.meta, ckpt.version);
+    let nsegs = segs.len();
+    let mut found: Vec<Found> = Vec::new();
+    let mut scanned_heads: HashSet<u32> = HashSet::new();
+    for st in &meta.streams {
+        if st.segment != NO_SEGMENT && (st.segment as usize) < nsegs {
+            let s = &segs[st.segment as usize];
+            if let Some(f) = scan_segment(
+                shared,
+                report,
+                st.segment,
+                s.write_ptr,
+                Some(s.incarnation),
+                c_version,
+            ) {
+                found.push(f);
+            }
+            scanned_heads.insert(st.segment);
+        }
+        if st.next_segment != NO_SEGMENT && (st.next_segment as usize) < nsegs {
+            if let Some(f) = scan_segment(shared, report, st.next_segment, 0, None, c_version) {
+                found.push(f);
+            }
+            scanned_heads.insert(st.next_segment);
+        }
+    }
+    // Only stream heads (and the metadata stream's reserved successor) can have been
+    // allocated and still be empty; a margin covers streams of volumes created after C.
+    // Allocation may take any of the first `ALLOC_WINDOW` free segments (JBOD wear
+    // levelling), so that many may be skipped before one that was used.
+    let k_stop = meta.streams.len() + 3 + 8 + crate::engine::ALLOC_WINDOW;
+    let mut empties = 0usize;
+    let mut releases: BinaryHeap<Reverse<(u64, usize, u32, u64)>> = BinaryHeap::new();
+    let mut released: HashSet<(u32, u64)> = HashSet::new();
+    let harvest = |f: &Found,
+                   heap: &mut BinaryHeap<Reverse<(u64, usize, u32, u64)>>,
+                   set: &mut HashSet<(u32, u64)>| {
+        for u in &f.units {
+            for (i, r) in u.records.iter().enumerate().skip(u.data_blocks as usize) {
+                if r.kind == kind::RELEASE {
+                    heap.push(Reverse((u.version, i, r.b, r.a)));
+                    set.insert((r.b, r.a));
+                }
+            }
+        }
+    };
+    for f in &found {
+        harvest(f, &mut releases, &mut released);
+    }
+    let mut walked_queue = Vec::new();
+    let mut queue_iter = meta.free_queue.iter().copied();
+    loop {
+        if empties >= k_stop {
+            break;
+        }
+        let (seg, min_version) = if let Some(seg) = queue_iter.next() {
+            walked_queue.push(seg);
+            (seg, c_version)
+        } else if let Some(Reverse((version, _, seg, _))) = releases.pop() {
+            (seg, version)
+        } else {
+            break;
+        };
+        if seg as usize >= nsegs {
+            continue;
+        }
+        match scan_segment(shared, report, seg, 0, None, min_version) {
+            Some(f) => {
+                empties = 0;
+                // A segment taken from the queue, released and reused after C is
+                // met again among the releases: record each incarnation once.
+                if !found
+                    .iter()
+                    .any(|g| g.seg == f.seg && g.incarnation == f.incarnation)
+                {
+                    harvest(&f, &mut releases, &mut released);
+                    found.push(f);
+                }
+            }
+            None => empties += 1,
+        }
+    }
+    report.releases_seen = released.len() as u64;
+    Walk {
+        found,
+        scanned_heads,
+        walked_queue,
+        released,
+    }
+}
+
+/// Reads and decodes the unit header at `offset` of `seg` that `accept` takes (the
+/// caller's identity checks: array, segment, offset, incarnation, version). On a
+/// layout with parity, a header that does not decode as read, or decodes but is
+/// not the one expected there (a stale header left by a write the member dropped or
+/// stored elsewhere), is read again with each member rebuilt from the others in
+/// turn: a header damaged on one member must not end the walk of a segment whose
+/// later units were flushed. The flag says the header was rebuilt.
+pub(super) fn read_unit_header(
+    shared: &Shared,
+    report: &mut RecoveryReport,
+    seg: u32,
+    offset: u32,
+    h: u32,
+    accept: impl Fn(&UnitHeader) -> bool,
+) -> Option<(Vec<u8>, UnitHeader, bool)> {
+    if let Ok(buf) = read_blocks(shared, report, seg, offset, h) {
+        if let Ok(u) = UnitHeader::decode(&buf) {
+            if accept(&u) {
+                return Some((buf, u, false));
+            }
+        }
+    }
+    let st = shared.striped.as_ref().filter(|st| st.shape().parity > 0)?;
+    let (_, off) = shared.geo.locate(SegmentId(seg), offset);
+    let mut buf = vec![0u8; h as usize * BLOCK_SIZE];
+    for m in 0..st.shape().members() {
+        if st.read_without(&mut buf, off, m).is_ok() {
+            if let Ok(u) = UnitHeader::decode(&buf) {
+                if accept(&u) {
+                    report.headers_rebuilt += 1;
+                    st.note_bad_block(m, off);
+                    return Some((buf, u, true));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// One unit found by the walk.
+pub(super) struct FoundUnit {
+    pub offset: u32,
+    pub header_blocks: u32,
+    pub data_blocks: u32,
+    pub version: u64,
+    pub durable_version: u64,
+    pub run_start: u64,
+    /// The volume's time at the unit's opening and seal and, for GC units, the
+    /// mean origin of its blocks ([`UnitHeader::opened_time`],
+    /// [`UnitHeader::volume_time`], [`UnitHeader::origin`]).
+    pub opened_time: u64,
+    pub volume_time: u64,
+    pub origin: u64,
+    pub records: Vec<RawRecord>,
+    /// The header as rebuilt from parity, when it did not decode as read (or was
+    /// not the one expected there).
+    pub rebuilt: Option<Vec<u8>>,
+}
+
+/// One segment incarnation found by the walk.
+pub(super) struct Found {
+    pub seg: u32,
+    pub incarnation: u64,
+    pub kind: StreamKind,
+    pub class: u8,
+    pub volume: u16,
+    /// Where the walk started (non-zero for stream heads continuing a segment).
+    pub start: u32,
+    pub units: Vec<FoundUnit>,
+    pub end: u32,
+    pub has_summary: bool,
+}
+
+/// Scans units of `seg` from `start`. `expect` is the incarnation when known;
+/// otherwise the first unit sets it and it must exceed `min_version`.
+fn scan_segment(
+    shared: &Shared,
+    report: &mut RecoveryReport,
+    seg: u32,
+    start: u32,
+    expect: Option<u64>,
+    min_version: u64,
+) -> Option<Found> {
+    let geo = &shared.geo;
+    let h = geo.header_blocks as u32;
+    let mut offset = start;
+    let mut prev = min_version;
+    let mut incarnation = expect;
+    let mut units = Vec::new();
+    let mut meta = (StreamKind::User, 0u8, 0u16);
+    report.segments_scanned += 1;
+    while offset + h <= geo.data_end {
+        let expected = |u: &UnitHeader| {
+            let inc_ok = match incarnation {
+                Some(i) => u.incarnation == i,
+                None => u.incarnation > min_version,
+            };
+            u.array_id == geo.array_id
+                && u.segment == seg
+                && u.offset == offset
+                && inc_ok
+                && u.version > prev
+                && u.header_blocks as u32 == h
+                && offset + u.total_blocks() <= geo.data_end
+        };
+        let Some((buf, u, rebuilt)) = read_unit_header(shared, report, seg, offset, h, expected)
+        else {
+            break;
+        };
+        incarnation = Some(u.incarnation);
+        meta = (u.stream_kind, u.stream_class, u.volume);
+        let records = (0..u.record_count as usize)
+            .map(|i| record_at(&buf, i))
+            .collect();
+        units.push(FoundUnit {
+            offset,
+            header_blocks: h,
+            data_blocks: u.data_blocks,
+            version: u.version,
+            durable_version: u.durable_version,
+            run_start: u.run_start,
+            opened_time: u.opened_time,
+            volume_time: u.volume_time,
+            origin: u.origin,
+            rebuilt: rebuilt.then(|| buf.clone()),
+            records,
+        });
+        prev = u.version;
+        offset += u.total_blocks();
+    }
+    if units.is_empty() && start == 0 {
+        return None;
+    }
+    let incarnation = incarnation?;
+    let mut has_summary = false;
+    if offset + geo.round_to_row(h + 1) > geo.data_end && meta.0 != StreamKind::Meta {
+        if let Ok(buf) = read_blocks(shared, report, seg, geo.data_end, geo.summary_blocks) {
+            has_summary = SummaryHeader::decode(&buf).is_ok_and(|s| {
+                s.segment == seg && s.incarnation == incarnation && s.array_id == geo.array_id
+            });
+        }
+    }
+    Some(Found {
+        seg,
+        incarnation,
+        kind: meta.0,
+        class: meta.1,
+        volume: meta.2,
+        start,
+        units,
+        end: offset,
+        has_summary,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{call, devices, engine_with_volume, up_to_walk, write};
+    use super::super::{replay, verify};
+    use super::*;
+    use crate::engine::Request;
+
+    /// The walk finds every unit written after the checkpoint that is still on the
+    /// media, and nothing before it: replaying what it found onto the checkpoint's
+    /// maps gives back the map the engine had, also when GC released and reused
+    /// segments after the checkpoint (found through their release records).
+    #[test]
+    fn the_walk_finds_everything_that_followed_the_checkpoint() {
+        let (_dev, devs) = devices();
+        let (mut e, v) = engine_with_volume(&devs);
+        write(&mut e, v, 0, 400, 1);
+        call(&mut e, Request::Checkpoint);
+        // Overwrites of a quarter of the volume, many times over: GC collects
+        // segments written before and after the checkpoint.
+        for round in 0..12u8 {
+            for lba in (0..128).step_by(7) {
+                write(&mut e, v, lba, 7, round);
+            }
+        }
+        call(&mut e, Request::Flush);
+        let expected: Vec<u32> = {
+            let map = &e.shared().volume("v").unwrap().map;
+            (0..512).map(|lba| map.load(lba)).collect()
+        };
+        drop(e);
+
+        let (shared, ckpt, walk) = up_to_walk(&devs);
+        assert!(
+            !walk.released.is_empty(),
+            "GC released nothing: the test needs more writes"
+        );
+        for f in &walk.found {
+            assert!(f.units.iter().all(|u| u.version > ckpt.version));
+            assert!(f.units.windows(2).all(|w| w[0].version < w[1].version));
+        }
+        let marks = verify::Marks::new(&walk);
+        let mut report = RecoveryReport::default();
+        let v = verify::unvouched_units(&shared, &walk, &marks, &mut report).unwrap();
+        assert!(v.torn.is_empty());
+        replay::replay(&shared.geo, &walk, &v.torn, &ckpt, &mut report);
+        let map = &ckpt.volumes[0].0.map;
+        let replayed: Vec<u32> = (0..512).map(|lba| map.load(lba)).collect();
+        assert_eq!(replayed, expected);
+    }
+}
