@@ -266,8 +266,8 @@ fn thread_nices(pid: i32) -> Vec<(String, i64)> {
 }
 
 /// The I/O threads (unit writes and garbage collection) run `[serve] io_nice` steps
-/// below the rest of the server, 10 by default, so that the threads serving reads
-/// get a core first; a bad value is refused before anything starts.
+/// below the rest of the server (none by default), and the engine thread never
+/// does; a bad value is refused before anything starts.
 #[test]
 fn io_threads_run_below_the_threads_serving_clients() {
     let t = TempDir::new("io-nice");
@@ -276,7 +276,7 @@ fn io_threads_run_below_the_threads_serving_clients() {
     let good = std::fs::read_to_string(&cfg_path).unwrap();
     // SAFETY: getpriority on this process.
     let base = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) } as i64;
-    for (setting, steps) in [(None, 10), (Some(3), 3), (Some(0), 0)] {
+    for (setting, steps) in [(None, 0), (Some(10), 10), (Some(3), 3), (Some(0), 0)] {
         let cfg = match setting {
             None => good.clone(),
             Some(n) => good.replace("[serve]", &format!("[serve]\nio_nice = {n}")),
