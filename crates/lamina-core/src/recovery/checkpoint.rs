@@ -296,7 +296,7 @@ impl<'a> CheckpointReader<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{call, config, devices, engine_with_volume, write};
+    use super::super::testing::{call, config, devices, engine_with_volume, entries, write};
     use super::super::{assemble, RecoveryReport};
     use super::*;
     use crate::engine::Request;
@@ -312,10 +312,7 @@ mod tests {
         let (mut e, v) = engine_with_volume(&devs);
         write(&mut e, v, 0, 100, 1);
         call(&mut e, Request::Checkpoint);
-        let at_checkpoint: Vec<u32> = {
-            let map = &e.shared().volume("v").unwrap().map;
-            (0..512).map(|lba| map.load(lba)).collect()
-        };
+        let at_checkpoint = entries(&e.shared().volume("v").unwrap().map);
         write(&mut e, v, 0, 50, 2);
         call(&mut e, Request::Flush);
         drop(e);
@@ -332,8 +329,7 @@ mod tests {
             (rec.name.as_str(), vs.size_bytes),
             ("v", 512 * BLOCK_SIZE as u64)
         );
-        let loaded: Vec<u32> = (0..512).map(|lba| vs.map.load(lba)).collect();
-        assert_eq!(loaded, at_checkpoint);
+        assert_eq!(entries(&vs.map), at_checkpoint);
         let segs = segment_table(&ckpt.meta, shared.geo.segment_count as usize);
         assert!(segs.iter().any(|s| s.state == SegState::Closed));
         assert!(segs.iter().any(|s| s.state == SegState::Meta));

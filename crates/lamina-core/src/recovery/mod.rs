@@ -140,7 +140,7 @@ pub fn open_unfinished(
     let mut report = RecoveryReport::default();
     let writable = mode == OpenMode::ReadWrite;
     let (sb, shared) = assemble::open_devices(devices, &cfg, writable, &mut report)?;
-    let geo = shared.geo.clone();
+    let geo = &shared.geo;
     let ckpt = checkpoint::load(&shared, sb.checkpoint, &mut report)?;
     let mut segs = checkpoint::segment_table(&ckpt.meta, geo.segment_count as usize);
     let walk = walk::walk(&shared, &ckpt, &segs, &mut report);
@@ -149,10 +149,10 @@ pub fn open_unfinished(
     if writable {
         verify::close_write_hole(&shared, &walk, &marks, &verified.put_back, &mut report)?;
     }
-    let replayed = replay::replay(&geo, &walk, &verified.torn, &ckpt, &mut report);
+    let replayed = replay::replay(geo, &walk, &verified.torn, &ckpt, &mut report);
     let clocks = replay::VolumeClocks::new(&ckpt.volumes, walk.data_units());
-    replay::settle_segments(&mut segs, &geo, &walk, &ckpt, &clocks);
-    let live_per_volume = replay::count_live(&geo, &ckpt.volumes, &mut segs, &mut report);
+    replay::settle_segments(&mut segs, geo, &walk, &ckpt, &clocks);
+    let live_per_volume = replay::count_live(geo, &ckpt.volumes, &mut segs, &mut report);
     let free = replay::free_queue(&segs, &walk.walked_queue, &ckpt.meta.free_queue);
     replay::publish(&shared, &segs, &walk);
 
@@ -200,7 +200,7 @@ pub fn open_unfinished(
     // Fit the open classes to the spare now that the mapped blocks are counted
     // (recovery leaves no data segment open, so nothing is closed here).
     engine.update_class_caps();
-    if mode == OpenMode::ReadWrite && engine.zones.zoned {
+    if writable && engine.zones.zoned {
         // Small streams take conventional segments only: no zone.
         let streams = engine.streams.iter().filter(|s| !s.small).count() as u32;
         if engine.zones.limit > 0 && streams > engine.zones.limit {
@@ -211,7 +211,7 @@ pub fn open_unfinished(
         }
         reconcile_zones(&engine)?;
     }
-    if mode == OpenMode::ReadWrite {
+    if writable {
         // Persist the new version lease before any version from it is used.
         engine.write_superblock_sync()?;
         if report.resync_unprotected > 0 {
@@ -294,19 +294,22 @@ pub fn open(
             engine.hold_checkpoints = false;
             engine.submit(RECOVERY_TOKEN, crate::engine::Request::Checkpoint);
         }
-        run_inline(&mut engine);
-        let mut replies = Vec::new();
-        engine.drain_replies(&mut replies);
-        match replies.into_iter().find(|r| r.token == RECOVERY_TOKEN) {
-            Some(r) => r.result?,
-            None => {
-                return Err(EngineError::Io(
-                    "post-recovery checkpoint did not complete".into(),
-                ))
-            }
-        }
+        finish_inline(&mut engine, RECOVERY_TOKEN, "post-recovery checkpoint")?;
     }
     Ok((engine, report))
+}
+
+/// Runs the engine's device operations inline, then takes the reply to `token`, a
+/// request submitted earlier (`what` names it): its result, or an error if it did
+/// not come. The clock is left where it is.
+fn finish_inline(engine: &mut Engine, token: Token, what: &str) -> Result<(), EngineError> {
+    run_inline(engine);
+    let mut replies = Vec::new();
+    engine.drain_replies(&mut replies);
+    match replies.into_iter().find(|r| r.token == token) {
+        Some(r) => r.result,
+        None => Err(EngineError::Io(format!("{what} did not complete"))),
+    }
 }
 
 /// Rows a crash left without matching parity that could not be resynced in place
@@ -352,17 +355,7 @@ fn relocate_unprotected(
         handle: 1,
     };
     engine.submit(token, crate::engine::Request::Flush);
-    run_inline(engine);
-    let mut replies = Vec::new();
-    engine.drain_replies(&mut replies);
-    match replies.into_iter().find(|r| r.token == token) {
-        Some(r) => r.result?,
-        None => {
-            return Err(EngineError::Io(
-                "flush after relocation did not complete".into(),
-            ))
-        }
-    }
+    finish_inline(engine, token, "flush after relocation")?;
     report.resync_relocated_segments = engine.repaired_segments() - before;
     let w = format!(
         "moved the live blocks of {} segments whose rows had no matching parity",

@@ -84,6 +84,11 @@ pub fn write(e: &mut Engine, volume: VolumeId, lba: u64, blocks: usize, fill: u8
     );
 }
 
+/// Every entry of `map`, in LBA order.
+pub fn entries(map: &crate::map::Map) -> Vec<u32> {
+    (0..map.len()).map(|lba| map.load(lba)).collect()
+}
+
 /// The first phases of recovery on `devs`, read-only: what the later ones take.
 pub fn up_to_walk(devs: &[Arc<dyn BlockDevice>]) -> (Arc<Shared>, Checkpoint, Walk) {
     let mut report = RecoveryReport::default();

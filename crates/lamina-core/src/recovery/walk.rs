@@ -308,7 +308,7 @@ fn scan_segment(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{call, devices, engine_with_volume, up_to_walk, write};
+    use super::super::testing::{call, devices, engine_with_volume, entries, up_to_walk, write};
     use super::super::{replay, verify};
     use super::*;
     use crate::engine::Request;
@@ -331,10 +331,7 @@ mod tests {
             }
         }
         call(&mut e, Request::Flush);
-        let expected: Vec<u32> = {
-            let map = &e.shared().volume("v").unwrap().map;
-            (0..512).map(|lba| map.load(lba)).collect()
-        };
+        let expected = entries(&e.shared().volume("v").unwrap().map);
         drop(e);
 
         let (shared, ckpt, walk) = up_to_walk(&devs);
@@ -351,8 +348,6 @@ mod tests {
         let v = verify::unvouched_units(&shared, &walk, &marks, &mut report).unwrap();
         assert!(v.torn.is_empty());
         replay::replay(&shared.geo, &walk, &v.torn, &ckpt, &mut report);
-        let map = &ckpt.volumes[0].0.map;
-        let replayed: Vec<u32> = (0..512).map(|lba| map.load(lba)).collect();
-        assert_eq!(replayed, expected);
+        assert_eq!(entries(&ckpt.volumes[0].0.map), expected);
     }
 }
