@@ -50,16 +50,8 @@ done
 cargo build --release --quiet --manifest-path "$here/Cargo.toml"
 lamina="$here/target/release/lamina"
 
-base=${TMPDIR:-/tmp}
-[ $shm = 1 ] && base=/dev/shm
-work=$(mktemp -d "$base/lamina-bench.XXXXXX")
-pids=()
-cleanup() {
-  for p in "${pids[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source "$here/bench/lib.sh"
+bench_workdir $shm lamina-bench
 
 # Applies LAMINA_ENGINE and LAMINA_SERVE to the array in DIR.
 configure() { # dir
@@ -108,7 +100,6 @@ run_fio() { # server-pid uri rw extra...
 fill() { # uri
   fio --name=fill --ioengine=nbd --uri="$1" --bs=1m --iodepth=8 --rw=write --size="$REGION" >/dev/null 2>&1
 }
-source "$here/bench/lib.sh"
 
 # ---- servers on the same filesystem, same kind of backing file
 if [ $fresh = 1 ]; then

@@ -4,7 +4,7 @@
 //! proportion to what was sent.
 #![no_main]
 use lamina_nbd::server::ReplySink;
-use lamina_nbd::{Backend, Command, Completion, ExportInfo};
+use lamina_nbd::{Backend, Command, Completion, ExportInfo, Extent};
 use libfuzzer_sys::fuzz_target;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -26,6 +26,24 @@ impl Backend for Ram {
     }
     fn read(&self, _: &(), _offset: u64, buf: &mut [u8]) -> Result<(), u32> {
         buf.fill(0);
+        Ok(())
+    }
+    /// Extents of every kind the server must cope with: empty ones, ones past the
+    /// request, more than asked for.
+    fn block_status(
+        &self,
+        _: &(),
+        offset: u64,
+        length: u32,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), u32> {
+        for i in 0..(offset % 7) as u32 + max.min(3) as u32 {
+            out.push(Extent {
+                length: length.wrapping_mul(i) % 9000,
+                flags: i,
+            });
+        }
         Ok(())
     }
     fn submit(&self, _: &(), handle: u64, cmd: Command, reply: &Arc<ReplySink>) {

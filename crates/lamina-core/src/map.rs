@@ -390,6 +390,58 @@ impl Map {
         }
     }
 
+    /// Whether `lba` is mapped, and where the run of blocks in the same state that
+    /// starts there ends (exclusive, at most `end`). Pages never made are stepped
+    /// over whole, so a thin range costs one lookup per page, not per block. Any
+    /// thread: like [`Map::load`], a store racing the walk may or may not be seen.
+    pub fn allocation_run(&self, lba: u64, end: u64) -> (bool, u64) {
+        assert!(
+            lba < end && end <= self.len,
+            "run {lba}..{end} out of range"
+        );
+        let mapped = self.load(lba) != UNMAPPED;
+        let mut at = lba + 1;
+        while at < end {
+            let page_start = at & !(PAGE_ENTRIES as u64 - 1);
+            let page_end = (page_start + PAGE_ENTRIES as u64).min(end);
+            match self.page_of(at) {
+                None if mapped => break,
+                None => at = page_end,
+                Some(p) => {
+                    let (from, to) = ((at - page_start) as usize, (page_end - page_start) as usize);
+                    at = page_start + self.first_change(p, from, to, mapped) as u64;
+                    if at < page_end {
+                        break;
+                    }
+                }
+            }
+        }
+        (mapped, at.min(end))
+    }
+
+    /// The first index in `from..to` of `page` whose entry is not in the `mapped`
+    /// state, or `to`: one pass under the page's sequence counter, retried if the
+    /// engine changed the page meanwhile (see [`Map::load`]).
+    fn first_change(&self, page: &[AtomicU64], from: usize, to: usize, mapped: bool) -> usize {
+        let seq = &page[SEQ_WORD];
+        loop {
+            let s1 = seq.load(Ordering::Acquire);
+            if s1 & 1 == 1 {
+                spin_wait();
+                continue;
+            }
+            // Code 0 is UNMAPPED, whatever the packing.
+            let mut i = from;
+            while i < to && (self.raw(page, i) != 0) == mapped {
+                i += 1;
+            }
+            fence(Ordering::Acquire);
+            if seq.load(Ordering::Relaxed) == s1 {
+                return i;
+            }
+        }
+    }
+
     /// Stores an entry. Only the engine thread (or recovery, before serving) writes.
     #[inline]
     pub fn store(&self, lba: u64, e: u32) {
@@ -506,6 +558,46 @@ impl Drop for Map {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs follow the entries exactly, across made and never-made pages, and stop
+    /// at the end asked for.
+    #[test]
+    fn allocation_runs_follow_the_entries() {
+        let n = 10 * PAGE_ENTRIES as u64;
+        let m = Map::new(n, 1 << 20, 16);
+        let mapped: Vec<std::ops::Range<u64>> =
+            vec![5..9, 1023..1025, 3 * 1024..5 * 1024 + 1, 9 * 1024 + 1..n];
+        for r in &mapped {
+            for lba in r.clone() {
+                m.store(lba, encode_device(Pba(lba as u32)));
+            }
+        }
+        // A page made and emptied again: unmapped, though it exists.
+        m.store(7 * 1024 + 3, encode_device(Pba(1)));
+        m.store(7 * 1024 + 3, UNMAPPED);
+        let is_mapped = |lba: u64| mapped.iter().any(|r| r.contains(&lba));
+        for start in [
+            0, 4, 5, 8, 9, 1000, 1023, 1024, 1025, 2048, 3072, 5120, 7000, 9217,
+        ] {
+            for end in [start + 1, start + 3, start + 2000, n] {
+                let end = end.min(n);
+                if start >= end {
+                    continue;
+                }
+                let (state, run_end) = m.allocation_run(start, end);
+                assert_eq!(state, is_mapped(start), "state at {start}");
+                assert!(run_end > start && run_end <= end);
+                assert!(
+                    (start..run_end).all(|l| is_mapped(l) == state),
+                    "{start}..{run_end}"
+                );
+                assert!(
+                    run_end == end || is_mapped(run_end) != state,
+                    "run from {start} stops early at {run_end}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn packed_entries_roundtrip_at_every_width() {

@@ -42,6 +42,33 @@ impl VolumeShared {
     pub fn blocks(&self) -> u64 {
         self.size_bytes / BLOCK_SIZE as u64
     }
+
+    /// The allocation of `length` bytes from `offset` as consecutive extents, each
+    /// `(bytes, mapped)` passed to `f`, at most `max` of them; none longer than
+    /// `max_extent` bytes. An unmapped block is a hole that reads as zeros. The last
+    /// extent may run past `offset + length` to the end of its block; the extents
+    /// may stop short of it when `max` runs out. Any thread, without waiting.
+    pub fn allocation(
+        &self,
+        offset: u64,
+        length: u64,
+        max: usize,
+        max_extent: u64,
+        mut f: impl FnMut(u64, bool),
+    ) {
+        let bs = BLOCK_SIZE as u64;
+        let end = offset.saturating_add(length).min(self.size_bytes);
+        let end_block = end.div_ceil(bs);
+        let mut pos = offset;
+        let mut n = 0;
+        while pos < end && n < max {
+            let (mapped, run_end) = self.map.allocation_run(pos / bs, end_block);
+            let len = (run_end * bs - pos).min(max_extent.max(1));
+            f(len, mapped);
+            pos += len;
+            n += 1;
+        }
+    }
 }
 
 /// Errors of the read path.
@@ -933,5 +960,62 @@ impl Shared {
             crcs: crcs.into(),
             dead: dead.into(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::map::encode_device;
+
+    /// Extents follow the map at byte granularity: unaligned starts, a request
+    /// ending inside a block, the cap on one extent's length and on their number.
+    #[test]
+    fn allocation_extents_follow_the_map() {
+        let bs = BLOCK_SIZE as u64;
+        let blocks = 3 * crate::map::PAGE_ENTRIES as u64;
+        let vol = VolumeShared {
+            id: VolumeId(0),
+            name: "v".into(),
+            size_bytes: blocks * bs,
+            map: Map::new(blocks, 1 << 20, 16),
+            deleted: AtomicBool::new(false),
+        };
+        let mapped = |lba: u64| (4..10).contains(&lba) || (1500..2100).contains(&lba);
+        for lba in (0..blocks).filter(|&l| mapped(l)) {
+            vol.map.store(lba, encode_device(Pba(lba as u32)));
+        }
+        let extents = |offset: u64, length: u64, max: usize, max_extent: u64| {
+            let mut v = Vec::new();
+            vol.allocation(offset, length, max, max_extent, |l, m| v.push((l, m)));
+            v
+        };
+        let size = vol.size_bytes;
+        for offset in [0, 1, 4095, 4 * bs + 17, 9 * bs, 1499 * bs + 100, size - 1] {
+            for length in [1, 100, bs, 7 * bs + 3, 2000 * bs, size] {
+                let length = length.min(size - offset);
+                for (max, max_extent) in [(usize::MAX, u64::MAX), (3, u64::MAX), (usize::MAX, 8192)]
+                {
+                    let ex = extents(offset, length, max, max_extent);
+                    assert!(!ex.is_empty() && ex.len() <= max, "{offset}+{length}");
+                    let mut at = offset;
+                    for (i, &(l, m)) in ex.iter().enumerate() {
+                        assert!(l > 0 && l <= max_extent.max(1));
+                        // Every byte of the extent is in its state.
+                        for lba in at / bs..=(at + l - 1) / bs {
+                            assert_eq!(mapped(lba), m, "{offset}+{length}: block {lba}");
+                        }
+                        at += l;
+                        if i + 1 < ex.len() {
+                            assert!(at < offset + length, "{offset}+{length}: {ex:?}");
+                        }
+                    }
+                    assert!(at <= size, "past the end: {offset}+{length}: {ex:?}");
+                    if ex.len() < max {
+                        assert!(at >= offset + length, "{offset}+{length} short: {ex:?}");
+                    }
+                }
+            }
+        }
     }
 }

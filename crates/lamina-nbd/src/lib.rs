@@ -7,6 +7,7 @@ pub mod server;
 pub mod tls;
 
 pub use server::{
-    serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Listener, ReadPool,
+    serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Extent, Listener,
+    ReadPool, MAX_EXTENTS,
 };
 pub use tls::TlsPolicy;

@@ -73,6 +73,23 @@ pub enum Command {
     Flush,
 }
 
+/// One extent of a block status reply: `length` bytes with the same status flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub length: u32,
+    pub flags: u32,
+}
+
+/// Extents one block status reply carries at most (the spec asks for no more than
+/// 2^20; this keeps a reply at 512 KiB, and the client asks again for the rest).
+pub const MAX_EXTENTS: usize = 1 << 16;
+
+/// Block status buffers larger than this are not kept between requests.
+const STATUS_KEEP_BYTES: usize = 64 << 10;
+
+/// The metadata context id `base:allocation` is given (the only one served).
+const ALLOCATION_CONTEXT: u32 = 1;
+
 /// The completion of a [`Command`].
 #[derive(Debug)]
 pub struct Completion {
@@ -102,6 +119,34 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Option<Result<(), u32>> {
         let _ = (export, offset, buf);
         None
+    }
+    /// The allocation status of the export from `offset` on (the `base:allocation`
+    /// metadata context: [`STATE_HOLE`], [`STATE_ZERO`]), appended to `out` as at
+    /// most `max` consecutive extents; `offset + length` lies within the export.
+    /// The extents may cover less than `length` (the client asks again from where
+    /// they end) or, the last one, a little more. Called on the connection's reader
+    /// thread, so it must not wait for a device. By default the whole range is
+    /// reported allocated with unknown contents (status 0), which the protocol
+    /// always allows.
+    fn block_status(
+        &self,
+        export: &Self::Export,
+        offset: u64,
+        length: u32,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), u32> {
+        let _ = (export, offset, max);
+        out.push(Extent { length, flags: 0 });
+        Ok(())
+    }
+    /// A hint that the client is about to use `length` bytes at `offset`
+    /// (`NBD_CMD_CACHE`): the backend may start bringing them closer. It must not
+    /// wait for a device (it runs on the connection's reader thread), and what it
+    /// does must not change what reads return. By default nothing.
+    fn cache(&self, export: &Self::Export, offset: u64, length: u32) -> Result<(), u32> {
+        let _ = (export, offset, length);
+        Ok(())
     }
     /// Starts a command; its completion must eventually reach `reply`
     /// ([`ReplySink::complete`]).
@@ -380,6 +425,8 @@ pub struct ReplySink {
     kicked: AtomicBool,
     /// This connection's share of payload bytes (at most [`MAX_INFLIGHT_BYTES`]).
     budget: Budget,
+    /// Structured replies were negotiated: reads are answered with chunks.
+    structured: bool,
 }
 
 enum ReplierMsg {
@@ -388,6 +435,7 @@ enum ReplierMsg {
     /// A read's reply: the header, then the data when it succeeded.
     Read {
         handle: u64,
+        offset: u64,
         error: u32,
         buf: Vec<u8>,
     },
@@ -451,13 +499,13 @@ impl ReplySink {
     /// without blocking, otherwise through the replier. Either way the buffer goes
     /// back to the connection's pool, the payload budget is released and the
     /// request's credit returned.
-    fn complete_read(&self, handle: u64, result: Result<(), u32>, buf: Vec<u8>) {
+    fn complete_read(&self, handle: u64, offset: u64, result: Result<(), u32>, buf: Vec<u8>) {
         let error = result.err().unwrap_or(0);
         if let Ok(mut w) = self.writer.try_lock() {
             if w.pending.is_empty() {
-                let h = simple_reply(handle, error);
+                let h = ReplyHead::read(self.structured, handle, offset, buf.len(), error);
                 let data: &[u8] = if error == 0 { &buf } else { &[] };
-                let broken = w.send_nonblocking(&[&h, data]).is_err();
+                let broken = w.send_nonblocking(&[h.as_bytes(), data]).is_err();
                 if !broken && !w.pending.is_empty() && !self.kicked.swap(true, Ordering::SeqCst) {
                     let _ = self.replier.send(ReplierMsg::Kick);
                 }
@@ -466,7 +514,12 @@ impl ReplySink {
                 return;
             }
         }
-        let _ = self.replier.send(ReplierMsg::Read { handle, error, buf });
+        let _ = self.replier.send(ReplierMsg::Read {
+            handle,
+            offset,
+            error,
+            buf,
+        });
     }
 
     /// Whether `b` goes back to a pool: small enough, and the connection's pools
@@ -532,7 +585,7 @@ impl<B: Backend> ReadPool<B> {
                 .spawn(move || {
                     while let Ok(mut job) = rx.recv() {
                         let r = backend.read(&job.export, job.offset, &mut job.buf);
-                        job.sink.complete_read(job.handle, r, job.buf);
+                        job.sink.complete_read(job.handle, job.offset, r, job.buf);
                     }
                 })?;
         }
@@ -594,14 +647,84 @@ fn write_all_vectored(w: &mut dyn Conn, mut bufs: &mut [IoSlice<'_>]) -> io::Res
     Ok(())
 }
 
-fn transmission_flags() -> u16 {
+/// What the connection advertises for its export. "Don't fragment" is offered
+/// only with structured replies, the one case where reads could be fragmented
+/// (they never are: a read is always answered with one chunk).
+fn transmission_flags(options: &Options) -> u16 {
+    let df = if options.structured { TF_SEND_DF } else { 0 };
     TF_HAS_FLAGS
         | TF_SEND_FLUSH
         | TF_SEND_FUA
         | TF_SEND_TRIM
         | TF_SEND_WRITE_ZEROES
         | TF_CAN_MULTI_CONN
+        | TF_SEND_CACHE
         | TF_SEND_FAST_ZERO
+        | df
+}
+
+/// What a client negotiated beyond the export; STARTTLS forgets it all (the spec).
+#[derive(Default)]
+struct Options {
+    /// NBD_OPT_STRUCTURED_REPLY was acknowledged.
+    structured: bool,
+    /// The export name the last NBD_OPT_SET_META_CONTEXT selected `base:allocation`
+    /// for; block status is served only if the client then opens that export.
+    allocation_for: Option<String>,
+}
+
+/// What transmission serves, as negotiated.
+#[derive(Clone, Copy)]
+struct Session {
+    structured: bool,
+    /// `base:allocation` is selected: NBD_CMD_BLOCK_STATUS is answered.
+    allocation: bool,
+    flags: u16,
+}
+
+impl Options {
+    fn session(&self, name: &str) -> Session {
+        Session {
+            structured: self.structured,
+            allocation: self.structured && self.allocation_for.as_deref() == Some(name),
+            flags: transmission_flags(self),
+        }
+    }
+}
+
+/// The data of NBD_OPT_LIST_META_CONTEXT and NBD_OPT_SET_META_CONTEXT: an export
+/// name and queries, each a string; `None` when the lengths do not add up or a
+/// string is not UTF-8.
+fn parse_meta_request(data: &[u8]) -> Option<(String, Vec<String>)> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let b = data.get(at..at.checked_add(n)?)?;
+        at += n;
+        Some(b)
+    };
+    let u32_at = |b: &[u8]| u32::from_be_bytes(b.try_into().unwrap()) as usize;
+    let nl = u32_at(take(4)?);
+    if nl > MAX_STRING {
+        return None;
+    }
+    let name = String::from_utf8(take(nl)?.to_vec()).ok()?;
+    let n = u32_at(take(4)?);
+    let mut queries = Vec::new();
+    for _ in 0..n {
+        let ql = u32_at(take(4)?);
+        if ql > MAX_STRING {
+            return None;
+        }
+        queries.push(String::from_utf8(take(ql)?.to_vec()).ok()?);
+    }
+    (at == data.len()).then_some((name, queries))
+}
+
+/// An NBD_REP_META_CONTEXT payload: the context id, then its name.
+fn meta_context(id: u32, name: &str) -> Vec<u8> {
+    let mut d = id.to_be_bytes().to_vec();
+    d.extend_from_slice(name.as_bytes());
+    d
 }
 
 /// Where a connection stands on TLS during the handshake.
@@ -620,8 +743,8 @@ impl TlsState<'_> {
 
 /// How the option haggling ended.
 enum Negotiated<E> {
-    /// Serve this export.
-    Go(E, ExportInfo),
+    /// Serve this export, as negotiated.
+    Go(E, ExportInfo, Session),
     /// The client ended the negotiation cleanly.
     Abort,
     /// STARTTLS was acknowledged: run the TLS handshake, then haggle on inside it.
@@ -653,6 +776,7 @@ fn negotiate<B: Backend>(
     w: &Writer,
     (fixed, no_zeroes): (bool, bool),
     tls: &TlsState,
+    options: &mut Options,
 ) -> io::Result<Negotiated<B::Export>> {
     for _ in 0..MAX_OPTIONS {
         let magic = read_u64(r)?;
@@ -695,14 +819,15 @@ fn negotiate<B: Backend>(
                     // This option cannot carry an error: the spec says hang up.
                     return Err(protocol(format!("unknown export {name:?}")));
                 };
+                let session = options.session(&name);
                 let mut b = Vec::with_capacity(10 + 124);
                 b.extend_from_slice(&info.size.to_be_bytes());
-                b.extend_from_slice(&transmission_flags().to_be_bytes());
+                b.extend_from_slice(&session.flags.to_be_bytes());
                 if !no_zeroes {
                     b.extend_from_slice(&[0u8; 124]);
                 }
                 send(w, &b)?;
-                return Ok(Negotiated::Go(export, info));
+                return Ok(Negotiated::Go(export, info, session));
             }
             _ if !fixed => {
                 return Err(protocol(format!(
@@ -762,7 +887,7 @@ fn negotiate<B: Backend>(
                 let mut d = Vec::new();
                 d.extend_from_slice(&INFO_EXPORT.to_be_bytes());
                 d.extend_from_slice(&info.size.to_be_bytes());
-                d.extend_from_slice(&transmission_flags().to_be_bytes());
+                d.extend_from_slice(&transmission_flags(options).to_be_bytes());
                 reply(REP_INFO, &d)?;
                 let mut d = Vec::new();
                 d.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
@@ -782,7 +907,8 @@ fn negotiate<B: Backend>(
                 }
                 reply(REP_ACK, &[])?;
                 if option == OPT_GO {
-                    return Ok(Negotiated::Go(export, info));
+                    let session = options.session(&name);
+                    return Ok(Negotiated::Go(export, info, session));
                 }
             }
             OPT_STARTTLS => {
@@ -797,7 +923,50 @@ fn negotiate<B: Backend>(
                     return Ok(Negotiated::StartTls);
                 }
             }
-            OPT_STRUCTURED_REPLY => err_msg(REP_ERR_UNSUP, "structured replies are not supported")?,
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    err_msg(REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data")?;
+                } else {
+                    options.structured = true;
+                    reply(REP_ACK, &[])?;
+                }
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let set = option == OPT_SET_META_CONTEXT;
+                if set {
+                    // A SET replaces what was selected, even when it fails (the spec).
+                    options.allocation_for = None;
+                }
+                if !options.structured {
+                    err_msg(
+                        REP_ERR_INVALID,
+                        "negotiate NBD_OPT_STRUCTURED_REPLY before metadata contexts",
+                    )?;
+                    continue;
+                }
+                let Some((name, queries)) = parse_meta_request(&data) else {
+                    err_msg(REP_ERR_INVALID, "malformed metadata context request")?;
+                    continue;
+                };
+                if backend.open_export(&name).is_none() {
+                    err_msg(REP_ERR_UNKNOWN, &format!("no export named {name:?}"))?;
+                    continue;
+                }
+                // `base:allocation` is the one context; `base:` lists it (a
+                // wildcard, for LIST only), and any other query is ignored.
+                let wanted = queries
+                    .iter()
+                    .any(|q| q == META_BASE_ALLOCATION || (!set && q == "base:"))
+                    || (!set && queries.is_empty());
+                if wanted {
+                    let id = if set { ALLOCATION_CONTEXT } else { 0 };
+                    reply(REP_META_CONTEXT, &meta_context(id, META_BASE_ALLOCATION))?;
+                    if set {
+                        options.allocation_for = Some(name);
+                    }
+                }
+                reply(REP_ACK, &[])?;
+            }
             _ => err_msg(REP_ERR_UNSUP, &format!("option {option} is not supported"))?,
         }
     }
@@ -828,9 +997,10 @@ pub fn serve_connection<B: Backend>(
         policy: tls,
         active: false,
     };
-    let (export, info) = loop {
-        match negotiate(&*backend, &mut r, &writer, flags, &state)? {
-            Negotiated::Go(export, info) => break (export, info),
+    let mut options = Options::default();
+    let (export, info, session) = loop {
+        match negotiate(&*backend, &mut r, &writer, flags, &state, &mut options)? {
+            Negotiated::Go(export, info, session) => break (export, info, session),
             Negotiated::Abort => {
                 r.get_ref().shutdown_conn();
                 return Ok(());
@@ -847,6 +1017,7 @@ pub fn serve_connection<B: Backend>(
                 writer = writer_for(&*plain)?;
                 r = BufReader::with_capacity(64 * 1024, plain);
                 state.active = true;
+                options = Options::default();
             }
         }
     };
@@ -857,7 +1028,7 @@ pub fn serve_connection<B: Backend>(
         Box::new(move || closer.lock().unwrap().shutdown_conn()),
     );
     let export = Arc::new(export);
-    let result = transmission(&*backend, &export, &info, &mut r, &writer, reads);
+    let result = transmission(&*backend, &export, &info, session, &mut r, &writer, reads);
     r.get_ref().shutdown_conn();
     result
 }
@@ -866,6 +1037,7 @@ fn transmission<B: Backend>(
     backend: &B,
     export: &Arc<B::Export>,
     info: &ExportInfo,
+    session: Session,
     r: &mut BufReader<Box<dyn Conn>>,
     writer: &Writer,
     reads: Option<&Arc<ReadPool<B>>>,
@@ -888,6 +1060,7 @@ fn transmission<B: Backend>(
         replier: replier_tx,
         kicked: AtomicBool::new(false),
         budget: Budget::new(MAX_INFLIGHT_BYTES),
+        structured: session.structured,
     });
     let replier = {
         let writer = writer.clone();
@@ -897,6 +1070,9 @@ fn transmission<B: Backend>(
             .spawn(move || replier(replier_rx, writer, sink))?
     };
     let mut read_buf: Vec<u8> = Vec::new();
+    // Block status: the backend's extents, and the reply built from them.
+    let mut extents: Vec<Extent> = Vec::new();
+    let mut status_reply: Vec<u8> = Vec::new();
     // Waits that a held (deferred) command may be what ends: start the held ones
     // first, or the wait could last until the backend's own timer.
     let take_credit = || {
@@ -919,13 +1095,37 @@ fn transmission<B: Backend>(
                 .map_err(|m| protocol(format!("bad request magic {m:#x}")))?;
             let (offset, len) = (req.offset, req.length as u64);
             let in_range = offset.checked_add(len).is_some_and(|end| end <= info.size);
+            // FUA is accepted on every command (the spec), ignored where nothing is
+            // written.
             let allowed_flags = match req.kind {
                 CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+                CMD_READ if session.structured => CMD_FLAG_FUA | CMD_FLAG_DF,
+                CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
                 _ => CMD_FLAG_FUA,
             };
             let bad_flags = req.flags & !allowed_flags != 0;
             let fua = req.flags & CMD_FLAG_FUA != 0;
-            let error_reply = |e: u32| send(writer, &simple_reply(req.handle, e));
+            // With structured replies an error carries its reason (and a read must
+            // not be answered with a simple reply at all).
+            let error_reply = |e: u32, why: &str| {
+                if session.structured {
+                    send(writer, &error_chunk(req.handle, e, why))
+                } else {
+                    send(writer, &simple_reply(req.handle, e))
+                }
+            };
+            // Why a request that names a range cannot be served, if it cannot.
+            let range_error = |max_len: u64| -> Option<&'static str> {
+                if bad_flags {
+                    Some("flags not valid for this command")
+                } else if !in_range {
+                    Some("range beyond the end of the export")
+                } else if len > max_len {
+                    Some("length over the maximum payload")
+                } else {
+                    None
+                }
+            };
             // With another request already buffered the command may be held and
             // worked through with the rest of the burst.
             let submit = |cmd: Command, buffered: usize| {
@@ -937,8 +1137,13 @@ fn transmission<B: Backend>(
             };
             match req.kind {
                 CMD_READ => {
-                    if bad_flags || !in_range || req.length > MAX_PAYLOAD {
-                        error_reply(EINVAL)?;
+                    if req.flags & CMD_FLAG_DF != 0 && len > MAX_PAYLOAD as u64 && !bad_flags {
+                        // What the spec asks of a read too long to send in one chunk.
+                        error_reply(EOVERFLOW, "read too long for one chunk")?;
+                        continue;
+                    }
+                    if let Some(why) = range_error(MAX_PAYLOAD as u64) {
+                        error_reply(EINVAL, why)?;
                         continue;
                     }
                     if let Some(pool) = reads {
@@ -953,7 +1158,7 @@ fn transmission<B: Backend>(
                         buf.resize(req.length as usize, 0);
                         // What needs no wait is served here, without a hand-off.
                         if let Some(r) = backend.try_read(export, offset, &mut buf) {
-                            sink.complete_read(req.handle, r, buf);
+                            sink.complete_read(req.handle, offset, r, buf);
                             continue;
                         }
                         let job = ReadJob {
@@ -973,24 +1178,30 @@ fn transmission<B: Backend>(
                     read_buf.resize(req.length as usize, 0);
                     match backend.read(export, offset, &mut read_buf) {
                         Ok(()) => {
-                            let h = simple_reply(req.handle, 0);
+                            let h = ReplyHead::read(
+                                session.structured,
+                                req.handle,
+                                offset,
+                                read_buf.len(),
+                                0,
+                            );
                             let mut g = writer.lock().unwrap();
                             g.drain_blocking()?;
                             write_all_vectored(
                                 &mut *g.stream,
-                                &mut [IoSlice::new(&h), IoSlice::new(&read_buf)],
+                                &mut [IoSlice::new(h.as_bytes()), IoSlice::new(&read_buf)],
                             )?;
                         }
-                        Err(e) => error_reply(e)?,
+                        Err(e) => error_reply(e, "read failed")?,
                     }
                     if read_buf.capacity() > POOL_KEEP_BYTES {
                         read_buf = Vec::new();
                     }
                 }
                 CMD_WRITE => {
-                    if bad_flags || !in_range || req.length > MAX_PAYLOAD {
+                    if let Some(why) = range_error(MAX_PAYLOAD as u64) {
                         discard(r, len)?;
-                        error_reply(EINVAL)?;
+                        error_reply(EINVAL, why)?;
                         continue;
                     }
                     acquire(&sink.budget, len);
@@ -1013,15 +1224,15 @@ fn transmission<B: Backend>(
                 }
                 CMD_FLUSH => {
                     if bad_flags || offset != 0 || len != 0 {
-                        error_reply(EINVAL)?;
+                        error_reply(EINVAL, "a flush takes no flags, offset or length")?;
                         continue;
                     }
                     take_credit();
                     submit(Command::Flush, r.buffer().len());
                 }
                 CMD_TRIM | CMD_WRITE_ZEROES => {
-                    if bad_flags || !in_range {
-                        error_reply(EINVAL)?;
+                    if let Some(why) = range_error(u64::MAX) {
+                        error_reply(EINVAL, why)?;
                         continue;
                     }
                     let allocate =
@@ -1029,7 +1240,7 @@ fn transmission<B: Backend>(
                     if allocate && req.flags & CMD_FLAG_FAST_ZERO != 0 {
                         // Allocated zeroes are written like data: not faster than a
                         // write, which is what FAST_ZERO asks to be told (the spec).
-                        error_reply(ENOTSUP)?;
+                        error_reply(ENOTSUP, "allocated zeroes are no faster than a write")?;
                         continue;
                     }
                     take_credit();
@@ -1043,8 +1254,56 @@ fn transmission<B: Backend>(
                         r.buffer().len(),
                     );
                 }
+                CMD_CACHE => {
+                    if let Some(why) = range_error(u64::MAX) {
+                        error_reply(EINVAL, why)?;
+                        continue;
+                    }
+                    match backend.cache(export, offset, req.length) {
+                        Ok(()) => send(writer, &simple_reply(req.handle, 0))?,
+                        Err(e) => error_reply(e, "cache hint failed")?,
+                    }
+                }
+                CMD_BLOCK_STATUS => {
+                    if !session.allocation {
+                        error_reply(
+                            EINVAL,
+                            "no metadata context selected (NBD_OPT_SET_META_CONTEXT)",
+                        )?;
+                        continue;
+                    }
+                    if let Some(why) = range_error(u64::MAX) {
+                        error_reply(EINVAL, why)?;
+                        continue;
+                    }
+                    if len == 0 {
+                        error_reply(EINVAL, "block status of zero bytes")?;
+                        continue;
+                    }
+                    let one = req.flags & CMD_FLAG_REQ_ONE != 0;
+                    extents.clear();
+                    let max = if one { 1 } else { MAX_EXTENTS };
+                    match backend.block_status(export, offset, req.length, max, &mut extents) {
+                        Ok(()) => {
+                            let limits = StatusLimits {
+                                length: req.length,
+                                to_end: info.size - offset,
+                                one,
+                            };
+                            status_chunk(req.handle, limits, &extents, &mut status_reply);
+                            send(writer, &status_reply)?;
+                        }
+                        Err(e) => error_reply(e, "block status failed")?,
+                    }
+                    // A long reply's buffers are not kept: what a connection holds
+                    // between requests does not follow the largest one.
+                    if status_reply.capacity() > STATUS_KEEP_BYTES {
+                        status_reply = Vec::new();
+                        extents = Vec::new();
+                    }
+                }
                 CMD_DISC => return Ok(()),
-                _ => error_reply(EINVAL)?,
+                _ => error_reply(EINVAL, "unknown command")?,
             }
         }
     })();
@@ -1064,13 +1323,59 @@ fn transmission<B: Backend>(
     }
 }
 
+/// What a block status reply may describe.
+#[derive(Clone, Copy)]
+struct StatusLimits {
+    /// The length the client asked about.
+    length: u32,
+    /// Bytes from the request's offset to the end of the export (at least `length`).
+    to_end: u64,
+    /// REQ_ONE: a single extent, no longer than `length`.
+    one: bool,
+}
+
+/// The one NBD_REPLY_TYPE_BLOCK_STATUS chunk answering a request, from the backend's
+/// `extents`, made valid whatever the backend gave: no empty extent, at least one
+/// (status 0 for the whole range if none), nothing after the extent that reaches
+/// the requested length, nothing past the end of the export, and with REQ_ONE a
+/// single extent no longer than asked.
+fn status_chunk(handle: u64, limits: StatusLimits, extents: &[Extent], out: &mut Vec<u8>) {
+    let StatusLimits {
+        length,
+        to_end,
+        one,
+    } = limits;
+    debug_assert!(to_end >= length as u64);
+    out.clear();
+    out.extend_from_slice(&[0u8; CHUNK_HEADER]);
+    out.extend_from_slice(&ALLOCATION_CONTEXT.to_be_bytes());
+    let mut covered = 0u64;
+    for e in extents.iter().filter(|e| e.length > 0) {
+        let cap = if one { length as u64 } else { to_end - covered };
+        let len = (e.length as u64).min(cap) as u32;
+        out.extend_from_slice(&len.to_be_bytes());
+        out.extend_from_slice(&e.flags.to_be_bytes());
+        covered += len as u64;
+        if one || covered >= length as u64 || out.len() >= CHUNK_HEADER + 4 + 8 * MAX_EXTENTS {
+            break;
+        }
+    }
+    if covered == 0 {
+        out.extend_from_slice(&length.to_be_bytes());
+        out.extend_from_slice(&0u32.to_be_bytes());
+    }
+    let payload = (out.len() - CHUNK_HEADER) as u32;
+    let h = chunk_header(handle, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, payload);
+    out[..CHUNK_HEADER].copy_from_slice(&h);
+}
+
 fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
     // Holding the sink keeps the channel open; the loop ends on `Stop`, which the
     // reader sends after its final kick, once every command has given back its
     // credit (so nothing writes to `pending` any more) and that kick's round drained.
     let mut broken = false;
     // Read replies of one batch (kept for its capacity).
-    let mut reads: Vec<(u64, u32, Vec<u8>)> = Vec::new();
+    let mut reads: Vec<(u64, u64, u32, Vec<u8>)> = Vec::new();
     while let Ok(first) = rx.recv() {
         if matches!(first, ReplierMsg::Stop) {
             break;
@@ -1085,7 +1390,12 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
         sink.kicked.store(false, Ordering::SeqCst);
         let mut take = |m: ReplierMsg, g: &mut ConnWriter| match m {
             ReplierMsg::Bytes(b) => g.pending.extend_from_slice(&b),
-            ReplierMsg::Read { handle, error, buf } => reads.push((handle, error, buf)),
+            ReplierMsg::Read {
+                handle,
+                offset,
+                error,
+                buf,
+            } => reads.push((handle, offset, error, buf)),
             ReplierMsg::Kick | ReplierMsg::Stop => {}
         };
         take(first, &mut g);
@@ -1097,11 +1407,11 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
         if !broken && g.drain_blocking().is_err() {
             broken = true;
         }
-        for (handle, error, buf) in reads.drain(..) {
+        for (handle, offset, error, buf) in reads.drain(..) {
             if !broken {
-                let h = simple_reply(handle, error);
+                let h = ReplyHead::read(sink.structured, handle, offset, buf.len(), error);
                 let data: &[u8] = if error == 0 { &buf } else { &[] };
-                let parts = &mut [IoSlice::new(&h), IoSlice::new(data)];
+                let parts = &mut [IoSlice::new(h.as_bytes()), IoSlice::new(data)];
                 broken = write_all_vectored(&mut *g.stream, parts).is_err();
             }
             sink.read_done(buf);
@@ -1187,15 +1497,23 @@ pub fn serve<B: Backend>(
 mod tests {
     use super::*;
 
-    /// Idle buffers a connection keeps are capped in bytes, whatever sizes its
-    /// client asked for, and a buffer taken out frees its share.
-    #[test]
-    fn pooled_buffers_are_capped_per_connection() {
-        let (a, _b) = UnixStream::pair().unwrap();
-        let (credits, _c) = bounded(MAX_INFLIGHT);
+    /// A connection's sink over one end of a socket pair, the pair's other end, and
+    /// the far ends of its channels.
+    struct TestSink {
+        sink: Arc<ReplySink>,
+        peer: UnixStream,
+        replies: Receiver<ReplierMsg>,
+        pool: Receiver<Vec<u8>>,
+        read_bufs: Receiver<Vec<u8>>,
+        _credits: Receiver<()>,
+    }
+
+    fn test_sink(structured: bool) -> TestSink {
+        let (a, peer) = UnixStream::pair().unwrap();
+        let (credits, credits_rx) = bounded(MAX_INFLIGHT);
         let (pool, pool_rx) = bounded(MAX_INFLIGHT);
         let (read_bufs, read_rx) = bounded(MAX_INFLIGHT);
-        let (replier, _r) = crossbeam_channel::unbounded();
+        let (replier, replies) = crossbeam_channel::unbounded();
         let sink = ReplySink {
             writer: Arc::new(Mutex::new(ConnWriter {
                 stream: Box::new(a),
@@ -1208,7 +1526,79 @@ mod tests {
             replier,
             kicked: AtomicBool::new(false),
             budget: Budget::new(MAX_INFLIGHT_BYTES),
+            structured,
         };
+        TestSink {
+            sink: Arc::new(sink),
+            peer,
+            replies,
+            pool: pool_rx,
+            read_bufs: read_rx,
+            _credits: credits_rx,
+        }
+    }
+
+    /// Reads the replier thread writes are structured like the ones written
+    /// straight from a completion: one OFFSET_DATA chunk with the data, one ERROR
+    /// chunk, one NONE chunk for an empty read.
+    #[test]
+    fn the_replier_writes_structured_read_replies() {
+        let TestSink {
+            sink,
+            mut peer,
+            replies: rx,
+            ..
+        } = test_sink(true);
+        let writer = sink.writer.clone();
+        let thread = {
+            let sink = sink.clone();
+            std::thread::spawn(move || replier(rx, writer, sink))
+        };
+        let data: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        for (handle, offset, error, buf) in [
+            (1u64, 8192u64, 0u32, data.clone()),
+            (2, 4096, EIO, vec![0; 512]),
+            (3, 0, 0, Vec::new()),
+        ] {
+            GLOBAL.acquire(buf.len() as u64);
+            let msg = ReplierMsg::Read {
+                handle,
+                offset,
+                error,
+                buf,
+            };
+            sink.replier.send(msg).unwrap();
+        }
+        sink.replier.send(ReplierMsg::Stop).unwrap();
+        thread.join().unwrap();
+        drop(sink);
+        let mut got = Vec::new();
+        peer.read_to_end(&mut got).unwrap();
+        let mut want = chunk_header(1, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 8 + 5000).to_vec();
+        want.extend_from_slice(&8192u64.to_be_bytes());
+        want.extend_from_slice(&data);
+        want.extend_from_slice(&chunk_header(2, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 6));
+        want.extend_from_slice(&EIO.to_be_bytes());
+        want.extend_from_slice(&0u16.to_be_bytes());
+        want.extend_from_slice(&chunk_header(3, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0));
+        assert!(
+            got == want,
+            "replier wrote {} bytes, expected {}",
+            got.len(),
+            want.len()
+        );
+    }
+
+    /// Idle buffers a connection keeps are capped in bytes, whatever sizes its
+    /// client asked for, and a buffer taken out frees its share.
+    #[test]
+    fn pooled_buffers_are_capped_per_connection() {
+        let TestSink {
+            sink,
+            pool: pool_rx,
+            read_bufs: read_rx,
+            ..
+        } = test_sink(false);
         let mib = || Vec::<u8>::with_capacity(1 << 20);
         let kept = (0..10).filter(|_| sink.keep(&mib())).count();
         assert_eq!(kept as u64, POOL_BYTES_PER_CONNECTION >> 20);

@@ -225,7 +225,17 @@ fn starttls_without_tls_configured_is_refused_by_policy() {
 
 /// STARTTLS, then the TLS handshake, then the rest of the negotiation inside TLS.
 fn tls_client(port: u16, p: &Pki) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
+    tls_client_after(port, p, |_| {})
+}
+
+/// [`tls_client`], with `before` haggling in plaintext first.
+fn tls_client_after(
+    port: u16,
+    p: &Pki,
+    before: impl FnOnce(&mut TcpStream),
+) -> rustls::StreamOwned<rustls::ClientConnection, TcpStream> {
     let mut s = greet(port);
+    before(&mut s);
     send_option(&mut s, OPT_STARTTLS, &[]);
     let (o, kind, _) = option_reply(&mut s);
     assert_eq!((o, kind), (OPT_STARTTLS, REP_ACK));
@@ -340,4 +350,67 @@ fn data_through_tls_large_and_pipelined() {
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
     assert!(rest.is_empty());
+}
+
+/// The data of NBD_OPT_SET_META_CONTEXT selecting `base:allocation` on "v".
+fn select_allocation(s: &mut (impl Read + Write)) {
+    let mut d = 1u32.to_be_bytes().to_vec();
+    d.push(b'v');
+    d.extend_from_slice(&1u32.to_be_bytes());
+    d.extend_from_slice(&(META_BASE_ALLOCATION.len() as u32).to_be_bytes());
+    d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+    send_option(s, OPT_SET_META_CONTEXT, &d);
+    assert_eq!(option_reply(s).1, REP_META_CONTEXT);
+    assert_eq!(option_reply(s).1, REP_ACK);
+}
+
+/// What was negotiated before STARTTLS is forgotten (the spec): structured replies
+/// asked for in plaintext do not apply inside TLS, so a read gets a simple reply,
+/// and a metadata context selected in plaintext is not selected inside.
+#[test]
+fn starttls_forgets_what_was_negotiated_before() {
+    let p = pki("forget");
+    let port = start(Some(policy(&p, false)));
+    let mut s = tls_client_after(port, &p, |s| {
+        send_option(s, OPT_STRUCTURED_REPLY, &[]);
+        assert_eq!(option_reply(s).1, REP_ACK);
+        select_allocation(s);
+    });
+    assert_eq!(go(&mut s, "v"), REP_ACK);
+    s.write_all(&request(CMD_READ, 7, 0, 4096)).unwrap();
+    s.flush().unwrap();
+    assert_eq!(reply(&mut s), (7, 0), "a simple reply");
+    let _data = rd::<4096>(&mut s);
+    // Negotiated inside TLS, structured replies do apply.
+    let mut s = tls_client(port, &p);
+    send_option(&mut s, OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(option_reply(&mut s).1, REP_ACK);
+    assert_eq!(go(&mut s, "v"), REP_ACK);
+    s.write_all(&request(CMD_READ, 8, 4096, 4096)).unwrap();
+    s.flush().unwrap();
+    let h = rd::<{ CHUNK_HEADER + 8 }>(&mut s);
+    assert_eq!(
+        h[..CHUNK_HEADER],
+        chunk_header(8, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 8 + 4096)
+    );
+    assert_eq!(h[CHUNK_HEADER..], 4096u64.to_be_bytes());
+    let _data = rd::<4096>(&mut s);
+    // Block status: refused, the context chosen in plaintext being forgotten.
+    let mut s = tls_client_after(port, &p, |s| {
+        send_option(s, OPT_STRUCTURED_REPLY, &[]);
+        assert_eq!(option_reply(s).1, REP_ACK);
+        select_allocation(s);
+    });
+    send_option(&mut s, OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(option_reply(&mut s).1, REP_ACK);
+    assert_eq!(go(&mut s, "v"), REP_ACK);
+    s.write_all(&request(CMD_BLOCK_STATUS, 9, 0, 4096)).unwrap();
+    s.flush().unwrap();
+    let h = rd::<{ CHUNK_HEADER + 6 }>(&mut s);
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+    assert_eq!(
+        h[..16],
+        chunk_header(9, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, len)[..16]
+    );
+    assert_eq!(h[CHUNK_HEADER..CHUNK_HEADER + 4], EINVAL.to_be_bytes());
 }

@@ -28,8 +28,9 @@ use anyhow::Result;
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use lamina_core::io::{execute, IoCompletion, IoKind, IoOp};
 use lamina_core::{Engine, EngineError, Request, Shared, StatusReport, Token, VolumeShared};
+use lamina_nbd::proto::{STATE_HOLE, STATE_ZERO};
 use lamina_nbd::server::ReplySink;
-use lamina_nbd::{Backend, Command, Completion, ExportInfo};
+use lamina_nbd::{Backend, Command, Completion, ExportInfo, Extent};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -498,6 +499,31 @@ impl Backend for LaminaBackend {
         }
         let r = self.rt.shared.read_nowait(export, offset, buf)?;
         Some(r.map_err(|e| read_failed(export, offset, buf.len(), e)))
+    }
+
+    fn block_status(
+        &self,
+        export: &Self::Export,
+        offset: u64,
+        length: u32,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), u32> {
+        let vol = &export.vol;
+        if vol.deleted.load(Ordering::Relaxed) {
+            return Err(lamina_nbd::proto::EIO);
+        }
+        // The longest extent a descriptor holds in whole blocks.
+        let bs = lamina_core::BLOCK_SIZE as u64;
+        let max_extent = u32::MAX as u64 / bs * bs;
+        vol.allocation(offset, length as u64, max, max_extent, |len, mapped| {
+            out.push(Extent {
+                length: len as u32,
+                // Unmapped blocks take no space and read as zeros.
+                flags: if mapped { 0 } else { STATE_HOLE | STATE_ZERO },
+            })
+        });
+        Ok(())
     }
 
     fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>) {

@@ -1,5 +1,5 @@
-//! Other real NBD clients: nbdinfo (what is advertised), nbdcopy (multi-conn copies),
-//! qemu-img (compare).
+//! Other real NBD clients: nbdinfo (what is advertised, the allocation map), nbdcopy
+//! (multi-conn copies, sparse copies), qemu-img (compare, map, convert).
 
 mod common;
 use common::*;
@@ -113,6 +113,169 @@ fn nbdcopy_in_and_out_and_qemu_img_compare() {
             &format!("nbd:unix:{}:exportname=v", s.sock.display()),
         ],
     );
+    s.stop();
+}
+
+/// The allocated ranges (byte start, end) of a volume after the writes, trims and
+/// zeroes of `block_status_seen_by_nbdinfo_and_qemu_img`, block by block.
+const ALLOCATED: [(u64, u64); 6] = [
+    (0, 256 << 10),
+    (512 << 10, 1 << 20),
+    (10 << 20, (10 << 20) + 4096),
+    (20 << 20, (20 << 20) + (64 << 10)),
+    ((20 << 20) + (72 << 10), 22 << 20),
+    (40 << 20, (40 << 20) + (64 << 10)),
+];
+
+/// Merges `(start, length, allocated)` entries into the allocated ranges, checking
+/// they cover `size` bytes from 0 without gaps.
+fn allocated_ranges(entries: &[(u64, u64, bool)], size: u64) -> Vec<(u64, u64)> {
+    let mut at = 0;
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &(start, len, alloc) in entries {
+        assert_eq!(start, at, "map has a gap or overlap at {at}: {entries:?}");
+        at += len;
+        if alloc {
+            match out.last_mut() {
+                Some(last) if last.1 == start => last.1 = at,
+                _ => out.push((start, at)),
+            }
+        }
+    }
+    assert_eq!(at, size, "map covers {at} of {size} bytes");
+    out
+}
+
+/// NBD_CMD_BLOCK_STATUS (`base:allocation`) through the clients that use it: what
+/// was written is data, what was never written, trimmed or zeroed without NO_HOLE
+/// is a hole that reads as zeros, zeroes written with NO_HOLE stay allocated; the
+/// map is the same after a restart; nbdcopy and qemu-img convert make sparse copies
+/// with the volume's contents.
+#[test]
+fn block_status_seen_by_nbdinfo_and_qemu_img() {
+    if !need(
+        "clients::block_status_seen_by_nbdinfo_and_qemu_img",
+        &["nbdinfo", "nbdcopy", "qemu-img"],
+        false,
+    ) {
+        return;
+    }
+    use lamina_nbd::proto::CMD_FLAG_NO_HOLE;
+    let t = TempDir::new("block-status");
+    let dir = t.join("arr");
+    create_array(
+        &dir,
+        "256M",
+        &["--segment-size", "1M", "--write-unit", "256K"],
+    );
+    create_volume(&dir, "v", "64M");
+    let size = 64u64 << 20;
+    let s = Server::start(&dir);
+    let mut model = vec![0u8; size as usize];
+    let mut c = lamina_nbd::client::Client::connect_unix(&s.sock, "v").unwrap();
+    for (off, len) in [(0u64, 1usize << 20), (10 << 20, 4096), (20 << 20, 2 << 20)] {
+        let data = noise(off, len);
+        for (i, chunk) in data.chunks(1 << 20).enumerate() {
+            c.write(off + (i << 20) as u64, chunk, false).unwrap();
+        }
+        model[off as usize..off as usize + len].copy_from_slice(&data);
+    }
+    c.trim(256 << 10, 256 << 10).unwrap();
+    c.write_zeroes((20 << 20) + (64 << 10), 8192).unwrap();
+    c.write_zeroes_flags(40 << 20, 64 << 10, CMD_FLAG_NO_HOLE)
+        .unwrap();
+    for (off, len) in [
+        (256usize << 10, 256usize << 10),
+        ((20 << 20) + (64 << 10), 8192),
+    ] {
+        model[off..off + len].fill(0);
+    }
+    c.flush().unwrap();
+    c.disconnect().unwrap();
+
+    let check_maps = |s: &Server| {
+        let info = run("nbdinfo", &["--json", &s.uri("v")]);
+        let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+        let e = &info["exports"][0];
+        assert_eq!(e["can_cache"], true, "{e}");
+        assert_eq!(e["can_df"], true, "{e}");
+        assert_eq!(e["contexts"][0], "base:allocation", "{e}");
+        let map: serde_json::Value =
+            serde_json::from_str(&run("nbdinfo", &["--map", "--json", &s.uri("v")])).unwrap();
+        let entries: Vec<(u64, u64, bool)> = map
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let kind = m["type"].as_u64().unwrap();
+                // 0: data; 3: hole that reads as zeros; nothing else is reported.
+                assert!(kind == 0 || kind == 3, "{m}");
+                (
+                    m["offset"].as_u64().unwrap(),
+                    m["length"].as_u64().unwrap(),
+                    kind == 0,
+                )
+            })
+            .collect();
+        assert_eq!(allocated_ranges(&entries, size), ALLOCATED, "nbdinfo --map");
+        let qemu_uri = format!("nbd:unix:{}:exportname=v", s.sock.display());
+        let map: serde_json::Value = serde_json::from_str(&run(
+            "qemu-img",
+            &["map", "--output=json", "-f", "raw", &qemu_uri],
+        ))
+        .unwrap();
+        let entries: Vec<(u64, u64, bool)> = map
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let data = m["data"].as_bool().unwrap();
+                assert_eq!(m["zero"].as_bool().unwrap(), !data, "{m}");
+                (
+                    m["start"].as_u64().unwrap(),
+                    m["length"].as_u64().unwrap(),
+                    data,
+                )
+            })
+            .collect();
+        assert_eq!(allocated_ranges(&entries, size), ALLOCATED, "qemu-img map");
+    };
+    check_maps(&s);
+    s.stop();
+    let s = Server::start(&dir);
+    check_maps(&s);
+
+    // Sparse copies out, with the volume's contents.
+    let allocated: u64 = ALLOCATED.iter().map(|(a, b)| b - a).sum();
+    let copies = [
+        ("nbdcopy", t.join("nbdcopy.raw")),
+        ("qemu-img", t.join("convert.raw")),
+    ];
+    for (tool, out) in &copies {
+        let out_s = out.to_str().unwrap();
+        match *tool {
+            "nbdcopy" => run("nbdcopy", &[&s.uri("v"), out_s]),
+            _ => run(
+                "qemu-img",
+                &[
+                    "convert",
+                    "-f",
+                    "raw",
+                    "-O",
+                    "raw",
+                    &format!("nbd:unix:{}:exportname=v", s.sock.display()),
+                    out_s,
+                ],
+            ),
+        };
+        assert!(std::fs::read(out).unwrap() == model, "{tool} copy differs");
+        use std::os::unix::fs::MetadataExt;
+        let used = std::fs::metadata(out).unwrap().blocks() * 512;
+        assert!(
+            used <= allocated + (1 << 20),
+            "{tool} copy takes {used} bytes for {allocated} allocated"
+        );
+    }
     s.stop();
 }
 

@@ -322,3 +322,17 @@ pub fn nbdkit_as_file(t: &TempDir, args: &[&str]) -> (Child, Child, PathBuf) {
     wait_for(&file);
     (kit, fuse, file)
 }
+
+/// `len` bytes of xorshift noise from `seed` (nonzero), none of them zero: data no
+/// client or server mistakes for a hole.
+pub fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8 | 1
+        })
+        .collect()
+}
