@@ -143,7 +143,15 @@ pub(super) fn settle_segments(
     clocks: &VolumeClocks,
 ) {
     for (seg, inc) in &walk.released {
-        let s = &mut segs[*seg as usize];
+        // A release record naming a segment the array does not have (it passed its
+        // unit's checksum, so a bug wrote it) releases nothing.
+        let Some(s) = segs.get_mut(*seg as usize) else {
+            tracing::warn!(
+                segment = seg,
+                "release record for a segment beyond the array ignored"
+            );
+            continue;
+        };
         if s.incarnation == *inc {
             let ec = s.erase_count;
             *s = Seg::free(ec);
@@ -519,7 +527,12 @@ mod tests {
             unit(0, 11, 11, 0, vec![RawRecord::data(1, 0, 0); 7]),
             unit(8, 12, 11, 0, vec![RawRecord::data(1, 1, 0); 3]),
         ];
-        let mut walk = walk_of(vec![found(3, 11, 1, units)], &[(1, 4)]);
+        // (1, 4): a release; (8, 1) and (u32::MAX, 1) name segments the array does
+        // not have, and release nothing.
+        let mut walk = walk_of(
+            vec![found(3, 11, 1, units)],
+            &[(1, 4), (8, 1), (u32::MAX, 1)],
+        );
         walk.scanned_heads.insert(4);
         let clocks = VolumeClocks::new(&ckpt.volumes, walk.data_units());
         settle_segments(&mut segs, geo, &walk, &ckpt, &clocks);
