@@ -10,6 +10,7 @@ mod config;
 mod devices;
 mod fsck;
 mod iops;
+mod notify;
 mod output;
 mod rebuild;
 mod runtime;
@@ -95,7 +96,38 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Print the completion script for a shell (bash, zsh, fish, elvish, powershell).
+    #[command(long_about = COMPLETIONS_ABOUT)]
+    Completions {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages: lamina(1) and one per command, made from this help.
+    #[command(long_about = MAN_ABOUT)]
+    Man {
+        /// Write lamina.1, lamina-serve.1, lamina-array-create.1, ... into this
+        /// directory (made if missing); without it, lamina(1) goes to standard
+        /// output.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
+
+const COMPLETIONS_ABOUT: &str = "\
+Print the completion script for SHELL to standard output. Install it where the shell
+looks for completions, for example:
+
+    lamina completions bash > /etc/bash_completion.d/lamina
+    lamina completions zsh > /usr/local/share/zsh/site-functions/_lamina
+    lamina completions fish > ~/.config/fish/completions/lamina.fish";
+
+const MAN_ABOUT: &str = "\
+Write the manual pages, made from the same text as --help: lamina(1) and one page
+per command (lamina-serve(1), lamina-array-create(1), ...). With --dir they are
+written there and listed; without it, lamina(1) goes to standard output.
+
+    lamina man --dir /usr/local/share/man/man1 && mandb
+    lamina man | man -l -";
 
 const PROBE_ABOUT: &str = "\
 Run black-box I/O patterns (after the SSD sketcher of the Hystor paper) and report,
@@ -145,7 +177,12 @@ filling it. The server prints how to connect (nbdinfo, nbdfuse + losetup,
 nbd-client, qemu).
 
 Writes are acknowledged from RAM; NBD_CMD_FLUSH and FUA make them durable.
-SIGINT or SIGTERM flushes, writes a checkpoint and exits.";
+SIGINT or SIGTERM flushes, writes a checkpoint and exits; SIGHUP reopens the log
+and writes a checkpoint.
+
+Under systemd, run it as a Type=notify service (contrib/systemd/lamina@.service):
+it reports READY=1 once the array is open and every listener bound, and
+STOPPING=1 when it starts to shut down (sd_notify, through $NOTIFY_SOCKET).";
 
 const STATUS_ABOUT: &str = "\
 Report an array's capacity, segment use, bytes written by users and to media, bytes
@@ -366,6 +403,13 @@ fn main() {
             data,
             json,
         } => fsck::run(&dir, repair, data, json),
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "lamina", &mut script);
+            to_stdout(&script)
+        }
+        Cmd::Man { dir } => man(dir.as_deref()),
         Cmd::Probe(a) => match (&a.emulate, &a.device) {
             (Some(spec), _) => bench::probe_emulated(spec, a.json),
             (None, Some(dev)) => parse_size(&a.size)
@@ -377,6 +421,41 @@ fn main() {
     if let Err(e) = result {
         eprintln!("lamina: error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// `lamina man`: the pages into `dir`, or lamina(1) to standard output.
+fn man(dir: Option<&Path>) -> Result<()> {
+    use clap::CommandFactory;
+    let Some(dir) = dir else {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(Cli::command()).render(&mut page)?;
+        return to_stdout(&page);
+    };
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot make {}", dir.display()))?;
+    clap_mangen::generate_to(Cli::command(), dir)
+        .with_context(|| format!("cannot write the manual pages into {}", dir.display()))?;
+    let mut pages: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n.starts_with("lamina") && n.ends_with(".1"))
+        .collect();
+    pages.sort();
+    for p in pages {
+        println!("{}", dir.join(p).display());
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to standard output; a reader that went away early (`| head`) is
+/// not an error.
+fn to_stdout(bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(e).context("cannot write to standard output")
+        }
+        _ => Ok(()),
     }
 }
 

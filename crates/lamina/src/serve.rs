@@ -277,6 +277,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let signals = block_signals();
 
     let started = Instant::now();
+    crate::notify::notify("STATUS=opening the array (recovery after a crash may take a while)");
     let (engine, report) = open_array(&dir, OpenMode::ReadWrite)?;
     let io = cfg.io_options()?;
     tracing::info!("devices driven by {}", io.describe());
@@ -435,6 +436,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let _ = stdout
         .write_all(out.as_bytes())
         .and_then(|_| stdout.flush());
+    // Every listener is bound and the array open: clients can connect.
+    crate::notify::notify(&format!(
+        "READY=1\nSTATUS=serving array {:?} on {}\nMAINPID={}",
+        status.array_name,
+        endpoints.join(", "),
+        std::process::id()
+    ));
 
     let sig = loop {
         match wait_for_signal(&signals) {
@@ -443,6 +451,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 // durable, then go on serving.
                 *log.0.lock().unwrap() = open_log(&log_file);
                 tracing::info!("SIGHUP: log reopened; flushing and writing a checkpoint");
+                crate::notify::notify("STATUS=SIGHUP: flushing and writing a checkpoint");
                 let r = rt
                     .call(Request::Flush)
                     .and_then(|_| rt.call(Request::Checkpoint));
@@ -450,11 +459,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
                     Ok(_) => tracing::info!("SIGHUP: checkpoint written"),
                     Err(e) => tracing::error!("SIGHUP: flush or checkpoint failed: {e}"),
                 }
+                crate::notify::notify(&format!(
+                    "STATUS=serving array {:?} on {}",
+                    status.array_name,
+                    endpoints.join(", ")
+                ));
             }
             sig => break sig,
         }
     };
     tracing::info!("signal {sig}: flushing and writing a checkpoint");
+    crate::notify::notify("STOPPING=1\nSTATUS=flushing and writing a checkpoint");
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let result = rt.shutdown();
     for s in &sockets {

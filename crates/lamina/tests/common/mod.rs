@@ -36,7 +36,7 @@ pub fn need(test: &str, tools: &[&str], root: bool) -> bool {
     if missing.is_empty() {
         return true;
     }
-    let msg = format!("{test}: needs {} (install: apt-get install fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs openssl)", missing.join(", "));
+    let msg = format!("{test}: needs {} (install: apt-get install fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs openssl man-db)", missing.join(", "));
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("{msg}");
     }

@@ -1,0 +1,150 @@
+//! What operators use around the server: systemd's readiness protocol, the manual
+//! pages and the shell completions.
+
+mod common;
+use common::*;
+use std::os::unix::net::UnixDatagram;
+use std::time::{Duration, Instant};
+
+/// Collects the service manager's datagrams until one holds `line`; all of them.
+fn until(sock: &UnixDatagram, line: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    let t0 = Instant::now();
+    let mut buf = [0u8; 4096];
+    while !seen.iter().any(|m: &String| m.lines().any(|l| l == line)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no {line} within 60 s; got {seen:?}"
+        );
+        if let Ok(n) = sock.recv(&mut buf) {
+            seen.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+    }
+    seen
+}
+
+/// `lamina serve` under a service manager: STATUS while the array opens, READY=1 with
+/// MAINPID once it serves, STOPPING=1 on SIGTERM, and a clean exit; to a socket path
+/// and to an abstract socket (`@name`), the two forms systemd uses.
+#[test]
+fn serve_tells_systemd_when_it_is_ready_and_stopping() {
+    let t = TempDir::new("notify");
+    let dir = small_array(&t, "8M");
+    let abstract_name = format!("lamina-test-notify-{}", std::process::id());
+    let path = t.join("notify.sock");
+    let sockets = [
+        (
+            UnixDatagram::bind(&path).unwrap(),
+            path.to_str().unwrap().to_string(),
+        ),
+        (
+            {
+                use std::os::linux::net::SocketAddrExt;
+                let addr =
+                    std::os::unix::net::SocketAddr::from_abstract_name(abstract_name.as_bytes())
+                        .unwrap();
+                UnixDatagram::bind_addr(&addr).unwrap()
+            },
+            format!("@{abstract_name}"),
+        ),
+    ];
+    for (sock, name) in &sockets {
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let srv = Server::start_env(&dir, &[("NOTIFY_SOCKET", name)]);
+        let got = until(sock, "READY=1");
+        assert!(
+            got[0].starts_with("STATUS=opening the array"),
+            "{name}: {got:?}"
+        );
+        let ready = got.last().unwrap();
+        assert!(ready.contains(&format!("MAINPID={}", srv.pid())), "{ready}");
+        assert!(ready.contains("STATUS=serving array"), "{ready}");
+        // Ready means serving.
+        let mut c = lamina_nbd::client::Client::connect_unix(&srv.sock, "v").unwrap();
+        c.write(0, &[9u8; 4096], true).unwrap();
+        drop(c);
+        let pid = srv.pid();
+        srv.stop_with(libc::SIGTERM);
+        let got = until(sock, "STOPPING=1");
+        assert!(got.last().unwrap().contains("STATUS="), "{got:?}");
+        assert!(!got.iter().any(|m| m.contains("READY=1")), "{pid}: {got:?}");
+    }
+    // Without NOTIFY_SOCKET nothing is sent and nothing fails (every other test).
+}
+
+#[test]
+fn manual_pages_and_shell_completions() {
+    let t = TempDir::new("man");
+    let dir = t.join("man1");
+    let listed = lamina(&["man", "--dir", dir.to_str().unwrap()]);
+    // A page per command, each named as man(1) looks it up.
+    for page in [
+        "lamina.1",
+        "lamina-serve.1",
+        "lamina-status.1",
+        "lamina-array-create.1",
+        "lamina-array-replace.1",
+        "lamina-volume-create.1",
+        "lamina-fsck.1",
+        "lamina-completions.1",
+    ] {
+        let p = dir.join(page);
+        assert!(
+            listed.contains(p.to_str().unwrap()),
+            "{page} not listed: {listed}"
+        );
+        let roff = std::fs::read_to_string(&p).unwrap();
+        let name = page.trim_end_matches(".1");
+        assert!(roff.contains(&format!(".TH {name} 1")), "{page}: {roff}");
+    }
+    // The long help is in the page: what `serve` says about systemd.
+    let serve = std::fs::read_to_string(dir.join("lamina-serve.1")).unwrap();
+    assert!(serve.contains("Type=notify"), "{serve}");
+    if need("ops::manual_pages_and_shell_completions", &["man"], false) {
+        let text = run(
+            "man",
+            &["-l", dir.join("lamina-array-create.1").to_str().unwrap()],
+        );
+        assert!(text.contains("overprovision"), "{text}");
+    }
+    // lamina(1) on standard output, and a reader that stops early is no error.
+    assert!(lamina(&["man"]).contains(".TH lamina 1"));
+    for args in [&["man"][..], &["completions", "bash"]] {
+        // A pipe whose reader is gone before the command starts: every write fails.
+        let mut fds = [0; 2];
+        // SAFETY: pipe(2) fills two descriptors, which the OwnedFds then own.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let (reader, writer) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+                std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            )
+        };
+        drop(reader);
+        let out = std::process::Command::new(lamina_bin())
+            .args(args)
+            .stdout(std::process::Stdio::from(writer))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        assert!(
+            out.stderr.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // Completions: bash parses them and knows the commands and their options.
+    let bash = lamina(&["completions", "bash"]);
+    assert!(bash.contains("_lamina()") && bash.contains("--overprovision"));
+    let script = t.join("lamina.bash");
+    std::fs::write(&script, &bash).unwrap();
+    run("bash", &["-n", script.to_str().unwrap()]);
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        assert!(lamina(&["completions", shell]).contains("serve"), "{shell}");
+    }
+    let bad = lamina_output(&["completions", "tcsh"]);
+    assert_eq!(bad.status.code(), Some(2), "an unknown shell is bad usage");
+}
