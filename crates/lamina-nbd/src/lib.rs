@@ -4,6 +4,7 @@
 pub mod client;
 pub mod proto;
 pub mod server;
+pub mod stats;
 pub mod tls;
 
 pub use server::{

@@ -15,6 +15,7 @@
 //! (out of range, bad flags, too long) get an error reply and the connection goes on.
 
 use crate::proto::*;
+use crate::stats::{ConnStats, Op};
 use crate::tls::TlsPolicy;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::io::{self, BufReader, IoSlice, Read, Write};
@@ -22,7 +23,7 @@ use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Requests one connection may have outstanding.
 pub const MAX_INFLIGHT: usize = 256;
@@ -412,7 +413,14 @@ impl Budget {
 /// them without blocking, otherwise the connection's replier thread finishes them.
 pub struct ReplySink {
     writer: Writer,
-    credits: Sender<()>,
+    /// Free request slots (see [`Slot`]): taking one is the credit a request needs.
+    credits: Sender<u16>,
+    /// What each request in flight needs at its completion, by slot.
+    slots: Box<[Slot]>,
+    /// The connection's counters.
+    stats: Arc<ConnStats>,
+    /// What `Slot::started` counts from.
+    epoch: Instant,
     pool: Sender<Vec<u8>>,
     /// Read buffers, returned for reuse.
     read_bufs: Sender<Vec<u8>>,
@@ -429,11 +437,66 @@ pub struct ReplySink {
     structured: bool,
 }
 
+/// A request in flight, in the slot its credit named. The backend is handed the
+/// slot's index as the request's handle and completes with it; the completion finds
+/// here the client's handle for the reply and what to count. The reader fills a
+/// slot before it hands the request on, and the slot is returned to the credits
+/// only after the completion read it, so the backend's hand-off orders the two.
+#[derive(Default)]
+struct Slot {
+    handle: AtomicU64,
+    /// Nanoseconds from the connection's epoch to when the request was read.
+    started: AtomicU64,
+    /// The [`Op`] in the top byte, the bytes it covers below.
+    op_bytes: AtomicU64,
+}
+
+const OP_SHIFT: u32 = 56;
+
+impl ReplySink {
+    /// Records a request in `slot` before it is handed on.
+    fn fill(&self, slot: u16, handle: u64, op: Op, bytes: u64, started: Instant) {
+        let s = &self.slots[slot as usize];
+        s.handle.store(handle, Ordering::Relaxed);
+        let ns = started.saturating_duration_since(self.epoch).as_nanos() as u64;
+        s.started.store(ns, Ordering::Relaxed);
+        debug_assert!(bytes < 1 << OP_SHIFT);
+        s.op_bytes
+            .store(((op as u64) << OP_SHIFT) | bytes, Ordering::Relaxed);
+    }
+
+    /// The client's handle of the request in `slot`, counting it as done.
+    fn finish(&self, slot: u64, error: bool) -> u64 {
+        let s = self
+            .slots
+            .get(slot as usize)
+            .expect("a backend completed a handle the server did not give it");
+        let ob = s.op_bytes.load(Ordering::Relaxed);
+        let op = OPS_BY_INDEX[(ob >> OP_SHIFT) as usize];
+        let started = self.epoch + Duration::from_nanos(s.started.load(Ordering::Relaxed));
+        self.stats
+            .record(op, ob & ((1 << OP_SHIFT) - 1), error, started);
+        s.handle.load(Ordering::Relaxed)
+    }
+}
+
+const OPS_BY_INDEX: [Op; crate::stats::OPS] = [
+    Op::Read,
+    Op::Write,
+    Op::Flush,
+    Op::Trim,
+    Op::WriteZeroes,
+    Op::Cache,
+    Op::BlockStatus,
+];
+
 enum ReplierMsg {
     /// Reply bytes to write.
     Bytes(Vec<u8>),
-    /// A read's reply: the header, then the data when it succeeded.
+    /// A read's reply: the header, then the data when it succeeded; `slot` goes back
+    /// to the credits once it is written.
     Read {
+        slot: u16,
         handle: u64,
         offset: u64,
         error: u32,
@@ -453,9 +516,12 @@ impl ReplySink {
         }
         let n = completions.len();
         let mut payload = 0u64;
+        // The backend completed slots: their clients' handles go in the replies (and
+        // the slots stay taken until the credits below).
         let headers = |out: &mut Vec<u8>, cs: &[Completion]| {
             for c in cs {
-                out.extend_from_slice(&simple_reply(c.handle, c.error));
+                let handle = self.finish(c.handle, c.error != 0);
+                out.extend_from_slice(&simple_reply(handle, c.error));
             }
         };
         // Replies go straight into the writer's queue when it is free (no buffer of
@@ -474,8 +540,8 @@ impl ReplySink {
                 let _ = self.replier.send(ReplierMsg::Bytes(bytes));
             }
         }
-        for c in completions.drain(..) {
-            if let Some(b) = c.buf {
+        for c in completions.iter_mut() {
+            if let Some(b) = c.buf.take() {
                 payload += b.len() as u64;
                 if self.keep(&b) {
                     if let Err(e) = self.pool.try_send(b) {
@@ -488,8 +554,8 @@ impl ReplySink {
             self.budget.release(payload);
             GLOBAL.release(payload);
         }
-        for _ in 0..n {
-            let _ = self.credits.send(());
+        for c in completions.drain(..) {
+            let _ = self.credits.send(c.handle as u16);
         }
     }
 }
@@ -498,9 +564,10 @@ impl ReplySink {
     /// Completes a read: its reply goes out now if the socket is free and takes it
     /// without blocking, otherwise through the replier. Either way the buffer goes
     /// back to the connection's pool, the payload budget is released and the
-    /// request's credit returned.
-    fn complete_read(&self, handle: u64, offset: u64, result: Result<(), u32>, buf: Vec<u8>) {
+    /// request's credit (`slot`) returned.
+    fn complete_read(&self, slot: u16, offset: u64, result: Result<(), u32>, buf: Vec<u8>) {
         let error = result.err().unwrap_or(0);
+        let handle = self.finish(slot as u64, error != 0);
         if let Ok(mut w) = self.writer.try_lock() {
             if w.pending.is_empty() {
                 let h = ReplyHead::read(self.structured, handle, offset, buf.len(), error);
@@ -510,11 +577,12 @@ impl ReplySink {
                     let _ = self.replier.send(ReplierMsg::Kick);
                 }
                 drop(w);
-                self.read_done(buf);
+                self.read_done(slot, buf);
                 return;
             }
         }
         let _ = self.replier.send(ReplierMsg::Read {
+            slot,
             handle,
             offset,
             error,
@@ -544,14 +612,14 @@ impl ReplySink {
     }
 
     /// A read's reply is written (or queued in `pending`): release what it held.
-    fn read_done(&self, buf: Vec<u8>) {
+    fn read_done(&self, slot: u16, buf: Vec<u8>) {
         GLOBAL.release(buf.len() as u64);
         if self.keep(&buf) {
             if let Err(e) = self.read_bufs.try_send(buf) {
                 self.taken(e.into_inner());
             }
         }
-        let _ = self.credits.send(());
+        let _ = self.credits.send(slot);
     }
 }
 
@@ -566,7 +634,7 @@ pub struct ReadPool<B: Backend> {
 struct ReadJob<B: Backend> {
     export: Arc<B::Export>,
     offset: u64,
-    handle: u64,
+    slot: u16,
     buf: Vec<u8>,
     sink: Arc<ReplySink>,
 }
@@ -585,7 +653,7 @@ impl<B: Backend> ReadPool<B> {
                 .spawn(move || {
                     while let Ok(mut job) = rx.recv() {
                         let r = backend.read(&job.export, job.offset, &mut job.buf);
-                        job.sink.complete_read(job.handle, job.offset, r, job.buf);
+                        job.sink.complete_read(job.slot, job.offset, r, job.buf);
                     }
                 })?;
         }
@@ -1045,15 +1113,18 @@ fn transmission<B: Backend>(
     // Unbounded, yet bounded in practice: byte messages are at most one per
     // outstanding command (credits), and kicks are deduplicated.
     let (replier_tx, replier_rx) = crossbeam_channel::unbounded::<ReplierMsg>();
-    let (credit_tx, credit_rx) = bounded::<()>(MAX_INFLIGHT);
-    for _ in 0..MAX_INFLIGHT {
-        credit_tx.send(()).unwrap();
+    let (credit_tx, credit_rx) = bounded::<u16>(MAX_INFLIGHT);
+    for slot in 0..MAX_INFLIGHT {
+        credit_tx.send(slot as u16).unwrap();
     }
     let (pool_tx, pool_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
     let (read_bufs_tx, read_bufs_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
     let sink = Arc::new(ReplySink {
         writer: writer.clone(),
         credits: credit_tx,
+        slots: (0..MAX_INFLIGHT).map(|_| Slot::default()).collect(),
+        stats: crate::stats::register(&info.name),
+        epoch: Instant::now(),
         pool: pool_tx,
         read_bufs: read_bufs_tx,
         pooled: AtomicU64::new(0),
@@ -1075,10 +1146,11 @@ fn transmission<B: Backend>(
     let mut status_reply: Vec<u8> = Vec::new();
     // Waits that a held (deferred) command may be what ends: start the held ones
     // first, or the wait could last until the backend's own timer.
-    let take_credit = || {
-        if credit_rx.try_recv().is_err() {
+    let take_credit = || match credit_rx.try_recv() {
+        Ok(slot) => slot,
+        Err(_) => {
             backend.kick();
-            credit_rx.recv().unwrap();
+            credit_rx.recv().unwrap()
         }
     };
     let acquire = |budget: &Budget, n: u64| {
@@ -1091,9 +1163,26 @@ fn transmission<B: Backend>(
         let mut hdr = [0u8; RequestHeader::SIZE];
         loop {
             r.read_exact(&mut hdr)?;
+            let started = Instant::now();
             let req = RequestHeader::decode(&hdr)
                 .map_err(|m| protocol(format!("bad request magic {m:#x}")))?;
             let (offset, len) = (req.offset, req.length as u64);
+            // What the request counts as (`None`: disconnect, unknown commands).
+            let op = match req.kind {
+                CMD_READ => Some(Op::Read),
+                CMD_WRITE => Some(Op::Write),
+                CMD_FLUSH => Some(Op::Flush),
+                CMD_TRIM => Some(Op::Trim),
+                CMD_WRITE_ZEROES => Some(Op::WriteZeroes),
+                CMD_CACHE => Some(Op::Cache),
+                CMD_BLOCK_STATUS => Some(Op::BlockStatus),
+                _ => None,
+            };
+            let count = |bytes: u64, error: bool| {
+                if let Some(op) = op {
+                    sink.stats.record(op, bytes, error, started);
+                }
+            };
             let in_range = offset.checked_add(len).is_some_and(|end| end <= info.size);
             // FUA is accepted on every command (the spec), ignored where nothing is
             // written.
@@ -1108,6 +1197,7 @@ fn transmission<B: Backend>(
             // With structured replies an error carries its reason (and a read must
             // not be answered with a simple reply at all).
             let error_reply = |e: u32, why: &str| {
+                count(0, true);
                 if session.structured {
                     send(writer, &error_chunk(req.handle, e, why))
                 } else {
@@ -1126,13 +1216,17 @@ fn transmission<B: Backend>(
                     None
                 }
             };
-            // With another request already buffered the command may be held and
-            // worked through with the rest of the burst.
-            let submit = |cmd: Command, buffered: usize| {
+            // Takes a slot (waiting for one), records the request in it, and hands
+            // the command to the backend under the slot's number. With another
+            // request already buffered the command may be held and worked through
+            // with the rest of the burst.
+            let submit = |cmd: Command, bytes: u64, buffered: usize| {
+                let slot = take_credit();
+                sink.fill(slot, req.handle, op.expect("a command"), bytes, started);
                 if buffered >= RequestHeader::SIZE {
-                    backend.submit_deferred(export, req.handle, cmd, &sink);
+                    backend.submit_deferred(export, slot as u64, cmd, &sink);
                 } else {
-                    backend.submit(export, req.handle, cmd, &sink);
+                    backend.submit(export, slot as u64, cmd, &sink);
                 }
             };
             match req.kind {
@@ -1149,7 +1243,8 @@ fn transmission<B: Backend>(
                     if let Some(pool) = reads {
                         // Released by the reply (`ReplySink::read_done`).
                         acquire(&GLOBAL, len);
-                        take_credit();
+                        let slot = take_credit();
+                        sink.fill(slot, req.handle, Op::Read, len, started);
                         let mut buf = read_bufs_rx
                             .try_recv()
                             .map(|b| sink.taken(b))
@@ -1158,13 +1253,13 @@ fn transmission<B: Backend>(
                         buf.resize(req.length as usize, 0);
                         // What needs no wait is served here, without a hand-off.
                         if let Some(r) = backend.try_read(export, offset, &mut buf) {
-                            sink.complete_read(req.handle, offset, r, buf);
+                            sink.complete_read(slot, offset, r, buf);
                             continue;
                         }
                         let job = ReadJob {
                             export: export.clone(),
                             offset,
-                            handle: req.handle,
+                            slot,
                             buf,
                             sink: sink.clone(),
                         };
@@ -1191,6 +1286,7 @@ fn transmission<B: Backend>(
                                 &mut *g.stream,
                                 &mut [IoSlice::new(h.as_bytes()), IoSlice::new(&read_buf)],
                             )?;
+                            count(len, false);
                         }
                         Err(e) => error_reply(e, "read failed")?,
                     }
@@ -1219,16 +1315,14 @@ fn transmission<B: Backend>(
                         GLOBAL.release(len);
                         return Err(e);
                     }
-                    take_credit();
-                    submit(Command::Write { offset, data, fua }, r.buffer().len());
+                    submit(Command::Write { offset, data, fua }, len, r.buffer().len());
                 }
                 CMD_FLUSH => {
                     if bad_flags || offset != 0 || len != 0 {
                         error_reply(EINVAL, "a flush takes no flags, offset or length")?;
                         continue;
                     }
-                    take_credit();
-                    submit(Command::Flush, r.buffer().len());
+                    submit(Command::Flush, 0, r.buffer().len());
                 }
                 CMD_TRIM | CMD_WRITE_ZEROES => {
                     if let Some(why) = range_error(u64::MAX) {
@@ -1243,7 +1337,6 @@ fn transmission<B: Backend>(
                         error_reply(ENOTSUP, "allocated zeroes are no faster than a write")?;
                         continue;
                     }
-                    take_credit();
                     submit(
                         Command::Zero {
                             offset,
@@ -1251,6 +1344,7 @@ fn transmission<B: Backend>(
                             fua,
                             allocate,
                         },
+                        len,
                         r.buffer().len(),
                     );
                 }
@@ -1260,7 +1354,10 @@ fn transmission<B: Backend>(
                         continue;
                     }
                     match backend.cache(export, offset, req.length) {
-                        Ok(()) => send(writer, &simple_reply(req.handle, 0))?,
+                        Ok(()) => {
+                            count(len, false);
+                            send(writer, &simple_reply(req.handle, 0))?
+                        }
                         Err(e) => error_reply(e, "cache hint failed")?,
                     }
                 }
@@ -1291,6 +1388,7 @@ fn transmission<B: Backend>(
                                 one,
                             };
                             status_chunk(req.handle, limits, &extents, &mut status_reply);
+                            count(len, false);
                             send(writer, &status_reply)?;
                         }
                         Err(e) => error_reply(e, "block status failed")?,
@@ -1317,6 +1415,7 @@ fn transmission<B: Backend>(
     let _ = sink.replier.send(ReplierMsg::Kick);
     let _ = sink.replier.send(ReplierMsg::Stop);
     let _ = replier.join();
+    crate::stats::retire(&sink.stats);
     match result {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(()),
         other => other,
@@ -1375,7 +1474,7 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
     // credit (so nothing writes to `pending` any more) and that kick's round drained.
     let mut broken = false;
     // Read replies of one batch (kept for its capacity).
-    let mut reads: Vec<(u64, u64, u32, Vec<u8>)> = Vec::new();
+    let mut reads: Vec<(u16, u64, u64, u32, Vec<u8>)> = Vec::new();
     while let Ok(first) = rx.recv() {
         if matches!(first, ReplierMsg::Stop) {
             break;
@@ -1391,11 +1490,12 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
         let mut take = |m: ReplierMsg, g: &mut ConnWriter| match m {
             ReplierMsg::Bytes(b) => g.pending.extend_from_slice(&b),
             ReplierMsg::Read {
+                slot,
                 handle,
                 offset,
                 error,
                 buf,
-            } => reads.push((handle, offset, error, buf)),
+            } => reads.push((slot, handle, offset, error, buf)),
             ReplierMsg::Kick | ReplierMsg::Stop => {}
         };
         take(first, &mut g);
@@ -1407,14 +1507,14 @@ fn replier(rx: Receiver<ReplierMsg>, writer: Writer, sink: Arc<ReplySink>) {
         if !broken && g.drain_blocking().is_err() {
             broken = true;
         }
-        for (handle, offset, error, buf) in reads.drain(..) {
+        for (slot, handle, offset, error, buf) in reads.drain(..) {
             if !broken {
                 let h = ReplyHead::read(sink.structured, handle, offset, buf.len(), error);
                 let data: &[u8] = if error == 0 { &buf } else { &[] };
                 let parts = &mut [IoSlice::new(h.as_bytes()), IoSlice::new(data)];
                 broken = write_all_vectored(&mut *g.stream, parts).is_err();
             }
-            sink.read_done(buf);
+            sink.read_done(slot, buf);
         }
         if !broken && g.stream.flush().is_err() {
             broken = true;
@@ -1505,7 +1605,7 @@ mod tests {
         replies: Receiver<ReplierMsg>,
         pool: Receiver<Vec<u8>>,
         read_bufs: Receiver<Vec<u8>>,
-        _credits: Receiver<()>,
+        credits: Receiver<u16>,
     }
 
     fn test_sink(structured: bool) -> TestSink {
@@ -1520,6 +1620,9 @@ mod tests {
                 pending: Vec::new(),
             })),
             credits,
+            slots: (0..MAX_INFLIGHT).map(|_| Slot::default()).collect(),
+            stats: crate::stats::register("test"),
+            epoch: Instant::now(),
             pool,
             read_bufs,
             pooled: AtomicU64::new(0),
@@ -1534,7 +1637,7 @@ mod tests {
             replies,
             pool: pool_rx,
             read_bufs: read_rx,
-            _credits: credits_rx,
+            credits: credits_rx,
         }
     }
 
@@ -1547,6 +1650,7 @@ mod tests {
             sink,
             mut peer,
             replies: rx,
+            credits,
             ..
         } = test_sink(true);
         let writer = sink.writer.clone();
@@ -1555,13 +1659,17 @@ mod tests {
             std::thread::spawn(move || replier(rx, writer, sink))
         };
         let data: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
-        for (handle, offset, error, buf) in [
+        for (slot, (handle, offset, error, buf)) in [
             (1u64, 8192u64, 0u32, data.clone()),
             (2, 4096, EIO, vec![0; 512]),
             (3, 0, 0, Vec::new()),
-        ] {
+        ]
+        .into_iter()
+        .enumerate()
+        {
             GLOBAL.acquire(buf.len() as u64);
             let msg = ReplierMsg::Read {
+                slot: slot as u16 + 7,
                 handle,
                 offset,
                 error,
@@ -1587,6 +1695,8 @@ mod tests {
             got.len(),
             want.len()
         );
+        // Each read's slot went back to the credits once its reply was written.
+        assert_eq!(credits.try_iter().collect::<Vec<_>>(), vec![7, 8, 9]);
     }
 
     /// Idle buffers a connection keeps are capped in bytes, whatever sizes its
@@ -1610,8 +1720,8 @@ mod tests {
         assert!(sink.keep(&mib()));
         // Through the real paths: read buffers beyond the cap are dropped.
         sink.pooled.store(0, Ordering::Relaxed);
-        for _ in 0..10 {
-            sink.read_done(mib());
+        for slot in 0..10 {
+            sink.read_done(slot, mib());
         }
         assert_eq!(read_rx.len() as u64, POOL_BYTES_PER_CONNECTION >> 20);
         assert_eq!(pool_rx.len(), 0);

@@ -14,7 +14,7 @@
 //! anything else                                    -> {"ok":false,"error":"..."}
 //! ```
 
-use crate::output::{metrics_text, status_json};
+use crate::output::{running_metrics_text, status_json};
 use crate::runtime::Runtime;
 use anyhow::{anyhow, bail, Context, Result};
 use lamina_core::{Request, StatusReport};
@@ -39,7 +39,7 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
             .map(|s| json!({"ok": true, "status": status_json(&s, true)}))
             .map_err(|e| e.to_string()),
         "metrics" => status()
-            .map(|s| json!({"ok": true, "metrics": metrics_text(&s)}))
+            .map(|s| json!({"ok": true, "metrics": running_metrics_text(&s)}))
             .map_err(|e| e.to_string()),
         "volume-create" => {
             let name = req.get("name").and_then(|v| v.as_str());

@@ -17,6 +17,7 @@ mod runtime;
 mod serve;
 mod sim;
 mod size;
+mod top;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -96,6 +97,10 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// A live view of a running server: requests, latency, space, write
+    /// amplification, members.
+    #[command(long_about = top::TOP_ABOUT)]
+    Top(TopArgs),
     /// Print the completion script for a shell (bash, zsh, fish, elvish, powershell).
     #[command(long_about = COMPLETIONS_ABOUT)]
     Completions {
@@ -111,6 +116,18 @@ enum Cmd {
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct TopArgs {
+    /// Array directory of the running server (default ./lamina-data).
+    dir: Option<PathBuf>,
+    /// Seconds between views (0.1 to 3600).
+    #[arg(long, default_value_t = 1.0, value_name = "SECS")]
+    interval: f64,
+    /// Stop after this many views (default: until interrupted).
+    #[arg(long, value_name = "N")]
+    count: Option<u64>,
 }
 
 const COMPLETIONS_ABOUT: &str = "\
@@ -410,6 +427,22 @@ fn main() {
             to_stdout(&script)
         }
         Cmd::Man { dir } => man(dir.as_deref()),
+        Cmd::Top(a) => {
+            if !(0.1..=3600.0).contains(&a.interval) {
+                eprintln!(
+                    "lamina: error: --interval {}: give 0.1 to 3600 seconds",
+                    a.interval
+                );
+                std::process::exit(2);
+            }
+            absolute(&a.dir.unwrap_or_else(default_dir)).and_then(|dir| {
+                top::run(
+                    &dir,
+                    std::time::Duration::from_secs_f64(a.interval),
+                    a.count,
+                )
+            })
+        }
         Cmd::Probe(a) => match (&a.emulate, &a.device) {
             (Some(spec), _) => bench::probe_emulated(spec, a.json),
             (None, Some(dev)) => parse_size(&a.size)
@@ -945,6 +978,15 @@ fn get_status(dir: &Path) -> Result<(lamina_core::StatusReport, bool)> {
 
 fn status(a: StatusArgs) -> Result<()> {
     let dir = absolute(&a.dir.unwrap_or_else(default_dir))?;
+    if a.prometheus {
+        // A running server adds its NBD metrics to the array's.
+        if let Some(v) = admin::request(&admin_socket(&dir)?, &json!({"op": "metrics"}))? {
+            if let Some(text) = v["metrics"].as_str() {
+                print!("{text}");
+                return Ok(());
+            }
+        }
+    }
     let (report, running) = get_status(&dir)?;
     if a.json {
         println!(

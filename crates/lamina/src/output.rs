@@ -221,182 +221,289 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
     o
 }
 
-/// Prometheus text exposition format.
-pub fn metrics_text(s: &StatusReport) -> String {
-    let mut o = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, samples: Vec<(String, f64)>| {
-        o += &format!("# HELP lamina_{name} {help}\n# TYPE lamina_{name} {kind}\n");
-        for (labels, v) in samples {
-            o += &format!("lamina_{name}{labels} {v}\n");
+/// Prometheus text exposition, every sample labelled with the array's name. The
+/// metric names are a stable interface, listed in docs/design.md ("Metrics").
+struct Exposition {
+    out: String,
+    /// `array="NAME"`, the label every sample carries.
+    array: String,
+}
+
+/// A sample's labels besides `array`, and its value.
+type Sample = (Vec<(&'static str, String)>, f64);
+
+/// A label value with `\`, `"` and newlines escaped, as the format asks.
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Exposition {
+    fn new(array: &str) -> Self {
+        Exposition {
+            out: String::new(),
+            array: format!("array=\"{}\"", label_value(array)),
         }
-    };
-    let vol = |f: &dyn Fn(&lamina_core::VolumeStatus) -> f64| -> Vec<(String, f64)> {
+    }
+
+    fn labels(&self, extra: &[(&str, String)]) -> String {
+        let mut l = format!("{{{}", self.array);
+        for (k, v) in extra {
+            l += &format!(",{k}=\"{}\"", label_value(v));
+        }
+        l + "}"
+    }
+
+    fn metric(&mut self, name: &str, kind: &str, help: &str, samples: Vec<Sample>) {
+        use std::fmt::Write;
+        let _ = write!(
+            self.out,
+            "# HELP lamina_{name} {help}\n# TYPE lamina_{name} {kind}\n"
+        );
+        for (labels, v) in samples {
+            let _ = writeln!(self.out, "lamina_{name}{} {v}", self.labels(&labels));
+        }
+    }
+
+    /// One sample without labels of its own.
+    fn one(&mut self, name: &str, kind: &str, help: &str, v: f64) {
+        self.metric(name, kind, help, vec![(vec![], v)]);
+    }
+}
+
+/// Everything a running server exposes: the array's metrics and the NBD server's.
+pub fn running_metrics_text(s: &StatusReport) -> String {
+    metrics_text(s) + &server_metrics_text(&s.array_name, &lamina_nbd::stats::snapshot())
+}
+
+/// The array's metrics, from a status report (a running server's or a stopped
+/// array's).
+pub fn metrics_text(s: &StatusReport) -> String {
+    let mut e = Exposition::new(&s.array_name);
+    let vol = |f: &dyn Fn(&lamina_core::VolumeStatus) -> f64| -> Vec<Sample> {
         s.volumes
             .iter()
-            .map(|v| (format!("{{volume=\"{}\"}}", v.name), f(v)))
+            .map(|v| (vec![("volume", v.name.clone())], f(v)))
+            .collect()
+    };
+    let member = |f: &dyn Fn(&lamina_core::MemberStatus) -> f64| -> Vec<Sample> {
+        s.members
+            .iter()
+            .map(|m| (vec![("member", m.index.to_string())], f(m)))
             .collect()
     };
     if let Some(open) = s.zones_open {
-        metric(
+        e.one(
             "zones_open",
             "gauge",
             "Zones held open by open or closing segments (zoned devices).",
-            vec![(String::new(), open as f64)],
+            open as f64,
         );
     }
-    metric(
+    let failed = member(&|m| (m.state == "failed") as u8 as f64);
+    e.metric(
         "member_failed",
         "gauge",
         "1 if the member device has failed.",
-        s.members
-            .iter()
-            .map(|m| {
-                (
-                    format!("{{member=\"{}\"}}", m.index),
-                    (m.state == "failed") as u8 as f64,
-                )
-            })
-            .collect(),
+        failed,
     );
-    metric(
-        "member_bytes_written_total",
-        "counter",
-        "Bytes written to each member device.",
-        s.members
-            .iter()
-            .map(|m| {
-                (
-                    format!("{{member=\"{}\"}}", m.index),
-                    m.bytes_written as f64,
-                )
-            })
-            .collect(),
-    );
-    metric(
-        "redundancy_left",
-        "gauge",
-        "Member failures the layout can still absorb.",
-        vec![(String::new(), s.redundancy_left as f64)],
-    );
-    metric(
-        "capacity_bytes",
-        "gauge",
-        "Segment space on all devices.",
-        vec![(String::new(), s.capacity_bytes as f64)],
-    );
-    metric(
+    let written = member(&|m| m.bytes_written as f64);
+    let help = "Bytes written to each member device.";
+    e.metric("member_bytes_written_total", "counter", help, written);
+    let read = member(&|m| m.bytes_read as f64);
+    let help = "Bytes read from each member device (striped layouts; since the array was opened).";
+    e.metric("member_bytes_read_total", "counter", help, read);
+    let errors = member(&|m| m.read_errors as f64);
+    let help = "Reads of each member that failed (and were rebuilt from parity).";
+    e.metric("member_read_errors_total", "counter", help, errors);
+    let progress = member(&|m| match m.state.as_str() {
+        "failed" => 0.0,
+        "rebuilding" => m.rebuild_progress.unwrap_or(0.0),
+        _ => 1.0,
+    });
+    let help = "Fraction of the member's stripes that hold its data: 1 when in service, \
+                the rebuild's progress while rebuilding, 0 when failed.";
+    e.metric("member_rebuild_progress_ratio", "gauge", help, progress);
+    let help = "Member failures the layout can still absorb.";
+    e.one("redundancy_left", "gauge", help, s.redundancy_left as f64);
+    let help = "Segment space on all devices.";
+    e.one("capacity_bytes", "gauge", help, s.capacity_bytes as f64);
+    e.one(
         "usable_bytes",
         "gauge",
         "Live data the array accepts.",
-        vec![(String::new(), s.usable_bytes as f64)],
+        s.usable_bytes as f64,
     );
-    metric(
-        "live_bytes",
-        "gauge",
-        "Live data.",
-        vec![(String::new(), s.live_bytes as f64)],
-    );
-    metric(
-        "free_segments",
-        "gauge",
-        "Segments in the free queue.",
-        vec![(String::new(), s.free_segments as f64)],
-    );
-    metric(
-        "user_bytes_written_total",
-        "counter",
-        "Bytes written by clients.",
-        vec![(String::new(), s.user_bytes_written as f64)],
-    );
-    metric(
-        "media_bytes_written_total",
-        "counter",
-        "Bytes written to devices.",
-        vec![(String::new(), s.media_bytes_written as f64)],
-    );
-    metric(
-        "gc_bytes_relocated_total",
-        "counter",
-        "Bytes moved by garbage collection.",
-        vec![(String::new(), s.gc_bytes_relocated as f64)],
-    );
-    metric(
-        "metadata_bytes_written_total",
-        "counter",
-        "Bytes of checkpoints, release records and superblocks.",
-        vec![(String::new(), s.metadata_bytes_written as f64)],
-    );
-    metric(
+    e.one("live_bytes", "gauge", "Live data.", s.live_bytes as f64);
+    let help = "Segments in the free queue.";
+    e.one("free_segments", "gauge", help, s.free_segments as f64);
+    let counters: [(&str, &str, u64); 11] = [
+        (
+            "user_bytes_written_total",
+            "Bytes written by clients.",
+            s.user_bytes_written,
+        ),
+        (
+            "media_bytes_written_total",
+            "Bytes written to devices.",
+            s.media_bytes_written,
+        ),
+        (
+            "gc_bytes_relocated_total",
+            "Bytes moved by garbage collection.",
+            s.gc_bytes_relocated,
+        ),
+        (
+            "metadata_bytes_written_total",
+            "Bytes of checkpoints, release records and superblocks.",
+            s.metadata_bytes_written,
+        ),
+        ("flushes_total", "Client flushes.", s.flushes),
+        ("syncs_total", "Device sync rounds.", s.syncs),
+        ("checkpoints_total", "Checkpoints committed.", s.checkpoints),
+        (
+            "gc_floor_waits_total",
+            "Times user writes waited at the user floor for a free segment.",
+            s.gc_floor_waits,
+        ),
+        (
+            "corrupt_blocks_total",
+            "Blocks found damaged by GC.",
+            s.corrupt_blocks,
+        ),
+        (
+            "read_checksum_errors_total",
+            "Reads that failed verification.",
+            s.read_checksum_errors,
+        ),
+        (
+            "pad_bytes_written_total",
+            "Dead blocks written to pad flushed units to whole stripe rows.",
+            s.pad_bytes_written,
+        ),
+    ];
+    for (name, help, v) in counters {
+        e.one(name, "counter", help, v as f64);
+    }
+    let help = "Media bytes per user byte.";
+    e.one(
         "write_amplification",
         "gauge",
-        "Media bytes per user byte.",
-        vec![(String::new(), s.write_amplification.unwrap_or(0.0))],
+        help,
+        s.write_amplification.unwrap_or(0.0),
     );
-    metric(
-        "flushes_total",
-        "counter",
-        "Client flushes.",
-        vec![(String::new(), s.flushes as f64)],
-    );
-    metric(
-        "syncs_total",
-        "counter",
-        "Device sync rounds.",
-        vec![(String::new(), s.syncs as f64)],
-    );
-    metric(
-        "checkpoints_total",
-        "counter",
-        "Checkpoints committed.",
-        vec![(String::new(), s.checkpoints as f64)],
-    );
-    metric(
-        "gc_floor_waits_total",
-        "counter",
-        "Times user writes waited at the user floor for a free segment.",
-        vec![(String::new(), s.gc_floor_waits as f64)],
-    );
-    metric(
-        "corrupt_blocks_total",
-        "counter",
-        "Blocks found damaged by GC.",
-        vec![(String::new(), s.corrupt_blocks as f64)],
-    );
-    metric(
-        "read_checksum_errors_total",
-        "counter",
-        "Reads that failed verification.",
-        vec![(String::new(), s.read_checksum_errors as f64)],
-    );
-    metric(
-        "volume_live_bytes",
-        "gauge",
-        "Live data per volume.",
-        vol(&|v| v.live_bytes as f64),
-    );
-    metric(
-        "volume_user_bytes_written_total",
-        "counter",
-        "Bytes written by clients per volume.",
-        vol(&|v| v.user_bytes_written as f64),
-    );
-    metric(
-        "volume_media_bytes_written_total",
-        "counter",
-        "Bytes written to devices per volume.",
-        vol(&|v| v.media_bytes_written as f64),
-    );
-    metric(
-        "volume_gc_bytes_relocated_total",
-        "counter",
-        "Bytes moved by GC per volume.",
-        vol(&|v| v.gc_bytes_relocated as f64),
-    );
-    metric(
-        "volume_write_amplification",
-        "gauge",
-        "Media bytes per user byte per volume.",
-        vol(&|v| v.write_amplification.unwrap_or(0.0)),
-    );
-    o
+    type VolumeField = fn(&lamina_core::VolumeStatus) -> f64;
+    let per_volume: [(&str, &str, &str, VolumeField); 6] = [
+        (
+            "volume_size_bytes",
+            "gauge",
+            "Size of each volume (what its clients see).",
+            |v| v.size_bytes as f64,
+        ),
+        ("volume_live_bytes", "gauge", "Live data per volume.", |v| {
+            v.live_bytes as f64
+        }),
+        (
+            "volume_user_bytes_written_total",
+            "counter",
+            "Bytes written by clients per volume.",
+            |v| v.user_bytes_written as f64,
+        ),
+        (
+            "volume_media_bytes_written_total",
+            "counter",
+            "Bytes written to devices per volume.",
+            |v| v.media_bytes_written as f64,
+        ),
+        (
+            "volume_gc_bytes_relocated_total",
+            "counter",
+            "Bytes moved by GC per volume.",
+            |v| v.gc_bytes_relocated as f64,
+        ),
+        (
+            "volume_write_amplification",
+            "gauge",
+            "Media bytes per user byte per volume.",
+            |v| v.write_amplification.unwrap_or(0.0),
+        ),
+    ];
+    for (name, kind, help, f) in per_volume {
+        e.metric(name, kind, help, vol(&f));
+    }
+    e.out
+}
+
+/// The NBD server's metrics: connections, and per volume and kind of request the
+/// requests, errors, bytes and a latency histogram (from the request read to its
+/// completion). Only a running server has them.
+pub fn server_metrics_text(array: &str, snap: &lamina_nbd::stats::Snapshot) -> String {
+    use lamina_nbd::stats::{bucket_bound, OP_NAMES};
+    let mut e = Exposition::new(array);
+    let help = "NBD connections in the transmission phase.";
+    e.one("nbd_connections", "gauge", help, snap.connections as f64);
+    let per_op = |f: &dyn Fn(&lamina_nbd::stats::OpTotals) -> f64| -> Vec<Sample> {
+        let mut v = Vec::new();
+        for (volume, t) in &snap.exports {
+            for (op, o) in OP_NAMES.iter().zip(&t.ops) {
+                v.push((
+                    vec![("volume", volume.clone()), ("op", op.to_string())],
+                    f(o),
+                ));
+            }
+        }
+        v
+    };
+    type OpField = fn(&lamina_nbd::stats::OpTotals) -> f64;
+    let counters: [(&str, &str, OpField); 3] = [
+        ("nbd_requests_total", "NBD requests completed, per volume and kind.", |o| {
+            o.count as f64
+        }),
+        (
+            "nbd_request_errors_total",
+            "NBD requests answered with an error, per volume and kind.",
+            |o| o.errors as f64,
+        ),
+        (
+            "nbd_request_bytes_total",
+            "Bytes the NBD requests covered (read, written, trimmed, zeroed...), per volume and kind.",
+            |o| o.bytes as f64,
+        ),
+    ];
+    for (name, help, f) in counters {
+        e.metric(name, "counter", help, per_op(&f));
+    }
+    // The histogram: cumulative buckets, then the sum and the count.
+    let mut samples: Vec<Sample> = Vec::new();
+    let mut sums: Vec<Sample> = Vec::new();
+    let mut counts: Vec<Sample> = Vec::new();
+    for (volume, t) in &snap.exports {
+        for (op, o) in OP_NAMES.iter().zip(&t.ops) {
+            let mut cumulative = 0u64;
+            for (i, n) in o.buckets.iter().enumerate() {
+                cumulative += n;
+                let le = bucket_bound(i).map_or("+Inf".to_string(), |b| format!("{b}"));
+                let l = vec![
+                    ("volume", volume.clone()),
+                    ("op", op.to_string()),
+                    ("le", le),
+                ];
+                samples.push((l, cumulative as f64));
+            }
+            let l = vec![("volume", volume.clone()), ("op", op.to_string())];
+            sums.push((l.clone(), o.seconds));
+            counts.push((l, o.count as f64));
+        }
+    }
+    let help = "NBD request latency, from the request read to its completion.";
+    e.metric("nbd_request_duration_seconds", "histogram", help, vec![]);
+    for (suffix, list) in [("_bucket", samples), ("_sum", sums), ("_count", counts)] {
+        use std::fmt::Write;
+        for (labels, v) in list {
+            let l = e.labels(&labels);
+            let _ = writeln!(e.out, "lamina_nbd_request_duration_seconds{suffix}{l} {v}");
+        }
+    }
+    e.out
 }

@@ -178,7 +178,7 @@ fn serve_metrics(listener: TcpListener, rt: Runtime) {
         let req = String::from_utf8_lossy(&buf[..n]);
         let (code, body) = if req.starts_with("GET /metrics") {
             match rt.call(Request::Status) {
-                Ok(Some(s)) => ("200 OK", crate::output::metrics_text(&s)),
+                Ok(Some(s)) => ("200 OK", crate::output::running_metrics_text(&s)),
                 _ => (
                     "503 Service Unavailable",
                     "engine unavailable\n".to_string(),

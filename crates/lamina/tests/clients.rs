@@ -291,6 +291,10 @@ fn prometheus_metrics() {
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
     create_volume(&dir, "v", "8M");
+    let array = status_json(&dir)["array"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
     // Find a free port, then hand it to the server.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -312,32 +316,134 @@ fn prometheus_metrics() {
         .spawn()
         .unwrap();
     wait_for(&sock);
+    let scrape = || {
+        let mut body = String::new();
+        for _ in 0..100 {
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                    .unwrap();
+                s.read_to_string(&mut body).unwrap();
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+        body
+    };
+    // The value of the sample `name{labels}` (labels after the array's).
+    let value = |body: &str, name: &str, labels: &str| -> f64 {
+        let key = format!("lamina_{name}{{array=\"{array}\"{labels}}} ");
+        let line = body
+            .lines()
+            .find(|l| l.starts_with(&key))
+            .unwrap_or_else(|| panic!("no {key} in\n{body}"));
+        line[key.len()..].parse().unwrap()
+    };
     let mut c = lamina_nbd::client::Client::connect_unix(&sock, "v").unwrap();
     c.write(0, &[7u8; 8192], true).unwrap();
-    let mut body = String::new();
-    for _ in 0..100 {
-        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-                .unwrap();
-            s.read_to_string(&mut body).unwrap();
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
+    for i in 0..5u64 {
+        c.write(i * 4096, &[1u8; 4096], false).unwrap();
+        c.read(i * 4096, 4096).unwrap();
     }
-    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
-    assert!(
-        body.contains("lamina_user_bytes_written_total 8192"),
-        "{body}"
+    c.trim(1 << 20, 65536).unwrap();
+    c.flush().unwrap();
+    assert!(c.read(8 << 20, 4096).is_err(), "beyond the end");
+    let body = scrape();
+    assert_eq!(
+        value(&body, "user_bytes_written_total", ""),
+        8192.0 + 5.0 * 4096.0
     );
-    assert!(
-        body.contains("lamina_volume_live_bytes{volume=\"v\"} 8192"),
-        "{body}"
+    assert_eq!(
+        value(&body, "volume_live_bytes", ",volume=\"v\""),
+        5.0 * 4096.0
     );
+    assert_eq!(
+        value(&body, "volume_size_bytes", ",volume=\"v\""),
+        (8 << 20) as f64
+    );
+    assert_eq!(
+        value(&body, "member_rebuild_progress_ratio", ",member=\"0\""),
+        1.0
+    );
+    assert_eq!(value(&body, "nbd_connections", ""), 1.0);
+    let op = |o: &str| format!(",volume=\"v\",op=\"{o}\"");
+    assert_eq!(value(&body, "nbd_requests_total", &op("write")), 6.0);
+    assert_eq!(
+        value(&body, "nbd_request_bytes_total", &op("write")),
+        8192.0 + 5.0 * 4096.0
+    );
+    assert_eq!(value(&body, "nbd_requests_total", &op("read")), 6.0);
+    assert_eq!(value(&body, "nbd_request_errors_total", &op("read")), 1.0);
+    assert_eq!(
+        value(&body, "nbd_request_bytes_total", &op("read")),
+        5.0 * 4096.0
+    );
+    assert_eq!(value(&body, "nbd_requests_total", &op("trim")), 1.0);
+    assert_eq!(
+        value(&body, "nbd_request_bytes_total", &op("trim")),
+        65536.0
+    );
+    assert_eq!(value(&body, "nbd_requests_total", &op("flush")), 1.0);
+    // The histogram: buckets never go down, and +Inf holds every request.
+    let mut last = 0.0;
+    for line in body.lines().filter(|l| {
+        l.starts_with("lamina_nbd_request_duration_seconds_bucket") && l.contains("op=\"write\"")
+    }) {
+        let v: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(v >= last, "{line}");
+        last = v;
+    }
+    assert_eq!(last, 6.0);
+    let d = "nbd_request_duration_seconds";
+    assert_eq!(value(&body, &format!("{d}_count"), &op("write")), 6.0);
+    assert!(value(&body, &format!("{d}_sum"), &op("write")) > 0.0);
+    // Counts outlive their connections; the gauge follows them.
+    c.disconnect().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let body = scrape();
+    assert_eq!(value(&body, "nbd_connections", ""), 0.0);
+    assert_eq!(value(&body, "nbd_requests_total", &op("write")), 6.0);
+    // Every metric the Grafana dashboard queries is one the server exposes.
+    let dash = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../contrib/grafana/lamina.json"
+    );
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dash).unwrap()).unwrap();
+    let mut queries: Vec<String> = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            queries.push(t["expr"].as_str().unwrap().to_string());
+        }
+    }
+    for v in dash["templating"]["list"].as_array().unwrap() {
+        if let Some(q) = v["query"].as_str() {
+            queries.push(q.to_string());
+        }
+    }
+    let mut used = 0;
+    for q in &queries {
+        for (i, _) in q.match_indices("lamina_") {
+            let name: String = q[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let base = name.trim_end_matches("_bucket");
+            assert!(
+                body.contains(&format!("# TYPE {base} ")),
+                "the dashboard queries {name}, which the server does not expose"
+            );
+            used += 1;
+        }
+    }
+    assert!(used >= 20, "only {used} metrics found in the dashboard");
+    // `status --prometheus` asks the running server: the same names.
     let text = lamina(&["status", dir.to_str().unwrap(), "--prometheus"]);
     assert!(
         text.contains("# TYPE lamina_write_amplification gauge"),
         "{text}"
     );
+    assert_eq!(value(&text, "nbd_requests_total", &op("write")), 6.0);
     // SAFETY: signalling our child.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     assert!(child.wait().unwrap().success());

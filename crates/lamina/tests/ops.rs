@@ -148,3 +148,52 @@ fn manual_pages_and_shell_completions() {
     let bad = lamina_output(&["completions", "tcsh"]);
     assert_eq!(bad.status.code(), Some(2), "an unknown shell is bad usage");
 }
+
+/// `lamina top` against a running server that a client keeps busy: one view per
+/// interval, the volume's writes per second in it; a clear error without a server.
+#[test]
+fn top_shows_a_busy_volume() {
+    let t = TempDir::new("top");
+    let dir = small_array(&t, "8M");
+    let d = dir.to_str().unwrap();
+    let out = lamina_output(&["top", d, "--count", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("running `lamina serve`"), "{err}");
+    assert_eq!(
+        lamina_output(&["top", d, "--interval", "0"]).status.code(),
+        Some(2)
+    );
+
+    let srv = Server::start(&dir);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = {
+        let (sock, stop) = (srv.sock.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut c = lamina_nbd::client::Client::connect_unix(&sock, "v").unwrap();
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                c.write((n % 2048) * 4096, &[n as u8; 4096], false).unwrap();
+                c.read((n % 2048) * 4096, 4096).unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    let view = lamina(&["top", d, "--interval", "0.5", "--count", "2"]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = busy.join().unwrap();
+    assert!(n > 100, "the client made only {n} requests");
+    assert_eq!(view.matches("lamina top ").count(), 2, "{view}");
+    let row = view
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("v "))
+        .unwrap_or_else(|| panic!("no row for volume v:\n{view}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    let reads: f64 = cols[1].parse().unwrap();
+    let writes: f64 = cols[5].parse().unwrap();
+    assert!(reads > 50.0 && writes > 50.0, "{row}");
+    assert!(view.contains("connections 1"), "{view}");
+    srv.stop();
+}
