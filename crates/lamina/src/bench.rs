@@ -115,6 +115,22 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Parity throughput of one stripe row: P alone (SAID5), P and Q (SAID6) with
+    /// Q by words and by the table-driven reference, and the rebuild of lost
+    /// members; in GB/s of data members' bytes, on this CPU.
+    Parity {
+        /// Data members in a row.
+        #[arg(long, default_value_t = 6)]
+        members: usize,
+        /// Bytes of each member in a row (a segment's chunk).
+        #[arg(long, default_value = "64K")]
+        chunk: String,
+        /// Seconds each measurement runs.
+        #[arg(long, default_value_t = 1.0)]
+        seconds: f64,
+        #[arg(long)]
+        json: bool,
+    },
     /// SALSA 5.3: sequential then random writes through Lamina on an emulated
     /// host-managed SMR disk, against the same writes on an emulated drive-managed
     /// SMR disk with a media cache: steady-state bandwidth from the disks' timing
@@ -228,6 +244,15 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         } => {
             let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
             return geometry(size(&capacity)?, size(&zone)?, size(&io)?, rounds, json);
+        }
+        BenchCmd::Parity {
+            members,
+            chunk,
+            seconds,
+            json,
+        } => {
+            let chunk = parse_size(&chunk).map_err(anyhow::Error::msg)?;
+            return parity(members, chunk, seconds, json);
         }
         BenchCmd::Smr {
             capacity,
@@ -1196,5 +1221,95 @@ fn print_probe(
         human(r.recommended_segment),
         r.recommended_queue_depth
     );
+    Ok(())
+}
+
+/// `lamina bench parity`: GB/s of data through each parity routine, each run for
+/// `seconds` on one row of `members` data members of `chunk` bytes.
+fn parity(members: usize, chunk: u64, seconds: f64, json: bool) -> Result<()> {
+    use lamina_device::parity::{encode, encode_with_tables, reconstruct};
+    if !(2..=64).contains(&members) {
+        anyhow::bail!("--members {members}: give 2 to 64");
+    }
+    if !(4096..=(64 << 20)).contains(&chunk) {
+        anyhow::bail!("--chunk {chunk}: give 4K to 64M");
+    }
+    if !(0.01..=60.0).contains(&seconds) {
+        anyhow::bail!("--seconds {seconds}: give 0.01 to 60");
+    }
+    use rand::{RngCore, SeedableRng};
+    let len = chunk as usize;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let mut row: Vec<Vec<u8>> = (0..members + 2)
+        .map(|_| {
+            let mut m = vec![0u8; len];
+            rng.fill_bytes(&mut m);
+            m
+        })
+        .collect();
+    // GB/s of data members' bytes while `f` runs over and over for `seconds`.
+    let rate = |f: &mut dyn FnMut()| -> f64 {
+        f(); // warm the caches and the branch predictors
+        let t0 = std::time::Instant::now();
+        let mut n = 0u64;
+        while t0.elapsed().as_secs_f64() < seconds {
+            f();
+            n += 1;
+        }
+        (n * members as u64 * chunk) as f64 / t0.elapsed().as_secs_f64() / 1e9
+    };
+    let (data, parity_members) = row.split_at_mut(members);
+    let (p, q) = parity_members.split_at_mut(1);
+    let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
+    let p_only = rate(&mut || encode(&refs, &mut p[0], None));
+    let pq_words = rate(&mut || encode(&refs, &mut p[0], Some(&mut q[0])));
+    let pq_tables = rate(&mut || encode_with_tables(&refs, &mut p[0], Some(&mut q[0])));
+    encode(&refs, &mut p[0], Some(&mut q[0]));
+    let rebuild = |lost: &[usize]| {
+        let mut mask = vec![false; members + 2];
+        for &i in lost {
+            mask[i] = true;
+        }
+        let mut work = row.clone();
+        rate(&mut || {
+            let mut refs: Vec<&mut [u8]> = work.iter_mut().map(|m| &mut m[..]).collect();
+            reconstruct(&mut refs, 2, &mask).expect("two losses are tolerated");
+        })
+    };
+    let one_data = rebuild(&[0]);
+    let data_and_p = rebuild(&[0, members]);
+    let two_data = rebuild(&[0, 1]);
+    let rows = [
+        ("p", "P (SAID5)", p_only),
+        ("pq_words", "P+Q, Q by words", pq_words),
+        ("pq_tables", "P+Q, Q by tables (reference)", pq_tables),
+        (
+            "rebuild_one_data",
+            "rebuild one data member from P",
+            one_data,
+        ),
+        (
+            "rebuild_data_and_p",
+            "rebuild a data member and P (from Q)",
+            data_and_p,
+        ),
+        ("rebuild_two_data", "rebuild two data members", two_data),
+    ];
+    if json {
+        let v: serde_json::Value = rows
+            .iter()
+            .map(|(k, _, r)| (k.to_string(), serde_json::json!(r)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        println!(
+            "{}",
+            serde_json::json!({"members": members, "chunk": chunk, "gb_per_s": v})
+        );
+    } else {
+        println!("{members} data members of {chunk} bytes, GB/s of data:");
+        for (_, label, r) in rows {
+            println!("  {label:<40} {r:>7.2}");
+        }
+    }
     Ok(())
 }

@@ -202,3 +202,40 @@ fn sim_replays_on_an_emulated_ssd() {
     let o = lamina_output(&["sim", "--capacity", "256M", "--flash", "tlc,dies=0"]);
     assert!(!o.status.success(), "an impossible drive is refused");
 }
+
+/// `lamina bench parity`: every routine runs and reports a rate, Q by words beats
+/// Q by tables by a wide margin (the reason the word path exists), and bad
+/// arguments are refused.
+#[test]
+fn parity_bench_reports_words_faster_than_tables() {
+    let out = lamina(&["bench", "parity", "--seconds", "0.05", "--json"]);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let r = &j["gb_per_s"];
+    for k in [
+        "p",
+        "pq_words",
+        "pq_tables",
+        "rebuild_one_data",
+        "rebuild_data_and_p",
+        "rebuild_two_data",
+    ] {
+        assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {j}");
+    }
+    let (words, tables) = (
+        r["pq_words"].as_f64().unwrap(),
+        r["pq_tables"].as_f64().unwrap(),
+    );
+    assert!(
+        words > 2.0 * tables,
+        "words {words} against tables {tables} GB/s"
+    );
+    for bad in [
+        &["--members", "1"][..],
+        &["--chunk", "1K"],
+        &["--seconds", "0"],
+    ] {
+        let mut args = vec!["bench", "parity"];
+        args.extend_from_slice(bad);
+        assert_eq!(lamina_output(&args).status.code(), Some(1), "{bad:?}");
+    }
+}
