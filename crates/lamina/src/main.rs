@@ -8,6 +8,7 @@ mod bench;
 mod combine;
 mod config;
 mod devices;
+mod emulate;
 mod fsck;
 mod iops;
 mod notify;
@@ -97,6 +98,9 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Serve an emulated SSD over NBD, paced to the drive's latencies.
+    #[command(long_about = emulate::EMULATE_ABOUT)]
+    Emulate(emulate::EmulateArgs),
     /// A live view of a running server: requests, latency, space, write
     /// amplification, members.
     #[command(long_about = top::TOP_ABOUT)]
@@ -427,6 +431,7 @@ fn main() {
             to_stdout(&script)
         }
         Cmd::Man { dir } => man(dir.as_deref()),
+        Cmd::Emulate(a) => emulate::run(a),
         Cmd::Top(a) => {
             if !(0.1..=3600.0).contains(&a.interval) {
                 eprintln!(

@@ -239,3 +239,116 @@ fn parity_bench_reports_words_faster_than_tables() {
         assert_eq!(lamina_output(&args).status.code(), Some(1), "{bad:?}");
     }
 }
+
+/// Runs `lamina emulate` on a QLC drive, writes `n` blocks one at a time through
+/// NBD, reads them back; returns the seconds the writes took and the drive's
+/// counters printed at SIGINT.
+fn emulated_writes(t: &TempDir, tag: &str, n: u64, extra: &[&str]) -> (f64, serde_json::Value) {
+    let sock = t.join(&format!("{tag}.sock"));
+    let backing = t.join(&format!("{tag}.img"));
+    let mut args = vec![
+        "emulate",
+        "--ssd",
+        "qlc,capacity=64M",
+        "--backing",
+        backing.to_str().unwrap(),
+        "--unix",
+        sock.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let child = std::process::Command::new(lamina_bin())
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&sock);
+    let mut c = lamina_nbd::client::Client::connect_unix(&sock, "ssd").unwrap();
+    assert_eq!(c.size, 64 << 20);
+    let t0 = std::time::Instant::now();
+    for i in 0..n {
+        c.write(i * 4096, &[i as u8 + 1; 4096], false).unwrap();
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    c.flush().unwrap();
+    for i in 0..n {
+        assert_eq!(c.read(i * 4096, 4096).unwrap(), vec![i as u8 + 1; 4096]);
+    }
+    c.trim(0, 4096).unwrap();
+    assert_eq!(
+        c.read(0, 4096).unwrap(),
+        vec![0; 4096],
+        "trimmed reads as zeros"
+    );
+    c.disconnect().unwrap();
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = stdout.lines().last().unwrap();
+    (secs, serde_json::from_str(json).unwrap())
+}
+
+/// `lamina emulate`: the drive's data round-trips over NBD, its counters see every
+/// byte, and pacing makes the host wait for the drive: QLC writes one at a time take
+/// the drive's program time, which --no-pace does not wait for. Bad settings are
+/// refused.
+#[test]
+fn emulated_ssd_is_served_at_the_drives_pace() {
+    let t = TempDir::new("emulate");
+    let n = 64;
+    let (paced, stats) = emulated_writes(&t, "paced", n, &[]);
+    assert_eq!(stats["host_bytes_written"], n * 4096, "{stats}");
+    assert!(
+        stats["write_amplification"].as_f64().unwrap() >= 1.0,
+        "{stats}"
+    );
+    assert_eq!(stats["trimmed_bytes"], 4096, "{stats}");
+    // The host waited for the drive: as long as its virtual clock ran, within the
+    // pacing error it reports.
+    let virtual_s = stats["virtual_us"].as_f64().unwrap() / 1e6;
+    assert!(virtual_s > 0.02, "QLC programs take milliseconds: {stats}");
+    let late = stats["pacing_late_mean_us"].as_f64().unwrap();
+    assert!(late < 5000.0, "{stats}");
+    let (unpaced, stats2) = emulated_writes(&t, "unpaced", n, &["--no-pace"]);
+    assert_eq!(stats2["host_bytes_written"], n * 4096);
+    assert!(
+        paced > 2.0 * unpaced && paced > 0.02,
+        "paced writes took {paced:.4} s, unpaced {unpaced:.4} s"
+    );
+
+    let backing = t.join("small.img");
+    std::fs::write(&backing, vec![0u8; 4096]).unwrap();
+    let sock = t.join("bad.sock");
+    let (b, s) = (backing.to_str().unwrap(), sock.to_str().unwrap());
+    for args in [
+        vec!["emulate", "--ssd", "plc", "--backing", b, "--unix", s],
+        vec!["emulate", "--ssd", "qlc", "--backing", b, "--unix", s],
+        vec!["emulate", "--ssd", "qlc", "--backing", b],
+        vec![
+            "emulate",
+            "--ssd",
+            "qlc,capacity=64M",
+            "--backing",
+            "/nonexistent/x",
+            "--unix",
+            s,
+        ],
+        vec![
+            "emulate",
+            "--ssd",
+            "qlc",
+            "--backing",
+            b,
+            "--unix",
+            s,
+            "--threads",
+            "0",
+        ],
+    ] {
+        let out = lamina_output(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(!out.stderr.is_empty(), "{args:?}: no message");
+    }
+}
