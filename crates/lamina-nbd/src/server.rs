@@ -150,7 +150,10 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
     /// Starts a command; its completion must eventually reach `reply`
-    /// ([`ReplySink::complete`]).
+    /// ([`ReplySink::complete`]) with the `handle` given here. The handle is the
+    /// server's own number for the request (below [`MAX_INFLIGHT`], not the client's
+    /// handle, and never that of another request in flight); completing any other
+    /// value is a bug and panics.
     fn submit(&self, export: &Self::Export, handle: u64, cmd: Command, reply: &Arc<ReplySink>);
     /// Starts a command while more of the connection's requests are already
     /// buffered: the backend may hold it until the next [`Backend::submit`] or
@@ -1119,11 +1122,13 @@ fn transmission<B: Backend>(
     }
     let (pool_tx, pool_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
     let (read_bufs_tx, read_bufs_rx) = bounded::<Vec<u8>>(MAX_INFLIGHT);
+    // Retires the connection's counters however this function ends.
+    let registration = crate::stats::register(&info.name);
     let sink = Arc::new(ReplySink {
         writer: writer.clone(),
         credits: credit_tx,
         slots: (0..MAX_INFLIGHT).map(|_| Slot::default()).collect(),
-        stats: crate::stats::register(&info.name),
+        stats: registration.stats().clone(),
         epoch: Instant::now(),
         pool: pool_tx,
         read_bufs: read_bufs_tx,
@@ -1263,7 +1268,11 @@ fn transmission<B: Backend>(
                             buf,
                             sink: sink.clone(),
                         };
-                        if pool.jobs.send(job).is_err() {
+                        if let Err(e) = pool.jobs.send(job) {
+                            // The read fails and gives its slot back, or the
+                            // connection's end would wait for it for ever.
+                            let job = e.into_inner();
+                            sink.complete_read(job.slot, job.offset, Err(EIO), job.buf);
                             return Err(io::Error::other("the read threads are gone"));
                         }
                         continue;
@@ -1415,7 +1424,7 @@ fn transmission<B: Backend>(
     let _ = sink.replier.send(ReplierMsg::Kick);
     let _ = sink.replier.send(ReplierMsg::Stop);
     let _ = replier.join();
-    crate::stats::retire(&sink.stats);
+    drop(registration);
     match result {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(()),
         other => other,
@@ -1621,7 +1630,7 @@ mod tests {
             })),
             credits,
             slots: (0..MAX_INFLIGHT).map(|_| Slot::default()).collect(),
-            stats: crate::stats::register("test"),
+            stats: crate::stats::register("test").stats().clone(),
             epoch: Instant::now(),
             pool,
             read_bufs,

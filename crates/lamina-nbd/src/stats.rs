@@ -73,17 +73,20 @@ pub struct ConnStats {
 }
 
 impl ConnStats {
-    /// Counts a request of `op` over `bytes` that started at `since` and ended now.
+    /// Counts a request of `op` over `bytes` that started at `since` and ended now;
+    /// the bytes of a request that failed are not counted.
     pub fn record(&self, op: Op, bytes: u64, error: bool, since: Instant) {
         let nanos = since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
         let c = &self.ops[op as usize];
         c.count.fetch_add(1, Ordering::Relaxed);
         if error {
             c.errors.fetch_add(1, Ordering::Relaxed);
+        } else {
+            c.bytes.fetch_add(bytes, Ordering::Relaxed);
         }
-        c.bytes.fetch_add(bytes, Ordering::Relaxed);
         c.nanos.fetch_add(nanos, Ordering::Relaxed);
-        c.buckets[bucket_of(nanos / 1000)].fetch_add(1, Ordering::Relaxed);
+        // Rounded up: a bucket holds nothing slower than its bound.
+        c.buckets[bucket_of(nanos.div_ceil(1000))].fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -136,20 +139,35 @@ struct Registry {
 
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
-/// Counters for a connection that starts serving `export`, registered until
-/// [`retire`].
-pub fn register(export: &str) -> Arc<ConnStats> {
+/// A connection's counters, registered while this lives: dropping it (however the
+/// connection ends) moves its counts to its export's retired totals.
+pub struct Registration(Arc<ConnStats>);
+
+impl Registration {
+    pub fn stats(&self) -> &Arc<ConnStats> {
+        &self.0
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        retire(&self.0);
+    }
+}
+
+/// Counters for a connection that starts serving `export`.
+pub fn register(export: &str) -> Registration {
     let s = Arc::new(ConnStats {
         export: export.to_string(),
         ops: Default::default(),
     });
     let mut r = REGISTRY.lock().unwrap();
     r.get_or_insert_with(Registry::default).live.push(s.clone());
-    s
+    Registration(s)
 }
 
 /// The connection is done: its counts move to its export's retired totals.
-pub fn retire(s: &Arc<ConnStats>) {
+fn retire(s: &Arc<ConnStats>) {
     let mut r = REGISTRY.lock().unwrap();
     let r = r.get_or_insert_with(Registry::default);
     if let Some(i) = r.live.iter().position(|l| Arc::ptr_eq(l, s)) {
@@ -208,21 +226,24 @@ mod tests {
         let t0 = Instant::now();
         let a = register(&export);
         let b = register(&export);
-        a.record(Op::Write, 4096, false, t0);
-        a.record(Op::Write, 8192, true, t0);
-        b.record(Op::Read, 512, false, t0);
+        a.stats().record(Op::Write, 4096, false, t0);
+        a.stats().record(Op::Write, 8192, true, t0);
+        b.stats().record(Op::Read, 512, false, t0);
         let before = snapshot();
         assert!(before.connections >= 2);
-        retire(&a);
         drop(a);
         let after = snapshot();
         let get = |s: &Snapshot| s.exports.iter().find(|e| e.0 == export).unwrap().1.clone();
         assert_eq!(get(&before), get(&after));
         let t = get(&after);
         let w = &t.ops[Op::Write as usize];
-        assert_eq!((w.count, w.errors, w.bytes), (2, 1, 12288));
+        assert_eq!(
+            (w.count, w.errors, w.bytes),
+            (2, 1, 4096),
+            "failed bytes not counted"
+        );
         assert_eq!(w.buckets.iter().sum::<u64>(), 2);
         assert_eq!(t.ops[Op::Read as usize].bytes, 512);
-        retire(&b);
+        drop(b);
     }
 }

@@ -1,35 +1,43 @@
-//! `lamina emulate`: an emulated SSD served as an NBD export, its virtual clock paced
-//! to wall time, so that unmodified software (a file system, a database, fio, and
-//! Lamina itself) runs on "a QLC drive" and feels its latencies.
+//! `lamina emulate`: an emulated drive served as an NBD export, its virtual clock
+//! paced to wall time, so that unmodified software (a file system, a database, fio,
+//! and Lamina itself) runs on "a QLC drive" or "an SMR disk" and feels its latencies.
 //!
-//! The drive is the flash emulator (`lamina_device::flash`: FTL with an indirection
-//! unit, garbage collection, wear, dies and channels on a virtual clock); its data
-//! lives in a backing file at the logical offset. Each request is accounted to the
-//! FTL at the virtual time it arrives (wall time since the start, in microseconds),
-//! the FTL says when the drive would complete it, and the request's reply waits for
-//! that moment. Requests in flight at once overlap on different dies as they would
-//! on the drive, up to `--threads` of them.
+//! An SSD is the flash emulator (`lamina_device::flash`: FTL with an indirection
+//! unit, garbage collection, wear, dies and channels on a virtual clock); each
+//! request is accounted to the FTL at the virtual time it arrives (wall time since
+//! the start, in microseconds), the FTL says when the drive would complete it, and
+//! the reply waits for that moment: requests in flight together overlap on
+//! different dies, up to `--threads` of them. An SMR disk is the drive-managed SMR
+//! emulator (`lamina_device::dmsmr`: media cache, zone cleaning, one head): it
+//! serves one request at a time, so a request starts when the disk is free and the
+//! time its model charged is added. Either way the data lives in a backing file at
+//! its logical offset.
 
 use crate::size::human;
+use crate::size::parse_size;
 use anyhow::{bail, Context, Result};
 use crossbeam_channel::{unbounded, Receiver, Sender};
+use lamina_device::dmsmr::{DmSmrConfig, DriveManagedSmr};
 use lamina_device::file::{FileDevice, OpenMode as DevMode};
 use lamina_device::flash::{Flash, FlashOp};
 use lamina_device::BlockDevice;
+use lamina_device::DeviceError;
 use lamina_nbd::proto::EIO;
 use lamina_nbd::server::{Listener, ReplySink};
 use lamina_nbd::{Backend, Command, Completion, ExportInfo};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub const EMULATE_ABOUT: &str = "\
-Serve an emulated SSD as an NBD export: the flash emulator (an FTL with an
-indirection unit, garbage collection, wear, dies and channels, with published
-latencies per cell type), paced to wall time, so that unmodified software - ext4,
-PostgreSQL, fio, or Lamina itself (an array on the export through nbdfuse and a
-loop device) - runs on the drive and waits as long as the drive would make it wait.
+Serve an emulated drive as an NBD export, paced to wall time, so that unmodified
+software - ext4, PostgreSQL, fio, or Lamina itself (an array on the export through
+nbdfuse and a loop device) - runs on the drive and waits as long as the drive would
+make it wait. --ssd: the flash emulator (an FTL with an indirection unit, garbage
+collection, wear, dies and channels, with published latencies per cell type).
+--smr: a drive-managed SMR disk (a media cache at the outer edge, zones rewritten
+whole when it fills, seeks and rotation; one request at a time).
 
 The drive's data is kept in FILE (created sparse at the drive's capacity); its FTL
 state (mapping, wear, garbage collection) lives in memory and starts fresh at each
@@ -44,14 +52,25 @@ in docs/benchmarks.md with the command that measures it). --no-pace answers as f
 as the host can while still counting what the drive would do.
 
     lamina emulate --ssd qlc,iu=64K,capacity=8G --backing /srv/qlc.img --unix /tmp/qlc.sock
+    lamina emulate --smr capacity=8G,zone=256M,cache=1% --backing /srv/smr.img --unix /tmp/smr.sock
     nbdinfo 'nbd+unix:///ssd?socket=/tmp/qlc.sock'";
 
 #[derive(clap::Args)]
 pub struct EmulateArgs {
-    /// The drive: cell type and settings, as `lamina sim --flash` takes them (slc,
+    /// An SSD: cell type and settings, as `lamina sim --flash` takes them (slc,
     /// mlc, tlc, qlc; capacity, iu, page, pages-per-block, channels, dies).
+    #[arg(
+        long,
+        value_name = "SPEC",
+        required_unless_present = "smr",
+        conflicts_with = "smr"
+    )]
+    ssd: Option<String>,
+    /// A drive-managed SMR disk: capacity (default 8G), zone (256M), cache (bytes or
+    /// a percentage of the capacity, default 1%), fifo (clean the oldest cached
+    /// write's zone rather than the fullest).
     #[arg(long, value_name = "SPEC")]
-    ssd: String,
+    smr: Option<String>,
     /// File that holds the drive's data (created sparse at the drive's capacity if
     /// missing; an existing one must be at least that large).
     #[arg(long, value_name = "FILE")]
@@ -62,9 +81,9 @@ pub struct EmulateArgs {
     /// Listen on this TCP address.
     #[arg(long, value_name = "HOST:PORT")]
     tcp: Option<String>,
-    /// The export's name.
-    #[arg(long, default_value = "ssd")]
-    name: String,
+    /// The export's name (default "ssd" or "smr").
+    #[arg(long)]
+    name: Option<String>,
     /// Answer as fast as the host can (the drive's counters are still kept).
     #[arg(long)]
     no_pace: bool,
@@ -122,8 +141,27 @@ fn fine_timer_slack() {
 
 type Job = (Command, u64, Arc<ReplySink>);
 
+/// The drive behind the export.
+enum Drive {
+    /// The FTL accounts requests at the time they arrive; the data goes to the
+    /// backing file directly.
+    Ssd(Flash),
+    /// The disk moves the data itself and charges its time to its clock; `free` is
+    /// when it finishes what it was given (virtual µs); its lock serialises the disk.
+    Smr {
+        disk: DriveManagedSmr,
+        free: Mutex<u64>,
+    },
+}
+
+/// A request's data, as the drive sees it.
+enum Io<'a> {
+    Read(&'a mut [u8]),
+    Write(&'a [u8]),
+}
+
 struct Emulated {
-    flash: Flash,
+    drive: Drive,
     data: Arc<dyn BlockDevice>,
     pacer: Pacer,
     info: ExportInfo,
@@ -131,20 +169,52 @@ struct Emulated {
 }
 
 impl Emulated {
+    /// Moves the data of one request arriving at virtual time `at`; when the drive
+    /// completes it.
+    fn io(&self, io: Io, offset: u64, at: u64) -> (Result<(), DeviceError>, u64) {
+        match &self.drive {
+            Drive::Ssd(flash) => {
+                let (r, op) = match io {
+                    Io::Read(buf) => {
+                        let len = buf.len() as u64;
+                        (
+                            self.data.read_at(buf, offset),
+                            FlashOp::Read { offset, len },
+                        )
+                    }
+                    Io::Write(buf) => {
+                        let len = buf.len() as u64;
+                        (
+                            self.data.write_at(buf, offset),
+                            FlashOp::Write { offset, len },
+                        )
+                    }
+                };
+                (r, flash.submit(op, at))
+            }
+            Drive::Smr { disk, free } => {
+                let mut free = free.lock().unwrap();
+                let before = disk.stats().clock_us;
+                let r = match io {
+                    Io::Read(buf) => disk.read_at(buf, offset),
+                    Io::Write(buf) => disk.write_at(buf, offset),
+                };
+                let service = disk.stats().clock_us - before;
+                *free = (*free).max(at) + service;
+                (r, *free)
+            }
+        }
+    }
+
     /// Runs one command at the drive's pace; the NBD error if it fails.
     fn execute(&self, cmd: Command) -> (u32, Option<Vec<u8>>) {
         let at = self.pacer.now_us();
         let (result, done, buf) = match cmd {
             Command::Write { offset, data, fua } => {
-                let len = data.len() as u64;
-                let r = self.data.write_at(&data, offset).and_then(|_| {
-                    if fua {
-                        self.data.sync()
-                    } else {
-                        Ok(())
-                    }
-                });
-                let done = self.flash.submit(FlashOp::Write { offset, len }, at);
+                let (mut r, done) = self.io(Io::Write(&data), offset, at);
+                if fua {
+                    r = r.and_then(|_| self.data.sync());
+                }
                 (r, done, Some(data))
             }
             Command::Zero {
@@ -156,17 +226,20 @@ impl Emulated {
                 // The range reads as zeros either way; the drive programs it only if
                 // it must stay allocated, and otherwise forgets it (TRIM).
                 let mut r = self.data.discard(offset, length);
-                let done = if allocate {
-                    self.flash.submit(
+                let done = match &self.drive {
+                    Drive::Ssd(flash) if allocate => flash.submit(
                         FlashOp::Write {
                             offset,
                             len: length,
                         },
                         at,
-                    )
-                } else {
-                    r = r.and_then(|_| self.flash.discard(offset, length));
-                    at
+                    ),
+                    Drive::Ssd(flash) => {
+                        r = r.and_then(|_| flash.discard(offset, length));
+                        at
+                    }
+                    // The disk has no TRIM; the hole in the file is enough.
+                    Drive::Smr { .. } => at,
                 };
                 if fua {
                     r = r.and_then(|_| self.data.sync());
@@ -196,9 +269,7 @@ impl Backend for Emulated {
     }
     fn read(&self, _: &(), offset: u64, buf: &mut [u8]) -> Result<(), u32> {
         let at = self.pacer.now_us();
-        let len = buf.len() as u64;
-        let done = self.flash.submit(FlashOp::Read { offset, len }, at);
-        let r = self.data.read_at(buf, offset);
+        let (r, done) = self.io(Io::Read(buf), offset, at);
         self.pacer.wait_until(done);
         r.map_err(|e| {
             tracing::error!("emulated drive: {e}");
@@ -217,15 +288,53 @@ fn worker(em: Arc<Emulated>, jobs: Receiver<Job>) {
     }
 }
 
+/// A drive-managed SMR disk from `key=value,...` (capacity, zone, cache, fifo).
+fn parse_smr_spec(spec: &str) -> Result<(u64, DmSmrConfig)> {
+    let mut capacity = 8u64 << 30;
+    let mut cfg = DmSmrConfig::default();
+    let mut cache: Option<String> = None;
+    for kv in spec.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let size = || parse_size(v).map_err(anyhow::Error::msg);
+        match k {
+            "capacity" => capacity = size()?,
+            "zone" => cfg.zone_bytes = size()?,
+            "cache" => cache = Some(v.to_string()),
+            "fifo" => cfg.fifo = true,
+            _ => bail!("unknown SMR setting {k:?} (capacity, zone, cache, fifo)"),
+        }
+    }
+    cfg.cache_bytes = match cache.as_deref() {
+        None => capacity / 100,
+        Some(c) => match c.strip_suffix('%') {
+            Some(p) => {
+                let p: f64 = p
+                    .parse()
+                    .with_context(|| format!("cache={c}: not a percentage"))?;
+                if !(0.0..100.0).contains(&p) {
+                    bail!("cache={c}: give a percentage below 100");
+                }
+                (capacity as f64 * p / 100.0) as u64 / 4096 * 4096
+            }
+            None => parse_size(c).map_err(anyhow::Error::msg)?,
+        },
+    };
+    Ok((capacity, cfg))
+}
+
 pub fn run(a: EmulateArgs) -> Result<()> {
-    let cfg = crate::bench::parse_flash_spec(&a.ssd)?;
+    let (capacity, kind) = match (&a.ssd, &a.smr) {
+        (Some(s), None) => (crate::bench::parse_flash_spec(s)?.capacity_bytes, "ssd"),
+        (None, Some(s)) => (parse_smr_spec(s)?.0, "smr"),
+        _ => bail!("give one of --ssd SPEC and --smr SPEC"),
+    };
+    let name = a.name.clone().unwrap_or_else(|| kind.to_string());
     if !(1..=256).contains(&a.threads) {
         bail!("--threads {}: give 1 to 256", a.threads);
     }
     if a.unix.is_none() && a.tcp.is_none() {
         bail!("nothing to listen on: give --unix PATH or --tcp HOST:PORT");
     }
-    let capacity = cfg.capacity_bytes;
     let data: Arc<dyn BlockDevice> = if a.backing.exists() {
         let d = FileDevice::open(&a.backing, DevMode::ReadWrite)?;
         if d.size_bytes() < capacity {
@@ -240,7 +349,26 @@ pub fn run(a: EmulateArgs) -> Result<()> {
     } else {
         Arc::new(FileDevice::create_sparse(&a.backing, capacity)?)
     };
-    let flash = Flash::new(data.clone(), cfg.clone())?;
+    let (drive, description) = match (&a.ssd, &a.smr) {
+        (Some(spec), _) => {
+            let cfg = crate::bench::parse_flash_spec(spec)?;
+            let d = format!("emulated {:?} SSD ({spec})", cfg.cell);
+            (Drive::Ssd(Flash::new(data.clone(), cfg)?), d)
+        }
+        (None, Some(spec)) => {
+            let (_, cfg) = parse_smr_spec(spec)?;
+            let disk = DriveManagedSmr::new(data.clone(), cfg)?;
+            let d = format!("emulated drive-managed SMR disk ({spec})");
+            let free = Mutex::new(0);
+            (Drive::Smr { disk, free }, d)
+        }
+        (None, None) => unreachable!("checked above"),
+    };
+    // The disk rounds down to whole zones.
+    let size = match &drive {
+        Drive::Ssd(_) => capacity,
+        Drive::Smr { disk, .. } => disk.size_bytes(),
+    };
     let listener = match (&a.unix, &a.tcp) {
         (Some(p), _) => {
             let _ = std::fs::remove_file(p);
@@ -257,7 +385,7 @@ pub fn run(a: EmulateArgs) -> Result<()> {
     };
     let (tx, rx) = unbounded();
     let em = Arc::new(Emulated {
-        flash,
+        drive,
         data,
         pacer: Pacer {
             start: Instant::now(),
@@ -267,9 +395,9 @@ pub fn run(a: EmulateArgs) -> Result<()> {
             latest_us: AtomicU64::new(0),
         },
         info: ExportInfo {
-            name: a.name.clone(),
-            description: format!("emulated {:?} SSD ({})", cfg.cell, a.ssd),
-            size: capacity,
+            name: name.clone(),
+            description: description.clone(),
+            size,
         },
         work: tx,
     });
@@ -289,42 +417,53 @@ pub fn run(a: EmulateArgs) -> Result<()> {
     let endpoint = a
         .unix
         .as_ref()
-        .map(|p| format!("nbd+unix:///{}?socket={}", a.name, p.display()))
-        .unwrap_or_else(|| format!("nbd://{}/{}", a.tcp.as_deref().unwrap_or(""), a.name));
+        .map(|p| format!("nbd+unix:///{name}?socket={}", p.display()))
+        .unwrap_or_else(|| format!("nbd://{}/{name}", a.tcp.as_deref().unwrap_or("")));
     println!(
-        "lamina: emulating a {} {:?} SSD ({}{}) on {endpoint}",
-        human(capacity),
-        cfg.cell,
-        a.ssd,
+        "lamina: {description}, {}{}, on {endpoint}",
+        human(size),
         if a.no_pace { ", not paced" } else { "" }
     );
     let _ = std::io::Write::flush(&mut std::io::stdout());
     crate::notify::notify("READY=1");
     let _ = crate::serve::wait_for_signal(&signals);
     let _ = em.data.sync();
-    let s = em.flash.stats();
-    let wa = s.nand_bytes_programmed as f64 / s.host_bytes_written.max(1) as f64;
     let paced = em.pacer.paced.load(Ordering::Relaxed);
-    println!(
-        "{}",
-        serde_json::json!({
-            "host_bytes_written": s.host_bytes_written,
-            "host_bytes_read": s.host_bytes_read,
-            "nand_bytes_programmed": s.nand_bytes_programmed,
-            "nand_bytes_read": s.nand_bytes_read,
-            "write_amplification": wa,
-            "erases": s.erases,
-            "rmw_ius": s.rmw_ius,
-            "gc_ius_moved": s.gc_ius_moved,
-            "trimmed_bytes": s.trimmed_bytes,
-            "max_erase_count": s.max_erase_count,
-            "virtual_us": s.clock_us,
-            "wall_us": em.pacer.now_us(),
-            "paced_replies": paced,
-            "pacing_late_mean_us": em.pacer.late_us.load(Ordering::Relaxed) as f64 / paced.max(1) as f64,
-            "pacing_late_max_us": em.pacer.latest_us.load(Ordering::Relaxed),
-        })
-    );
+    let late = em.pacer.late_us.load(Ordering::Relaxed) as f64 / paced.max(1) as f64;
+    let mut out = match &em.drive {
+        Drive::Ssd(flash) => {
+            let s = flash.stats();
+            let wa = s.nand_bytes_programmed as f64 / s.host_bytes_written.max(1) as f64;
+            serde_json::json!({
+                "host_bytes_written": s.host_bytes_written,
+                "host_bytes_read": s.host_bytes_read,
+                "nand_bytes_programmed": s.nand_bytes_programmed,
+                "nand_bytes_read": s.nand_bytes_read,
+                "write_amplification": wa,
+                "erases": s.erases,
+                "rmw_ius": s.rmw_ius,
+                "gc_ius_moved": s.gc_ius_moved,
+                "trimmed_bytes": s.trimmed_bytes,
+                "max_erase_count": s.max_erase_count,
+                "virtual_us": s.clock_us,
+            })
+        }
+        Drive::Smr { disk, .. } => {
+            let s = disk.stats();
+            serde_json::json!({
+                "host_bytes_written": s.host_bytes_written,
+                "cache_bytes_written": s.cache_bytes_written,
+                "cleanings": s.cleanings,
+                "cleaning_bytes": s.cleaning_bytes,
+                "virtual_us": s.clock_us,
+            })
+        }
+    };
+    out["wall_us"] = em.pacer.now_us().into();
+    out["paced_replies"] = paced.into();
+    out["pacing_late_mean_us"] = late.into();
+    out["pacing_late_max_us"] = em.pacer.latest_us.load(Ordering::Relaxed).into();
+    println!("{out}");
     if let Some(p) = &a.unix {
         let _ = std::fs::remove_file(p);
     }

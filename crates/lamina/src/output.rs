@@ -474,35 +474,37 @@ pub fn server_metrics_text(array: &str, snap: &lamina_nbd::stats::Snapshot) -> S
     for (name, help, f) in counters {
         e.metric(name, "counter", help, per_op(&f));
     }
-    // The histogram: cumulative buckets, then the sum and the count.
-    let mut samples: Vec<Sample> = Vec::new();
-    let mut sums: Vec<Sample> = Vec::new();
-    let mut counts: Vec<Sample> = Vec::new();
+    // The histogram, per series: cumulative buckets, the sum, and the count, which
+    // is the last bucket's total (read in the same pass, so +Inf equals it even
+    // while requests complete during the scrape).
+    let help = "NBD request latency, from the request read to its completion.";
+    e.metric("nbd_request_duration_seconds", "histogram", help, vec![]);
     for (volume, t) in &snap.exports {
         for (op, o) in OP_NAMES.iter().zip(&t.ops) {
+            use std::fmt::Write;
+            let series = vec![("volume", volume.clone()), ("op", op.to_string())];
             let mut cumulative = 0u64;
             for (i, n) in o.buckets.iter().enumerate() {
                 cumulative += n;
                 let le = bucket_bound(i).map_or("+Inf".to_string(), |b| format!("{b}"));
-                let l = vec![
-                    ("volume", volume.clone()),
-                    ("op", op.to_string()),
-                    ("le", le),
-                ];
-                samples.push((l, cumulative as f64));
+                let mut l = series.clone();
+                l.push(("le", le));
+                let l = e.labels(&l);
+                let _ = writeln!(
+                    e.out,
+                    "lamina_nbd_request_duration_seconds_bucket{l} {cumulative}"
+                );
             }
-            let l = vec![("volume", volume.clone()), ("op", op.to_string())];
-            sums.push((l.clone(), o.seconds));
-            counts.push((l, o.count as f64));
-        }
-    }
-    let help = "NBD request latency, from the request read to its completion.";
-    e.metric("nbd_request_duration_seconds", "histogram", help, vec![]);
-    for (suffix, list) in [("_bucket", samples), ("_sum", sums), ("_count", counts)] {
-        use std::fmt::Write;
-        for (labels, v) in list {
-            let l = e.labels(&labels);
-            let _ = writeln!(e.out, "lamina_nbd_request_duration_seconds{suffix}{l} {v}");
+            let l = e.labels(&series);
+            let _ = writeln!(
+                e.out,
+                "lamina_nbd_request_duration_seconds_sum{l} {}",
+                o.seconds
+            );
+            let _ = writeln!(
+                e.out,
+                "lamina_nbd_request_duration_seconds_count{l} {cumulative}"
+            );
         }
     }
     e.out

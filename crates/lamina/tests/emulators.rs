@@ -240,21 +240,20 @@ fn parity_bench_reports_words_faster_than_tables() {
     }
 }
 
-/// Runs `lamina emulate` on a QLC drive, writes `n` blocks one at a time through
-/// NBD, reads them back; returns the seconds the writes took and the drive's
-/// counters printed at SIGINT.
-fn emulated_writes(t: &TempDir, tag: &str, n: u64, extra: &[&str]) -> (f64, serde_json::Value) {
+/// Starts `lamina emulate DRIVE SPEC` on a backing file and a socket in `t` named
+/// after `tag`; returns the process and the socket once it listens.
+fn start_emulate(
+    t: &TempDir,
+    tag: &str,
+    drive: &[&str],
+    extra: &[&str],
+) -> (std::process::Child, std::path::PathBuf) {
     let sock = t.join(&format!("{tag}.sock"));
     let backing = t.join(&format!("{tag}.img"));
-    let mut args = vec![
-        "emulate",
-        "--ssd",
-        "qlc,capacity=64M",
-        "--backing",
-        backing.to_str().unwrap(),
-        "--unix",
-        sock.to_str().unwrap(),
-    ];
+    let mut args = vec!["emulate"];
+    args.extend_from_slice(drive);
+    args.extend_from_slice(&["--backing", backing.to_str().unwrap()]);
+    args.extend_from_slice(&["--unix", sock.to_str().unwrap()]);
     args.extend_from_slice(extra);
     let child = std::process::Command::new(lamina_bin())
         .args(&args)
@@ -263,6 +262,24 @@ fn emulated_writes(t: &TempDir, tag: &str, n: u64, extra: &[&str]) -> (f64, serd
         .spawn()
         .unwrap();
     wait_for(&sock);
+    (child, sock)
+}
+
+/// Stops an emulator with SIGINT; the counters it prints.
+fn stop_emulate(child: std::process::Child) -> serde_json::Value {
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+/// Runs `lamina emulate` on a QLC drive, writes `n` blocks one at a time through
+/// NBD, reads them back; returns the seconds the writes took and the drive's
+/// counters printed at SIGINT.
+fn emulated_writes(t: &TempDir, tag: &str, n: u64, extra: &[&str]) -> (f64, serde_json::Value) {
+    let (child, sock) = start_emulate(t, tag, &["--ssd", "qlc,capacity=64M"], extra);
     let mut c = lamina_nbd::client::Client::connect_unix(&sock, "ssd").unwrap();
     assert_eq!(c.size, 64 << 20);
     let t0 = std::time::Instant::now();
@@ -281,13 +298,7 @@ fn emulated_writes(t: &TempDir, tag: &str, n: u64, extra: &[&str]) -> (f64, serd
         "trimmed reads as zeros"
     );
     c.disconnect().unwrap();
-    // SAFETY: signalling our child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let json = stdout.lines().last().unwrap();
-    (secs, serde_json::from_str(json).unwrap())
+    (secs, stop_emulate(child))
 }
 
 /// `lamina emulate`: the drive's data round-trips over NBD, its counters see every
@@ -351,4 +362,47 @@ fn emulated_ssd_is_served_at_the_drives_pace() {
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         assert!(!out.stderr.is_empty(), "{args:?}: no message");
     }
+}
+
+/// `lamina emulate --smr`: a drive-managed SMR disk over NBD keeps the data, counts
+/// what it writes to its media cache, and makes random reads wait for seeks and
+/// rotation (milliseconds each).
+#[test]
+fn emulated_smr_disk_is_served_at_the_disks_pace() {
+    let t = TempDir::new("emulate-smr");
+    let smr = ["--smr", "capacity=256M,zone=16M,cache=4M"];
+    let (child, sock) = start_emulate(&t, "smr", &smr, &[]);
+    let mut c = lamina_nbd::client::Client::connect_unix(&sock, "smr").unwrap();
+    assert_eq!(c.size, 256 << 20);
+    // Sequential writes continue each zone's frontier; these scattered ones go to
+    // the media cache.
+    for i in 0..8u64 {
+        c.write(i * (64 << 10), &[i as u8 + 1; 64 << 10], false)
+            .unwrap();
+        c.write((100 << 20) + i * (1 << 20), &[0xa0 + i as u8; 4096], false)
+            .unwrap();
+    }
+    c.flush().unwrap();
+    let t0 = std::time::Instant::now();
+    for i in 0..8u64 {
+        assert_eq!(
+            c.read(i * (64 << 10), 4096).unwrap(),
+            vec![i as u8 + 1; 4096]
+        );
+        let far = (100 << 20) + i * (1 << 20);
+        assert_eq!(c.read(far, 4096).unwrap(), vec![0xa0 + i as u8; 4096]);
+    }
+    let reads = t0.elapsed().as_secs_f64();
+    c.disconnect().unwrap();
+    let j = stop_emulate(child);
+    assert_eq!(j["host_bytes_written"], 8 * (64 << 10) + 8 * 4096, "{j}");
+    assert!(
+        j["cache_bytes_written"].as_u64().unwrap() >= 8 * 4096,
+        "{j}"
+    );
+    // 16 reads alternating between two far places: a seek and a rotation each.
+    assert!(
+        reads > 16.0 * 0.002,
+        "16 random reads took {reads:.4} s: {j}"
+    );
 }

@@ -286,8 +286,16 @@ impl Drop for Guard {
 
 /// Waits for a path to appear.
 pub fn wait_for(p: &Path) {
+    use std::os::unix::fs::FileTypeExt;
     let t0 = Instant::now();
-    while !p.exists() {
+    // A socket's file appears when it is bound, a moment before it listens:
+    // wait until a connection is taken.
+    let ready = || match std::fs::metadata(p) {
+        Ok(m) if m.file_type().is_socket() => std::os::unix::net::UnixStream::connect(p).is_ok(),
+        Ok(_) => true,
+        Err(_) => false,
+    };
+    while !ready() {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "{} did not appear",
