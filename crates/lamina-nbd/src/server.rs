@@ -74,6 +74,16 @@ pub enum Command {
     Flush,
 }
 
+impl Command {
+    /// The write's payload, if this is a write: the buffer a completion hands back.
+    pub fn into_buffer(self) -> Option<Vec<u8>> {
+        match self {
+            Command::Write { data, .. } => Some(data),
+            _ => None,
+        }
+    }
+}
+
 /// One extent of a block status reply: `length` bytes with the same status flags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
@@ -140,6 +150,13 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (export, offset, max);
         out.push(Extent { length, flags: 0 });
         Ok(())
+    }
+    /// True if the export takes no writes: it is advertised read-only
+    /// (`NBD_FLAG_READ_ONLY`, without trim and zeroes) and writes, trims and zeroes
+    /// get `EPERM`. By default false.
+    fn read_only(&self, export: &Self::Export) -> bool {
+        let _ = export;
+        false
     }
     /// A hint that the client is about to use `length` bytes at `offset`
     /// (`NBD_CMD_CACHE`): the backend may start bringing them closer. It must not
@@ -512,6 +529,13 @@ enum ReplierMsg {
 }
 
 impl ReplySink {
+    /// Completes one command at once with `error` (0: success), handing its buffer
+    /// back.
+    pub fn complete_now(&self, handle: u64, error: u32, cmd: Command) {
+        let buf = cmd.into_buffer();
+        self.complete(&mut vec![Completion { handle, error, buf }]);
+    }
+
     /// Completes a batch of commands of this connection.
     pub fn complete(&self, completions: &mut Vec<Completion>) {
         if completions.is_empty() {
@@ -720,18 +744,16 @@ fn write_all_vectored(w: &mut dyn Conn, mut bufs: &mut [IoSlice<'_>]) -> io::Res
 
 /// What the connection advertises for its export. "Don't fragment" is offered
 /// only with structured replies, the one case where reads could be fragmented
-/// (they never are: a read is always answered with one chunk).
-fn transmission_flags(options: &Options) -> u16 {
+/// (they never are: a read is always answered with one chunk). A read-only export
+/// offers neither trim nor zeroes.
+fn transmission_flags(options: &Options, read_only: bool) -> u16 {
     let df = if options.structured { TF_SEND_DF } else { 0 };
-    TF_HAS_FLAGS
-        | TF_SEND_FLUSH
-        | TF_SEND_FUA
-        | TF_SEND_TRIM
-        | TF_SEND_WRITE_ZEROES
-        | TF_CAN_MULTI_CONN
-        | TF_SEND_CACHE
-        | TF_SEND_FAST_ZERO
-        | df
+    let writes = if read_only {
+        TF_READ_ONLY
+    } else {
+        TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO
+    };
+    TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_CAN_MULTI_CONN | TF_SEND_CACHE | df | writes
 }
 
 /// What a client negotiated beyond the export; STARTTLS forgets it all (the spec).
@@ -750,15 +772,18 @@ struct Session {
     structured: bool,
     /// `base:allocation` is selected: NBD_CMD_BLOCK_STATUS is answered.
     allocation: bool,
+    /// The export takes no writes.
+    read_only: bool,
     flags: u16,
 }
 
 impl Options {
-    fn session(&self, name: &str) -> Session {
+    fn session(&self, name: &str, read_only: bool) -> Session {
         Session {
             structured: self.structured,
             allocation: self.structured && self.allocation_for.as_deref() == Some(name),
-            flags: transmission_flags(self),
+            read_only,
+            flags: transmission_flags(self, read_only),
         }
     }
 }
@@ -890,7 +915,7 @@ fn negotiate<B: Backend>(
                     // This option cannot carry an error: the spec says hang up.
                     return Err(protocol(format!("unknown export {name:?}")));
                 };
-                let session = options.session(&name);
+                let session = options.session(&name, backend.read_only(&export));
                 let mut b = Vec::with_capacity(10 + 124);
                 b.extend_from_slice(&info.size.to_be_bytes());
                 b.extend_from_slice(&session.flags.to_be_bytes());
@@ -958,7 +983,8 @@ fn negotiate<B: Backend>(
                 let mut d = Vec::new();
                 d.extend_from_slice(&INFO_EXPORT.to_be_bytes());
                 d.extend_from_slice(&info.size.to_be_bytes());
-                d.extend_from_slice(&transmission_flags(options).to_be_bytes());
+                let flags = transmission_flags(options, backend.read_only(&export));
+                d.extend_from_slice(&flags.to_be_bytes());
                 reply(REP_INFO, &d)?;
                 let mut d = Vec::new();
                 d.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
@@ -978,7 +1004,7 @@ fn negotiate<B: Backend>(
                 }
                 reply(REP_ACK, &[])?;
                 if option == OPT_GO {
-                    let session = options.session(&name);
+                    let session = options.session(&name, backend.read_only(&export));
                     return Ok(Negotiated::Go(export, info, session));
                 }
             }
@@ -1309,6 +1335,11 @@ fn transmission<B: Backend>(
                         error_reply(EINVAL, why)?;
                         continue;
                     }
+                    if session.read_only {
+                        discard(r, len)?;
+                        error_reply(EPERM, "the export is read-only")?;
+                        continue;
+                    }
                     acquire(&sink.budget, len);
                     acquire(&GLOBAL, len);
                     let mut data = pool_rx
@@ -1336,6 +1367,10 @@ fn transmission<B: Backend>(
                 CMD_TRIM | CMD_WRITE_ZEROES => {
                     if let Some(why) = range_error(u64::MAX) {
                         error_reply(EINVAL, why)?;
+                        continue;
+                    }
+                    if session.read_only {
+                        error_reply(EPERM, "the export is read-only")?;
                         continue;
                     }
                     let allocate =

@@ -16,13 +16,6 @@ use std::time::Duration;
 
 const SIZE: u64 = 1 << 30;
 
-fn payload(cmd: Command) -> Option<Vec<u8>> {
-    match cmd {
-        Command::Write { data, .. } => Some(data),
-        _ => None,
-    }
-}
-
 /// A held command: handle, payload, where the reply goes.
 type Held = (u64, Option<Vec<u8>>, Arc<ReplySink>);
 
@@ -40,7 +33,7 @@ impl Holding {
     fn release(&self, also: Option<(u64, Command, &Arc<ReplySink>)>) {
         let mut held = std::mem::take(&mut *self.held.lock().unwrap());
         if let Some((h, cmd, r)) = also {
-            held.push((h, payload(cmd), r.clone()));
+            held.push((h, cmd.into_buffer(), r.clone()));
         }
         self.largest_batch.fetch_max(held.len(), Ordering::SeqCst);
         for (handle, buf, reply) in held {
@@ -73,7 +66,7 @@ impl Backend for Holding {
         self.held
             .lock()
             .unwrap()
-            .push((handle, payload(cmd), reply.clone()));
+            .push((handle, cmd.into_buffer(), reply.clone()));
     }
     fn kick(&self) {
         self.release(None);

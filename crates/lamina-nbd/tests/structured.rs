@@ -9,7 +9,7 @@ mod common;
 use lamina_nbd::client::{Client, ClientError, Negotiate};
 use lamina_nbd::proto::*;
 use lamina_nbd::server::ReplySink;
-use lamina_nbd::{Backend, Command, Completion, ExportInfo, Extent};
+use lamina_nbd::{Backend, Command, ExportInfo, Extent};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -85,15 +85,7 @@ impl Backend for Pattern {
         Ok(())
     }
     fn submit(&self, _: &(), handle: u64, cmd: Command, reply: &Arc<ReplySink>) {
-        let buf = match cmd {
-            Command::Write { data, .. } => Some(data),
-            _ => None,
-        };
-        reply.complete(&mut vec![Completion {
-            handle,
-            error: 0,
-            buf,
-        }]);
+        reply.complete_now(handle, 0, cmd);
     }
 }
 

@@ -63,6 +63,13 @@ pub struct ServeConfig {
     /// at once over its connections (default 32).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_threads: Option<usize>,
+    /// Serve every volume read-only: clients see NBD_FLAG_READ_ONLY, and writes,
+    /// trims and zeroes get EPERM.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
+    /// Volumes served read-only (the others take writes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub read_only_volumes: Vec<String>,
     /// TLS server certificate chain (PEM). With `tls_key`, clients may start TLS
     /// (NBD_OPT_STARTTLS) and TCP clients must.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -87,6 +94,8 @@ impl Default for ServeConfig {
             rebuild_rate: None,
             max_inflight: None,
             read_threads: None,
+            read_only: false,
+            read_only_volumes: Vec::new(),
             tls_cert: None,
             tls_key: None,
             tls_ca: None,

@@ -396,6 +396,16 @@ fn lower_priority(steps: i32) {
 /// The NBD backend: volumes are exports.
 pub struct LaminaBackend {
     pub rt: Runtime,
+    pub read_only: ReadOnly,
+}
+
+/// Which volumes are served read-only.
+#[derive(Default)]
+pub struct ReadOnly {
+    /// Every volume (`--read-only`, `[serve] read_only`).
+    pub all: bool,
+    /// These by name (`[serve] read_only_volumes`).
+    pub volumes: std::collections::HashSet<String>,
 }
 
 /// Logs a failed read; the client gets EIO.
@@ -499,6 +509,10 @@ impl Backend for LaminaBackend {
         }
         let r = self.rt.shared.read_nowait(export, offset, buf)?;
         Some(r.map_err(|e| read_failed(export, offset, buf.len(), e)))
+    }
+
+    fn read_only(&self, export: &Self::Export) -> bool {
+        self.read_only.all || self.read_only.volumes.contains(&export.vol.name)
     }
 
     fn block_status(

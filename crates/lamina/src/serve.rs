@@ -42,6 +42,10 @@ pub struct ServeArgs {
     /// Size of the backing file when creating the embedded default array.
     #[arg(long, default_value = "8G", value_name = "SIZE")]
     default_size: String,
+    /// Serve every volume read-only (NBD_FLAG_READ_ONLY): writes, trims and zeroes
+    /// get EPERM. `[serve] read_only_volumes` names single volumes.
+    #[arg(long)]
+    read_only: bool,
 }
 
 /// Logs to standard error and to the array's log file.
@@ -314,7 +318,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .context("[serve] max_inflight")?;
         lamina_nbd::server::set_inflight_limit(cap);
     }
-    let backend = Arc::new(LaminaBackend { rt: rt.clone() });
+    let backend = Arc::new(LaminaBackend {
+        rt: rt.clone(),
+        read_only: crate::runtime::ReadOnly {
+            all: a.read_only || cfg.serve.read_only,
+            volumes: cfg.serve.read_only_volumes.iter().cloned().collect(),
+        },
+    });
     let stop = Arc::new(AtomicBool::new(false));
 
     let tcp_explicit = a.tcp.is_some();

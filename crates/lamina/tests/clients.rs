@@ -507,3 +507,87 @@ fn tcp_listener_serves_exports() {
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     assert!(child.wait().unwrap().success());
 }
+
+/// Read-only serving: `serve --read-only` advertises every volume read-only (nbdinfo
+/// sees it, nbdcopy into it fails, the data stays), and `[serve] read_only_volumes`
+/// freezes only the volumes it names.
+#[test]
+fn read_only_volumes_refuse_writes() {
+    if !need(
+        "clients::read_only_volumes_refuse_writes",
+        &["nbdinfo", "nbdcopy"],
+        false,
+    ) {
+        return;
+    }
+    use lamina_nbd::client::{Client, ClientError};
+    let t = TempDir::new("read-only");
+    let dir = t.join("arr");
+    create_array(
+        &dir,
+        "128M",
+        &["--segment-size", "1M", "--write-unit", "128K"],
+    );
+    create_volume(&dir, "gold", "8M");
+    create_volume(&dir, "scratch", "8M");
+    let s = Server::start(&dir);
+    let mut c = Client::connect_unix(&s.sock, "gold").unwrap();
+    c.write(0, &[5u8; 8192], true).unwrap();
+    c.disconnect().unwrap();
+    s.stop();
+
+    // Everything read-only.
+    let sock = dir.join("nbd.sock");
+    let mut child = std::process::Command::new(lamina_bin())
+        .args([
+            "serve",
+            dir.to_str().unwrap(),
+            "--unix",
+            sock.to_str().unwrap(),
+            "--read-only",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&sock);
+    let uri = |v: &str| format!("nbd+unix:///{v}?socket={}", sock.display());
+    let info: serde_json::Value =
+        serde_json::from_str(&run("nbdinfo", &["--json", &uri("gold")])).unwrap();
+    assert_eq!(info["exports"][0]["is_read_only"], true, "{info}");
+    assert_eq!(info["exports"][0]["can_trim"], false, "{info}");
+    let src = t.join("src.raw");
+    std::fs::write(&src, vec![9u8; 1 << 20]).unwrap();
+    let copy = std::process::Command::new("nbdcopy")
+        .args([src.to_str().unwrap(), &uri("scratch")])
+        .output()
+        .unwrap();
+    assert!(
+        !copy.status.success(),
+        "nbdcopy wrote to a read-only export"
+    );
+    let mut c = Client::connect_unix(&sock, "gold").unwrap();
+    assert!(matches!(
+        c.write(0, &[1u8; 4096], false),
+        Err(ClientError::Nbd(1))
+    ));
+    assert_eq!(c.read(0, 8192).unwrap(), vec![5u8; 8192]);
+    c.disconnect().unwrap();
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert!(child.wait().unwrap().success());
+
+    // One volume read-only, from the configuration.
+    let toml = dir.join("lamina.toml");
+    let cfg = std::fs::read_to_string(&toml).unwrap();
+    let cfg = cfg.replacen("[serve]\n", "[serve]\nread_only_volumes = [\"gold\"]\n", 1);
+    std::fs::write(&toml, cfg).unwrap();
+    let s = Server::start(&dir);
+    let mut gold = Client::connect_unix(&s.sock, "gold").unwrap();
+    assert!(matches!(gold.trim(0, 4096), Err(ClientError::Nbd(1))));
+    let mut scratch = Client::connect_unix(&s.sock, "scratch").unwrap();
+    scratch.write(0, &[3u8; 4096], true).unwrap();
+    assert_eq!(scratch.read(0, 4096).unwrap(), vec![3u8; 4096]);
+    assert_eq!(gold.read(0, 4096).unwrap(), vec![5u8; 4096]);
+    s.stop();
+}
