@@ -2669,9 +2669,18 @@ impl Engine {
     // ---------------------------------------------------------------- volumes
 
     fn create_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
-        if name.is_empty() || name.len() > 64 || name.contains(['/', '\0']) {
+        // Names go into NBD URIs (`nbd+unix:///NAME?socket=...`), qemu's
+        // `nbd:unix:SOCK:exportname=NAME` and command lines: '?', '#', '%', ':',
+        // spaces and a leading '-' would break one of them.
+        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        let starts_well = name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric());
+        if name.len() > 64 || !starts_well || !name.chars().all(ok) {
             return Err(EngineError::Invalid(format!(
-                "volume name {name:?} must be 1 to 64 bytes without '/'"
+                "volume name {name:?} must be 1 to 64 letters, digits, '.', '_' or '-', \
+                 starting with a letter or digit"
             )));
         }
         if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {

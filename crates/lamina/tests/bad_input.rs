@@ -433,6 +433,13 @@ fn bad_configuration_and_commands_get_clear_messages() {
         "invalid size",
     );
     fails_with(&["volume", "delete", d, "nope"], "no volume named");
+    // Names that would break an NBD URI, qemu's nbd: syntax or a command line.
+    for bad in ["a b", "x?y", "x#y", "50%", "a:b", ".hidden", "ä", "a/b", ""] {
+        fails_with(
+            &["volume", "create", d, bad, "--size", "1M"],
+            "letters, digits",
+        );
+    }
     // Array creation: nothing is written when the input is wrong.
     let other = t.join("other");
     let dev = dir.join("dev.img");
