@@ -1,8 +1,23 @@
 //! Sizes on the command line and in the config: `4096`, `512K`, `8M`, `1.5G`, `2T`
-//! (powers of 1024; an optional trailing `B` or `iB` is accepted).
+//! (powers of 1024; `KiB` ... `PiB` too, and a trailing `B` on a plain number).
+//! `10GB` is refused rather than guessed: disk vendors and parted read it as 10^10
+//! bytes, LVM and most tools as 10 GiB, and a size silently off by 7% is worse than
+//! a message.
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
+    let upper = t.to_ascii_uppercase();
+    if ["KB", "MB", "GB", "TB", "PB"]
+        .iter()
+        .any(|u| upper.ends_with(u))
+    {
+        let unit = &t[t.len() - 2..t.len() - 1];
+        return Err(format!(
+            "size {s:?} is ambiguous (powers of 1000 or of 1024?): write {n}{unit} or \
+             {n}{unit}iB for powers of 1024, or the number of bytes",
+            n = &t[..t.len() - 2]
+        ));
+    }
     let t = t
         .strip_suffix("iB")
         .or_else(|| t.strip_suffix("ib"))
@@ -68,6 +83,15 @@ mod tests {
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("-1G").is_err());
         assert!(parse_size("99999999999999999999T").is_err());
+        assert_eq!(parse_size("4096B"), Ok(4096));
+        assert_eq!(parse_size("2KiB"), Ok(2048));
+        for ambiguous in ["10GB", "10gb", "1.5TB", "512KB", "8Mb"] {
+            let e = parse_size(ambiguous).unwrap_err();
+            assert!(e.contains("ambiguous"), "{ambiguous}: {e}");
+        }
+        assert!(parse_size("10GB")
+            .unwrap_err()
+            .contains("write 10G or 10GiB"));
         assert_eq!(human(8 << 30), "8.0 GiB");
     }
 }

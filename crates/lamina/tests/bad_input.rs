@@ -432,6 +432,11 @@ fn bad_configuration_and_commands_get_clear_messages() {
         &["volume", "create", d, "w", "--size", "12Q"],
         "invalid size",
     );
+    // 10^10 or 10 GiB? Not guessed.
+    fails_with(
+        &["volume", "create", d, "w", "--size", "10GB"],
+        "write 10G or 10GiB",
+    );
     fails_with(&["volume", "delete", d, "nope"], "no volume named");
     // Names that would break an NBD URI, qemu's nbd: syntax or a command line.
     for bad in ["a b", "x?y", "x#y", "50%", "a:b", ".hidden", "ä", "a/b", ""] {
