@@ -109,6 +109,9 @@ pub(super) fn walk(
     for f in &found {
         harvest(f, &mut releases, &mut released);
     }
+    // Each incarnation found so far, to record it once (a set: the walk may meet
+    // thousands of segments, and a scan of `found` each time was quadratic).
+    let mut seen: HashSet<(u32, u64)> = found.iter().map(|f| (f.seg, f.incarnation)).collect();
     let mut walked_queue = Vec::new();
     let mut queue_iter = meta.free_queue.iter().copied();
     loop {
@@ -131,10 +134,7 @@ pub(super) fn walk(
                 empties = 0;
                 // A segment taken from the queue, released and reused after C is
                 // met again among the releases: record each incarnation once.
-                if !found
-                    .iter()
-                    .any(|g| g.seg == f.seg && g.incarnation == f.incarnation)
-                {
+                if seen.insert((f.seg, f.incarnation)) {
                     harvest(&f, &mut releases, &mut released);
                     found.push(f);
                 }
