@@ -450,16 +450,35 @@ fn main() {
         }
         Cmd::Probe(a) => match (&a.emulate, &a.device) {
             (Some(spec), _) => bench::probe_emulated(spec, a.json),
-            (None, Some(dev)) => parse_size(&a.size)
-                .map_err(anyhow::Error::msg)
+            (None, Some(dev)) => size_arg("--size", &a.size)
                 .and_then(|size| bench::probe_device(dev, size, a.destroy, a.json)),
             (None, None) => unreachable!("clap requires one"),
         },
     };
     if let Err(e) = result {
         eprintln!("lamina: error: {e:#}");
-        std::process::exit(1);
+        // A mistake in how the command was called exits 2, as clap's own do.
+        let usage = e.chain().any(|c| c.is::<Usage>());
+        std::process::exit(if usage { 2 } else { 1 });
     }
+}
+
+/// A mistake in the command line itself (a value clap takes as text and Lamina
+/// parses later, such as a size): exit status 2, bad usage.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// A size given on the command line; a bad one is a usage error (exit 2).
+pub fn size_arg(what: &str, s: &str) -> Result<u64> {
+    parse_size(s).map_err(|e| anyhow::Error::new(Usage(format!("{what}: {e}"))))
 }
 
 /// `lamina man`: the pages into `dir`, or lamina(1) to standard output.
@@ -703,9 +722,10 @@ fn random_uuid() -> [u8; 16] {
 }
 
 fn size_in_blocks(what: &str, s: &str) -> Result<u32> {
-    let bytes = parse_size(s).map_err(anyhow::Error::msg)?;
+    let bytes = size_arg(what, s)?;
     if bytes == 0 || bytes % 4096 != 0 || bytes / 4096 > u32::MAX as u64 {
-        bail!("{what} {s} must be a positive multiple of 4 KiB");
+        let e = format!("{what} {s} must be a positive multiple of 4 KiB");
+        return Err(anyhow::Error::new(Usage(e)));
     }
     Ok((bytes / 4096) as u32)
 }
@@ -928,7 +948,7 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
     match cmd {
         VolumeCmd::Create { dir, name, size } => {
             let dir = absolute(&dir)?;
-            let size = parse_size(&size).map_err(anyhow::Error::msg)?;
+            let size = size_arg("--size", &size)?;
             let req = json!({"op": "volume-create", "name": name, "size": size});
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
                 offline(

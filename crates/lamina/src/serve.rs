@@ -264,7 +264,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 dir.display()
             );
         }
-        let size = parse_size(&a.default_size).map_err(anyhow::Error::msg)?;
+        let size = crate::size_arg("--default-size", &a.default_size)?;
         create_default(&dir, size)?;
     }
     let cfg = Config::load(&dir)?;

@@ -386,15 +386,19 @@ fn bad_configuration_and_commands_get_clear_messages() {
     let d = dir.to_str().unwrap();
     let cfg_path = dir.join("lamina.toml");
     let good = std::fs::read_to_string(&cfg_path).unwrap();
-    let fails_with = |args: &[&str], needle: &str| {
+    // Exits with `code` (1: failure, 2: bad usage) and says `needle`.
+    let exits = |code: i32, args: &[&str], needle: &str| {
         let out = lamina_output(args);
-        assert_eq!(out.status.code(), Some(1), "lamina {args:?} should fail");
+        assert_eq!(out.status.code(), Some(code), "lamina {args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
             err.contains(needle),
             "lamina {args:?}: expected {needle:?} in: {err}"
         );
     };
+    let fails_with = |args: &[&str], needle: &str| exits(1, args, needle);
+    // A size the command line gets wrong is bad usage: exit 2, as the README says.
+    let usage = |args: &[&str], needle: &str| exits(2, args, needle);
     std::fs::write(&cfg_path, format!("{good}\nbogus_key = 1\n")).unwrap();
     fails_with(&["status", d], "bogus_key");
     std::fs::write(
@@ -428,14 +432,48 @@ fn bad_configuration_and_commands_get_clear_messages() {
         &["volume", "create", d, "w", "--size", "1000"],
         "multiple of 4096",
     );
-    fails_with(
+    usage(
         &["volume", "create", d, "w", "--size", "12Q"],
         "invalid size",
     );
     // 10^10 or 10 GiB? Not guessed.
-    fails_with(
+    usage(
         &["volume", "create", d, "w", "--size", "10GB"],
         "write 10G or 10GiB",
+    );
+    let fresh = t.join("fresh");
+    let (f, dev) = (
+        fresh.to_str().unwrap(),
+        format!("{}/d.img:64M", fresh.display()),
+    );
+    usage(
+        &[
+            "array",
+            "create",
+            f,
+            "--device",
+            &dev,
+            "--segment-size",
+            "1X",
+        ],
+        "segment size",
+    );
+    usage(
+        &[
+            "array",
+            "create",
+            f,
+            "--device",
+            &dev,
+            "--write-unit",
+            "1000",
+        ],
+        "multiple of 4 KiB",
+    );
+    usage(&["serve", "--default-size", "8GB"], "--default-size");
+    assert!(
+        !fresh.join("lamina.toml").exists(),
+        "a refused create left a config"
     );
     fails_with(&["volume", "delete", d, "nope"], "no volume named");
     // Names that would break an NBD URI, qemu's nbd: syntax or a command line.
@@ -501,7 +539,7 @@ fn bad_configuration_and_commands_get_clear_messages() {
         &["array", "create", o, "--device", &xs, "--overprovision=-1"],
         "over-provisioning",
     );
-    fails_with(
+    usage(
         &[
             "array",
             "create",
