@@ -301,21 +301,9 @@ fn prometheus_metrics() {
         .local_addr()
         .unwrap()
         .port();
-    let sock = dir.join("nbd.sock");
-    let mut child = std::process::Command::new(lamina_bin())
-        .args([
-            "serve",
-            dir.to_str().unwrap(),
-            "--unix",
-            sock.to_str().unwrap(),
-            "--metrics",
-            &format!("127.0.0.1:{port}"),
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for(&sock);
+    let metrics = format!("127.0.0.1:{port}");
+    let srv = Server::start_with(&dir, &[], &["--metrics", &metrics]);
+    let sock = srv.sock.clone();
     let scrape = || {
         let mut body = String::new();
         for _ in 0..100 {
@@ -444,9 +432,7 @@ fn prometheus_metrics() {
         "{text}"
     );
     assert_eq!(value(&text, "nbd_requests_total", &op("write")), 6.0);
-    // SAFETY: signalling our child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    assert!(child.wait().unwrap().success());
+    srv.stop();
 }
 
 /// TCP: `--tcp HOST:PORT` serves the same exports; clients connect with nbd:// URIs.
@@ -537,20 +523,8 @@ fn read_only_volumes_refuse_writes() {
     s.stop();
 
     // Everything read-only.
-    let sock = dir.join("nbd.sock");
-    let mut child = std::process::Command::new(lamina_bin())
-        .args([
-            "serve",
-            dir.to_str().unwrap(),
-            "--unix",
-            sock.to_str().unwrap(),
-            "--read-only",
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for(&sock);
+    let srv = Server::start_with(&dir, &[], &["--read-only"]);
+    let sock = srv.sock.clone();
     let uri = |v: &str| format!("nbd+unix:///{v}?socket={}", sock.display());
     let info: serde_json::Value =
         serde_json::from_str(&run("nbdinfo", &["--json", &uri("gold")])).unwrap();
@@ -573,9 +547,7 @@ fn read_only_volumes_refuse_writes() {
     ));
     assert_eq!(c.read(0, 8192).unwrap(), vec![5u8; 8192]);
     c.disconnect().unwrap();
-    // SAFETY: signalling our child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    assert!(child.wait().unwrap().success());
+    srv.stop();
 
     // One volume read-only, from the configuration.
     let toml = dir.join("lamina.toml");

@@ -159,6 +159,11 @@ impl Server {
 
     /// Starts `lamina serve DIR` with extra environment variables.
     pub fn start_env(dir: &Path, env: &[(&str, &str)]) -> Server {
+        Self::start_with(dir, env, &[])
+    }
+
+    /// Starts `lamina serve DIR` with extra environment variables and options.
+    pub fn start_with(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Server {
         let sock = dir.join("nbd.sock");
         let _ = std::fs::remove_file(&sock);
         let child = Command::new(lamina_bin())
@@ -169,6 +174,7 @@ impl Server {
                 "--unix",
                 sock.to_str().unwrap(),
             ])
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
