@@ -194,10 +194,7 @@ pub fn encode(data: &[&[u8]], p: &mut [u8], q: Option<&mut [u8]>) {
 /// [`encode`] with a table lookup per byte for Q: the reference the word-at-a-time
 /// path is checked against, and the baseline `bench parity` measures it against.
 pub fn encode_with_tables(data: &[&[u8]], p: &mut [u8], q: Option<&mut [u8]>) {
-    p.fill(0);
-    for d in data {
-        xor_into(p, d);
-    }
+    encode(data, p, None);
     if let Some(q) = q {
         q.fill(0);
         let g = MulTable::new(2);

@@ -492,23 +492,13 @@ impl ReplySink {
             .get(slot as usize)
             .expect("a backend completed a handle the server did not give it");
         let ob = s.op_bytes.load(Ordering::Relaxed);
-        let op = OPS_BY_INDEX[(ob >> OP_SHIFT) as usize];
+        let op = Op::ALL[(ob >> OP_SHIFT) as usize];
         let started = self.epoch + Duration::from_nanos(s.started.load(Ordering::Relaxed));
         self.stats
             .record(op, ob & ((1 << OP_SHIFT) - 1), error, started);
         s.handle.load(Ordering::Relaxed)
     }
 }
-
-const OPS_BY_INDEX: [Op; crate::stats::OPS] = [
-    Op::Read,
-    Op::Write,
-    Op::Flush,
-    Op::Trim,
-    Op::WriteZeroes,
-    Op::Cache,
-    Op::BlockStatus,
-];
 
 enum ReplierMsg {
     /// Reply bytes to write.

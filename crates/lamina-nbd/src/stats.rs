@@ -27,6 +27,19 @@ pub enum Op {
 
 /// How many kinds of request are counted.
 pub const OPS: usize = 7;
+
+impl Op {
+    /// Every kind, by its number.
+    pub const ALL: [Op; OPS] = [
+        Op::Read,
+        Op::Write,
+        Op::Flush,
+        Op::Trim,
+        Op::WriteZeroes,
+        Op::Cache,
+        Op::BlockStatus,
+    ];
+}
 /// The `op` label of each [`Op`].
 pub const OP_NAMES: [&str; OPS] = [
     "read",

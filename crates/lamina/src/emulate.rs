@@ -322,11 +322,24 @@ fn parse_smr_spec(spec: &str) -> Result<(u64, DmSmrConfig)> {
     Ok((capacity, cfg))
 }
 
+/// The drive asked for, parsed once.
+enum Spec {
+    Ssd(lamina_device::flash::FlashConfig),
+    Smr { capacity: u64, cfg: DmSmrConfig },
+}
+
 pub fn run(a: EmulateArgs) -> Result<()> {
-    let (capacity, kind) = match (&a.ssd, &a.smr) {
-        (Some(s), None) => (crate::bench::parse_flash_spec(s)?.capacity_bytes, "ssd"),
-        (None, Some(s)) => (parse_smr_spec(s)?.0, "smr"),
+    let (spec, text) = match (&a.ssd, &a.smr) {
+        (Some(s), None) => (Spec::Ssd(crate::bench::parse_flash_spec(s)?), s),
+        (None, Some(s)) => {
+            let (capacity, cfg) = parse_smr_spec(s)?;
+            (Spec::Smr { capacity, cfg }, s)
+        }
         _ => bail!("give one of --ssd SPEC and --smr SPEC"),
+    };
+    let (capacity, kind) = match &spec {
+        Spec::Ssd(cfg) => (cfg.capacity_bytes, "ssd"),
+        Spec::Smr { capacity, .. } => (*capacity, "smr"),
     };
     let name = a.name.clone().unwrap_or_else(|| kind.to_string());
     if !(1..=256).contains(&a.threads) {
@@ -349,20 +362,17 @@ pub fn run(a: EmulateArgs) -> Result<()> {
     } else {
         Arc::new(FileDevice::create_sparse(&a.backing, capacity)?)
     };
-    let (drive, description) = match (&a.ssd, &a.smr) {
-        (Some(spec), _) => {
-            let cfg = crate::bench::parse_flash_spec(spec)?;
-            let d = format!("emulated {:?} SSD ({spec})", cfg.cell);
+    let (drive, description) = match spec {
+        Spec::Ssd(cfg) => {
+            let d = format!("emulated {:?} SSD ({text})", cfg.cell);
             (Drive::Ssd(Flash::new(data.clone(), cfg)?), d)
         }
-        (None, Some(spec)) => {
-            let (_, cfg) = parse_smr_spec(spec)?;
+        Spec::Smr { cfg, .. } => {
             let disk = DriveManagedSmr::new(data.clone(), cfg)?;
-            let d = format!("emulated drive-managed SMR disk ({spec})");
+            let d = format!("emulated drive-managed SMR disk ({text})");
             let free = Mutex::new(0);
             (Drive::Smr { disk, free }, d)
         }
-        (None, None) => unreachable!("checked above"),
     };
     // The disk rounds down to whole zones.
     let size = match &drive {

@@ -447,10 +447,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .write_all(out.as_bytes())
         .and_then(|_| stdout.flush());
     // Every listener is bound and the array open: clients can connect.
-    crate::notify::notify(&format!(
-        "READY=1\nSTATUS=serving array {:?} on {}\nMAINPID={}",
+    let serving = format!(
+        "STATUS=serving array {:?} on {}",
         status.array_name,
-        endpoints.join(", "),
+        endpoints.join(", ")
+    );
+    crate::notify::notify(&format!(
+        "READY=1\n{serving}\nMAINPID={}",
         std::process::id()
     ));
 
@@ -469,11 +472,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                     Ok(_) => tracing::info!("SIGHUP: checkpoint written"),
                     Err(e) => tracing::error!("SIGHUP: flush or checkpoint failed: {e}"),
                 }
-                crate::notify::notify(&format!(
-                    "STATUS=serving array {:?} on {}",
-                    status.array_name,
-                    endpoints.join(", ")
-                ));
+                crate::notify::notify(&serving);
             }
             sig => break sig,
         }

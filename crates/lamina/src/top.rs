@@ -231,7 +231,7 @@ fn render(old: &Sample, new: &Sample) -> String {
         "ERR/s"
     );
     for v in new.label_values("lamina_volume_size_bytes", "volume") {
-        let op = |op: &'static str| [("volume", v.as_str()), ("op", op)];
+        let op = |op| op_labels(&v, op);
         let mean = |op: &'static str| {
             let n = d.diff(
                 "lamina_nbd_request_duration_seconds_count",
@@ -250,12 +250,7 @@ fn render(old: &Sample, new: &Sample) -> String {
             .sum();
         let errors: f64 = lamina_nbd::stats::OP_NAMES
             .iter()
-            .map(|o| {
-                d.rate(
-                    "lamina_nbd_request_errors_total",
-                    &[("volume", v.as_str()), ("op", o)],
-                )
-            })
+            .map(|o| d.rate("lamina_nbd_request_errors_total", &op(o)))
             .sum();
         let _ = writeln!(
             o,
