@@ -6,10 +6,10 @@ median() { python3 -c 'import sys,statistics; print(round(statistics.median(map(
 median_to() { python3 -c 'import sys,statistics; print(round(statistics.median(map(float,sys.argv[2:])), int(sys.argv[1])))' "$@"; }
 medianf() { median_to 1 "$@"; }
 
-# bench_workdir SHM NAME: makes $work, a scratch directory under /dev/shm (SHM=1) or
-# $TMPDIR, and $pids, the servers to stop; both go when the script exits.
+# bench_workdir SHM NAME: makes $work, a scratch directory under $base (/dev/shm when
+# SHM=1, else $TMPDIR), and $pids, the servers to stop; both go when the script exits.
 bench_workdir() {
-  local base=${TMPDIR:-/tmp}
+  base=${TMPDIR:-/tmp}
   [ "$1" = 1 ] && base=/dev/shm
   work=$(mktemp -d "$base/$2.XXXXXX")
   pids=()

@@ -57,12 +57,16 @@ bench_workdir $shm lamina-bench
 configure() { # dir
   [ -z "${LAMINA_ENGINE:-}${LAMINA_SERVE:-}" ] && return 0
   python3 - "$1/lamina.toml" <<'PY'
-import os, sys
+import os, re, sys
 p = sys.argv[1]
 s = open(p).read()
 for section, var in (("engine", "LAMINA_ENGINE"), ("serve", "LAMINA_SERVE")):
     lines = os.environ.get(var, "")
     head = "\n[" + section + "]\n"
+    # A key given here replaces the one `array create` wrote.
+    for l in lines.splitlines():
+        k = l.split("=")[0].strip()
+        s = re.sub(r"(?m)^" + re.escape(k) + r"\s*=.*\n", "", s)
     assert head in s, (p, section)
     if lines and lines not in s:
         s = s.replace(head, head + lines + "\n", 1)

@@ -93,9 +93,12 @@ pub struct EngineConfig {
     /// faster tracks of a disk) and everything else to the highest. `None`: on
     /// for zoned arrays (SMR disks), off otherwise.
     pub geometry_aware: Option<bool>,
-    /// Discard released segments (TRIM on SSDs, holes in files), so that a
-    /// drive's own GC need not copy what Lamina no longer holds.
+    /// Discard free segments (TRIM on SSDs, holes in files), so that a drive's
+    /// own GC need not copy what Lamina no longer holds.
     pub discard: bool,
+    /// How long a segment stays free before it is discarded (segments reused
+    /// sooner are not): see [`Engine::discard_idle`].
+    pub discard_delay_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -118,6 +121,7 @@ impl Default for EngineConfig {
             gc_read_gap_blocks: 0,
             geometry_aware: None,
             discard: true,
+            discard_delay_ms: DEFAULT_DISCARD_DELAY_MS,
         }
     }
 }
@@ -414,7 +418,8 @@ pub(crate) enum Purpose {
         seg: u32,
         ticket: u64,
     },
-    /// A released segment discarded (`wait`: it joins the free queue when done).
+    /// A segment discarded: released, joining the free queue when done (`wait`,
+    /// with `discard_delay_ms = 0`), or free (see [`SegmentTable::next_to_discard`]).
     Discard {
         seg: u32,
         wait: bool,
@@ -563,6 +568,12 @@ pub type ClassifierFactory =
 /// Allocation picks among this many segments at the head of the free queue (JBOD
 /// wear levelling); recovery's walk of the free queue allows for the skips.
 pub const ALLOC_WINDOW: usize = 32;
+/// See [`EngineConfig::discard_delay_ms`].
+pub const DEFAULT_DISCARD_DELAY_MS: u64 = 30_000;
+/// Discards of free segments in flight at once (see [`Engine::discard_idle`]).
+const MAX_DISCARDS: usize = 4;
+/// Free-queue entries a tick looks at for segments to discard.
+const DISCARD_SCAN: usize = 256;
 
 impl Engine {
     /// Builds an engine around recovered state. Used by [`crate::recovery`].
@@ -635,7 +646,7 @@ impl Engine {
             sb_durable_gen: 0,
             sb_writing_gen: 0,
             durability: Durability::new(),
-            segments: SegmentTable::new(segs, free),
+            segments: SegmentTable::new(segs, free, next_version),
             volumes: Vec::new(),
             gc_classes: 1,
             streams: vec![Stream::new(StreamKind::Meta, 0, u16::MAX)],
@@ -688,6 +699,11 @@ impl Engine {
     }
 
     /// Released segments discarded since the array was opened.
+    /// The engine's clock: the last time [`Engine::tick`] was given.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
     pub fn segments_discarded(&self) -> u64 {
         self.segments.discarded
     }
@@ -1028,12 +1044,17 @@ impl Engine {
                 self.segment_write_done(seg);
             }
             Purpose::Discard { seg, wait } => {
-                match c.result {
-                    Ok(()) => self.segments.discarded += 1,
-                    Err(e) => tracing::debug!("discard of segment {seg}: {e}"),
+                if let Err(e) = &c.result {
+                    tracing::debug!("discard of segment {seg}: {e}");
                 }
-                if wait {
-                    self.segments.discards.insert(seg, true);
+                if wait || self.cfg.metadata_only {
+                    // Released (or, in a simulation, freed as it was discarded).
+                    self.segments.discarded += c.result.is_ok() as u64;
+                    if wait {
+                        self.segments.discards.insert(seg, true);
+                    }
+                } else {
+                    self.segments.discard_done(seg, c.result.is_ok());
                 }
             }
             Purpose::ZoneFinish { seg, ticket } => {
@@ -1094,7 +1115,33 @@ impl Engine {
         {
             self.start_flush();
         }
+        self.discard_idle();
         self.progress();
+    }
+
+    /// Discards free segments that stayed free for `discard_delay_ms` (TRIM on an
+    /// SSD, a hole in a file), a few at a time. Discarding a segment as soon as it
+    /// is released would pay for it twice when it is soon reused: a file system
+    /// allocates the hole's pages or blocks again, a drive maps the range again.
+    fn discard_idle(&mut self) {
+        if self.cfg.metadata_only || self.cfg.discard_delay_ms == 0 || self.failed.is_some() {
+            return;
+        }
+        let before = self.discard_before();
+        while self.segments.discarding < MAX_DISCARDS {
+            let shared = &self.shared;
+            let Some(seg) = self.segments.next_to_discard(
+                self.now_ms,
+                self.cfg.discard_delay_ms,
+                before,
+                1,
+                DISCARD_SCAN,
+                |s| shared.segment_pinned(SegmentId(s)),
+            ) else {
+                break;
+            };
+            self.submit_discard(seg, false);
+        }
     }
 
     pub(crate) fn fail(&mut self, msg: String) {
@@ -1812,7 +1859,12 @@ impl Engine {
     /// Takes a free segment (see [`Engine::pop_free_for`]) and waits out its last
     /// readers.
     fn take_free(&mut self, want: Want) -> Option<u32> {
-        let window = 0..self.segments.free.len().min(ALLOC_WINDOW);
+        // A segment being discarded is not taken: the discard could land on what
+        // is written next. (If the whole window is being discarded, which takes a
+        // free queue of at most `MAX_DISCARDS`, the stream waits for a discard to
+        // end; `discard_idle` leaves the head of the queue alone.)
+        let window = (0..self.segments.free.len().min(ALLOC_WINDOW))
+            .filter(|&i| !self.segments.segs[self.segments.free[i] as usize].discarding);
         // Segments of the kind the stream does not want come last.
         let miss = |i: usize| {
             want.conventional
@@ -2182,8 +2234,8 @@ impl Engine {
         self.cfg.discard && !self.zones.zoned
     }
 
-    /// Released segments opened before this version are discarded (see
-    /// [`SegmentTable::discardable`]); `None` when discards are off.
+    /// Free segments whose contents were opened before this version may be
+    /// discarded (see [`SegmentTable::discardable`]); `None` when discards are off.
     fn discard_before(&self) -> Option<u64> {
         self.discard_enabled().then_some(self.durable_ckpt_version)
     }
@@ -2210,7 +2262,7 @@ impl Engine {
             if self.discard_enabled() {
                 self.submit_discard(seg, false);
             }
-            self.segments.make_free(seg);
+            self.segments.make_free(seg, self.now_ms);
             self.shared.set_segment_free(seg, true);
             return;
         }
@@ -2483,29 +2535,37 @@ impl Engine {
             return;
         }
         let synced = self.durability.synced_gen;
-        let discard_before = self.discard_before();
         self.segments.synced(synced);
-        // Released segments are discarded first (once no reader holds them), all
-        // those whose release is durable at once; see `SegmentTable::discardable`.
-        for i in 0..self.segments.released(synced) {
-            let s = self.segments.releasing[i];
-            // Released: nobody reads it any more (scrub and rebuild skip it).
-            self.shared.set_segment_free(s, true);
-            if self.segments.discardable(s, discard_before)
-                && !self.segments.discards.contains_key(&s)
-                && !self.shared.segment_pinned(SegmentId(s))
-            {
-                self.segments.discards.insert(s, false);
-                self.submit_discard(s, true);
+        // With no delay, released segments are discarded before they join the free
+        // queue (once no reader holds them), all those whose release is durable at
+        // once; see `SegmentTable::discardable`. Otherwise `discard_idle` discards
+        // those that stay free.
+        let release_discards = self
+            .discard_before()
+            .filter(|_| self.cfg.discard_delay_ms == 0);
+        if release_discards.is_some() {
+            for i in 0..self.segments.released(synced) {
+                let s = self.segments.releasing[i];
+                // Released: nobody reads it any more (scrub and rebuild skip it).
+                self.shared.set_segment_free(s, true);
+                if self.segments.discardable(s, release_discards)
+                    && !self.segments.discards.contains_key(&s)
+                    && !self.shared.segment_pinned(SegmentId(s))
+                {
+                    self.segments.discards.insert(s, false);
+                    self.submit_discard(s, true);
+                }
             }
         }
         // Segments are freed in the order their release records were sealed, which
         // is the order recovery walks them.
-        while let Some(s) = self.segments.free_next_released(synced, discard_before) {
+        while let Some(s) = self
+            .segments
+            .free_next_released(synced, release_discards, self.now_ms)
+        {
             self.shared.set_segment_free(s, true);
         }
         // When free segments run low, run a flush to move the protocol forward.
-        // (Released segments waiting only for their discard need no flush.)
         let low = self.segments.free.len() < self.gc_start_segments();
         let stalled = !self.pending.is_empty() || !self.gc.is_idle();
         if (low || stalled)

@@ -7,8 +7,9 @@
 //!
 //! ```text
 //! Closed ──emptied──▶ Draining ──its flush synced──▶ ReleaseReady
-//!        ──release record sealed──▶ Releasing ──that flush synced (and, where
-//!        discards are used, the discard done)──▶ Free (back of the free queue)
+//!        ──release record sealed──▶ Releasing ──that flush synced (with
+//!        `discard_delay_ms = 0`, and the discard done)──▶ Free (back of the free
+//!        queue) ──free for `discard_delay_ms`──▶ discarded while free
 //! ```
 //!
 //! Segments leave `Releasing` in the order their release records were sealed, the
@@ -66,6 +67,15 @@ pub(crate) struct Seg {
     /// Written by GC: when its blocks were last written by users (boxed: user
     /// segments, most of them, do not pay for it).
     pub origins: Option<Box<Origins>>,
+    /// Free: the version at which its last contents were opened (an upper bound
+    /// for segments found free at start); see [`SegmentTable::discardable`].
+    pub retired: u64,
+    /// Free: engine time (ms) when it joined the free queue.
+    pub freed_ms: u64,
+    /// Free: a discard of its extent is under way; allocation must not take it.
+    pub discarding: bool,
+    /// Free: its extent was discarded since it was last written.
+    pub clean: bool,
 }
 
 /// Slots a GC segment is divided into for dating its blocks.
@@ -135,6 +145,10 @@ impl Seg {
             last_invalidated: 0,
             closed: 0,
             origins: None,
+            retired: u64::MAX,
+            freed_ms: 0,
+            discarding: false,
+            clean: false,
         }
     }
 }
@@ -151,19 +165,29 @@ pub(crate) struct SegmentTable {
     pub release_ready: Vec<u32>,
     /// Release record sealed, in sealing order, waiting for its flush to be synced.
     pub releasing: Vec<u32>,
-    /// Released segments whose discard is under way (false) or done (true); they
-    /// join the free queue in release order once done.
+    /// With `discard_delay_ms = 0`: released segments whose discard is under way
+    /// (false) or done (true); they join the free queue in release order once done.
     pub discards: HashMap<u32, bool>,
+    /// Discards of free segments under way.
+    pub discarding: usize,
+    /// Where the next look for free segments to discard starts (an index of `free`).
+    discard_cursor: usize,
     pub discarded: u64,
     /// Free segments set aside because their zone could not be reset.
     pub quarantined: u64,
 }
 
 impl SegmentTable {
-    pub fn new(segs: Vec<Seg>, free: VecDeque<u32>) -> Self {
+    /// `opened_at`: the first version of this run. What the segments found free
+    /// held before is not known, so they count as retired then (discarded once a
+    /// checkpoint of this run is durable).
+    pub fn new(mut segs: Vec<Seg>, free: VecDeque<u32>, opened_at: u64) -> Self {
         debug_assert!(free
             .iter()
             .all(|&s| segs[s as usize].state == SegState::Free));
+        for &s in &free {
+            segs[s as usize].retired = opened_at;
+        }
         SegmentTable {
             segs,
             free,
@@ -171,6 +195,8 @@ impl SegmentTable {
             release_ready: Vec::new(),
             releasing: Vec::new(),
             discards: HashMap::new(),
+            discarding: 0,
+            discard_cursor: 0,
             discarded: 0,
             quarantined: 0,
         }
@@ -249,40 +275,120 @@ impl SegmentTable {
             .count()
     }
 
-    /// Whether released segment `seg` is to be discarded before reuse: discards
-    /// are on (`before` is `Some`) and it was opened before the durable
+    /// Whether released or free segment `seg` may be discarded: discards are on
+    /// (`before` is `Some`) and its contents were opened before the durable
     /// checkpoint's start version `before`. Recovery from that checkpoint walks
     /// the segments opened after it in free-queue order and takes a run of empty
     /// ones for the end of what was allocated, so those must keep their units
     /// until reused (a segment opened before the checkpoint reads as stale to the
     /// walk either way).
     pub fn discardable(&self, seg: u32, before: Option<u64>) -> bool {
-        before.is_some_and(|v| self.segs[seg as usize].incarnation < v)
+        let s = &self.segs[seg as usize];
+        let opened = match s.state {
+            SegState::Free => s.retired,
+            _ => s.incarnation,
+        };
+        before.is_some_and(|v| opened < v)
     }
 
     /// Frees the first releasing segment if its release is durable and, where it
-    /// is to be discarded (see [`SegmentTable::discardable`]), its discard is
-    /// done: returns it.
-    pub fn free_next_released(&mut self, synced: u64, discard_before: Option<u64>) -> Option<u32> {
+    /// is to be discarded on release (`release_discards`, see
+    /// [`SegmentTable::discardable`]), its discard is done: returns it.
+    pub fn free_next_released(
+        &mut self,
+        synced: u64,
+        release_discards: Option<u64>,
+        now_ms: u64,
+    ) -> Option<u32> {
         let &s = self.releasing.first()?;
         if self.segs[s as usize].gen > synced {
             return None;
         }
-        if self.discardable(s, discard_before) && self.discards.get(&s) != Some(&true) {
+        let discarded = self.discards.get(&s) == Some(&true);
+        if self.discardable(s, release_discards) && !discarded {
             return None;
         }
         self.discards.remove(&s);
         self.releasing.remove(0);
-        self.make_free(s);
+        self.make_free(s, now_ms);
+        self.segs[s as usize].clean = discarded;
         Some(s)
     }
 
     /// Returns `seg` to the back of the free queue as a new, empty segment (its
-    /// wear is kept).
-    pub fn make_free(&mut self, seg: u32) {
-        let erase_count = self.segs[seg as usize].erase_count;
-        self.segs[seg as usize] = Seg::free(erase_count);
+    /// wear is kept) at engine time `now_ms`.
+    pub fn make_free(&mut self, seg: u32, now_ms: u64) {
+        let old = &self.segs[seg as usize];
+        debug_assert!(!old.discarding, "segment {seg} freed while discarded");
+        let retired = old.incarnation;
+        self.segs[seg as usize] = Seg {
+            retired,
+            freed_ms: now_ms,
+            ..Seg::free(old.erase_count)
+        };
         self.free.push_back(seg);
+    }
+
+    /// The next free segment to discard, if any, marked as being discarded:
+    /// one that has been free for `delay_ms` at `now_ms`, was not discarded since
+    /// it was last written, is [`discardable`](Self::discardable) with `before`,
+    /// lies beyond the first `window` of the queue (what allocation takes next),
+    /// and is not `pinned` by a reader. Looks at no more than `scan` entries,
+    /// going on from where the last call stopped.
+    pub fn next_to_discard(
+        &mut self,
+        now_ms: u64,
+        delay_ms: u64,
+        before: Option<u64>,
+        window: usize,
+        mut scan: usize,
+        pinned: impl Fn(u32) -> bool,
+    ) -> Option<u32> {
+        if before.is_none() || self.free.len() <= window {
+            return None;
+        }
+        let mut wrapped = false;
+        while scan > 0 {
+            if self.discard_cursor < window || self.discard_cursor >= self.free.len() {
+                if wrapped {
+                    return None;
+                }
+                wrapped = true;
+                self.discard_cursor = window;
+            }
+            let seg = self.free[self.discard_cursor];
+            self.discard_cursor += 1;
+            scan -= 1;
+            let s = &mut self.segs[seg as usize];
+            // A clock that went back (an engine first driven inline, then by the
+            // runtime's clock from 0) restarts the wait instead of never ending it.
+            s.freed_ms = s.freed_ms.min(now_ms);
+            if s.clean || s.discarding || now_ms - s.freed_ms < delay_ms {
+                continue;
+            }
+            if self.discardable(seg, before) && !pinned(seg) {
+                self.segs[seg as usize].discarding = true;
+                self.discarding += 1;
+                return Some(seg);
+            }
+        }
+        None
+    }
+
+    /// The discard of free segment `seg` ended (`ok`: it succeeded).
+    pub fn discard_done(&mut self, seg: u32, ok: bool) {
+        let s = &mut self.segs[seg as usize];
+        assert!(
+            s.discarding && s.state == SegState::Free,
+            "discard of segment {seg} ended"
+        );
+        s.discarding = false;
+        // A failed discard is not retried: the segment is rewritten anyway when reused.
+        s.clean = true;
+        self.discarding -= 1;
+        if ok {
+            self.discarded += 1;
+        }
     }
 }
 
@@ -296,7 +402,7 @@ mod tests {
             s.state = SegState::Closed;
             s.erase_count = 3;
         }
-        SegmentTable::new(segs, VecDeque::new())
+        SegmentTable::new(segs, VecDeque::new(), 1)
     }
 
     #[test]
@@ -315,13 +421,13 @@ mod tests {
         assert_eq!(t.release_recorded(8), 0);
         assert_eq!(t.released(6), 0);
         assert!(
-            t.free_next_released(6, None).is_none(),
+            t.free_next_released(6, None, 0).is_none(),
             "record not durable"
         );
         // Both records durable: freed in the order they were sealed.
         assert_eq!(t.released(8), 2);
-        assert_eq!(t.free_next_released(8, None), Some(2));
-        assert_eq!(t.free_next_released(8, None), Some(0));
+        assert_eq!(t.free_next_released(8, None, 0), Some(2));
+        assert_eq!(t.free_next_released(8, None, 0), Some(0));
         assert_eq!(t.free, VecDeque::from(vec![2, 0]));
         assert_eq!(t.segs[2].state, SegState::Free);
         assert_eq!(t.segs[2].erase_count, 3, "wear is kept");
@@ -329,8 +435,74 @@ mod tests {
         assert!(!t.wants_flush(8));
     }
 
+    /// Free segments are discarded once they have stayed free for the delay, one
+    /// at a time, never those allocation takes next, those opened after the durable
+    /// checkpoint, those a reader holds, or those already discarded.
     #[test]
-    fn a_segment_to_discard_waits_for_its_discard_and_holds_back_later_ones() {
+    fn free_segments_are_discarded_once_they_stay_free() {
+        let mut t = table(8);
+        // Segments 0..8 released in order at times 0, 10, .., 70; 5 was opened
+        // after the durable checkpoint (version 10).
+        for seg in 0..8 {
+            t.segs[seg as usize].incarnation = if seg == 5 { 12 } else { 5 };
+            t.emptied(seg, 1);
+        }
+        t.synced(1);
+        for _ in 0..8 {
+            t.release_recorded(2);
+        }
+        for (i, now) in (0..8).zip((0..).step_by(10)) {
+            assert_eq!(t.free_next_released(2, None, now), Some(i));
+        }
+        let pinned = |s: u32| s == 3;
+        let next = |t: &mut SegmentTable, now| t.next_to_discard(now, 35, Some(10), 2, 100, pinned);
+        assert_eq!(
+            next(&mut t, 70),
+            Some(2),
+            "0 and 1 are allocation's next two"
+        );
+        assert!(t.segs[2].discarding);
+        assert_eq!(next(&mut t, 70), None, "3 is pinned, 4 is too young");
+        assert_eq!(next(&mut t, 200), Some(4), "5 is newer than the checkpoint");
+        assert_eq!(next(&mut t, 200), Some(6));
+        assert_eq!(next(&mut t, 200), Some(7));
+        assert_eq!(next(&mut t, 200), None);
+        assert!(!t.discardable(1, None), "discards off");
+        assert_eq!(t.next_to_discard(200, 35, None, 2, 100, pinned), None);
+        // A clock that went back restarts the wait.
+        t.segs[3].freed_ms = 500;
+        assert_eq!(
+            t.next_to_discard(210, 35, Some(10), 2, 100, |_| false),
+            None
+        );
+        assert_eq!(t.segs[3].freed_ms, 210);
+        assert_eq!(
+            t.next_to_discard(245, 35, Some(10), 2, 100, |_| false),
+            Some(3)
+        );
+        t.discard_done(3, true);
+        t.discard_done(2, true);
+        t.discard_done(4, false);
+        assert!(t.segs[2].clean && !t.segs[2].discarding && t.segs[4].clean);
+        assert_eq!((t.discarding, t.discarded), (2, 2));
+        assert_eq!(next(&mut t, 200), None, "discarded ones are not again");
+        // A segment reused and freed again is discarded again.
+        let pos = t.free.iter().position(|&s| s == 2).unwrap();
+        t.free.remove(pos);
+        t.segs[2].state = SegState::Closed;
+        t.segs[2].incarnation = 7;
+        t.emptied(2, 3);
+        t.synced(3);
+        t.release_recorded(4);
+        assert_eq!(t.free_next_released(4, None, 300), Some(2));
+        assert!(!t.segs[2].clean && t.segs[2].retired == 7);
+        assert_eq!(next(&mut t, 400), Some(2));
+    }
+
+    /// With no discard delay, a released segment is discarded before it joins the
+    /// free queue, and later ones wait for it.
+    #[test]
+    fn a_segment_discarded_on_release_holds_back_later_ones() {
         let mut t = table(3);
         t.emptied(1, 1);
         t.emptied(2, 1);
@@ -344,12 +516,14 @@ mod tests {
         assert!(t.discardable(1, discard) && !t.discardable(2, discard));
         assert!(!t.discardable(1, None), "discards off");
         t.discards.insert(1, false);
-        assert!(t.free_next_released(2, discard).is_none());
+        assert!(t.free_next_released(2, discard, 0).is_none());
         assert!(t.free.is_empty(), "segment 2 must not overtake 1");
         *t.discards.get_mut(&1).unwrap() = true;
-        assert_eq!(t.free_next_released(2, discard), Some(1));
+        assert_eq!(t.free_next_released(2, discard, 0), Some(1));
         assert!(t.discards.is_empty());
-        assert_eq!(t.free_next_released(2, discard), Some(2));
+        assert!(t.segs[1].clean, "not discarded again while free");
+        assert_eq!(t.free_next_released(2, discard, 0), Some(2));
+        assert!(!t.segs[2].clean);
     }
 
     #[test]

@@ -496,66 +496,149 @@ fn volume_lifecycle_is_crash_safe() {
 }
 
 /// Released segments are discarded (here on a device whose discarded ranges read
-/// as zeros), and nothing that was still needed was among them.
+/// as zeros), and nothing that was still needed was among them: with no delay as
+/// they are released, with a delay once they have stayed free that long (and not
+/// while the writes keep reusing them sooner).
 #[test]
 fn released_segments_are_discarded() {
-    let devs: Vec<Arc<dyn BlockDevice>> = vec![Arc::new(lamina_device::mem::MemDevice::new(
-        "d",
-        device_bytes(40),
-    ))];
-    format_devices(&devs, &small_params());
-    let mut e = open_rw(&devs, small_config());
-    let blocks = (e.status().usable_bytes / BS as u64) * 8 / 10;
-    let vol = create_volume(&mut e, "v", blocks * BS as u64);
-    let mut model = std::collections::HashMap::new();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-    overwrite(&mut e, vol, &mut model, blocks * 4, 97, |_| {
-        rng.gen_range(0..blocks)
-    });
-    assert!(
-        e.segments_discarded() > 10,
-        "{} discarded",
-        e.segments_discarded()
-    );
-    verify_model(&e, vol, &model);
-    drop(e);
-    let e = open_rw(&devs, small_config());
-    verify_model(&e, vol, &model);
+    for delay in [0, 60_000] {
+        let devs: Vec<Arc<dyn BlockDevice>> = vec![Arc::new(lamina_device::mem::MemDevice::new(
+            "d",
+            device_bytes(120),
+        ))];
+        format_devices(&devs, &small_params());
+        let cfg = || lamina_core::EngineConfig {
+            discard_delay_ms: delay,
+            ..small_config()
+        };
+        let mut e = open_rw(&devs, cfg());
+        let blocks = (e.status().usable_bytes / BS as u64) * 8 / 10;
+        let vol = create_volume(&mut e, "v", blocks * BS as u64);
+        let mut model = std::collections::HashMap::new();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        // The engine's clock: 10 ms per write. (The writes are not made with
+        // `call`, whose rounds move the clock an hour each.)
+        let mut now = e.now_ms();
+        // A minute idle first: the fresh array's free segments are discarded.
+        for _ in 0..200 {
+            now += 1000;
+            e.tick(now);
+            lamina_core::run_inline(&mut e);
+        }
+        let idle = e.segments_discarded();
+        assert_eq!(idle > 0, delay > 0, "{idle} discarded while idle");
+        let mut replies = Vec::new();
+        let mut steady = 0;
+        for i in 0..blocks * 4 {
+            if i == blocks * 2 {
+                steady = e.segments_discarded();
+            }
+            let lba = rng.gen_range(0..blocks);
+            let gen = model.get(&lba).copied().unwrap_or(0) + 1;
+            let token = lamina_core::Token { conn: 9, handle: i };
+            let data = lamina_testkit::pattern(lba, gen);
+            let offset = lba * BS as u64;
+            e.submit(
+                token,
+                Request::Write {
+                    volume: vol,
+                    offset,
+                    data,
+                    fua: false,
+                },
+            );
+            loop {
+                now += 10;
+                e.tick(now);
+                lamina_core::run_inline(&mut e);
+                e.drain_replies(&mut replies);
+                if let Some(r) = replies.iter().position(|r| r.token == token) {
+                    replies.swap_remove(r).result.unwrap();
+                    break;
+                }
+            }
+            model.insert(lba, gen);
+        }
+        let churned = e.segments_discarded() - idle;
+        let steady = e.segments_discarded() - steady;
+        call(&mut e, Request::Flush).result.unwrap();
+        if delay == 0 {
+            assert!(churned > 10, "{churned} discarded as released");
+        } else {
+            // In the steady state, released segments are reused within seconds:
+            // none stays free for a minute.
+            assert_eq!(steady, 0, "discarded while the writes reused them");
+            // Idle for a minute (the flush above moved the clock on): what is
+            // free now is discarded, a few at a time.
+            for _ in 0..100 {
+                let t = e.now_ms() + 1000;
+                e.tick(t);
+                lamina_core::run_inline(&mut e);
+            }
+            let free = e.status().free_segments;
+            let discarded = e.segments_discarded() - idle;
+            assert!(
+                discarded + 1 >= free && discarded > 3,
+                "{discarded} of {free} free segments discarded after a minute idle"
+            );
+        }
+        verify_model(&e, vol, &model);
+        drop(e);
+        let e = open_rw(&devs, cfg());
+        verify_model(&e, vol, &model);
+    }
 }
 
-/// Segments opened after the durable checkpoint are not discarded when released:
-/// recovery walks them in free-queue order and would take a long run of zeroed
-/// ones for the end of the allocations, missing everything after it. Here a small
-/// region is rewritten (and flushed) over and over with no checkpoint in between,
-/// so many such segments are opened and released, on a device whose discarded
-/// ranges read as zeros; every flushed write must come back after a crash.
+/// Segments opened after the durable checkpoint are not discarded when released
+/// or while free: recovery walks them in free-queue order and would take a long
+/// run of zeroed ones for the end of the allocations, missing everything after it.
+/// Here a small region is rewritten (and flushed) over and over with no checkpoint
+/// in between, so many such segments are opened and released, on a device whose
+/// discarded ranges read as zeros, with discards as released and with free segments
+/// discarded at every step of the clock; every flushed write must come back after
+/// a crash.
 #[test]
 fn segments_opened_after_the_checkpoint_survive_release_until_reused() {
-    let devs: Vec<Arc<dyn BlockDevice>> = vec![Arc::new(lamina_device::mem::MemDevice::new(
-        "d",
-        device_bytes(400),
-    ))];
-    format_devices(&devs, &small_params());
-    let cfg = || lamina_core::EngineConfig {
-        checkpoint_interval_blocks: u64::MAX / 4,
-        ..small_config()
-    };
-    let mut e = open_rw(&devs, cfg());
-    let vol = create_volume(&mut e, "v", 4096 * BS as u64);
-    let mut model = std::collections::HashMap::new();
-    // Fill the volume once (its blocks live in early segments), then churn a
-    // small region through more than 100 segments.
-    overwrite(&mut e, vol, &mut model, 4096, 500, |i| i);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-    overwrite(&mut e, vol, &mut model, 8000, 40, |_| rng.gen_range(0..256));
-    let checkpoints = e.counters().checkpoints;
-    drop(e);
-    let e = open_rw(&devs, cfg());
-    assert!(
-        checkpoints <= 2,
-        "no checkpoint during the churn ({checkpoints})"
-    );
-    verify_model(&e, vol, &model);
+    for delay in [0, 1] {
+        let devs: Vec<Arc<dyn BlockDevice>> = vec![Arc::new(lamina_device::mem::MemDevice::new(
+            "d",
+            device_bytes(400),
+        ))];
+        format_devices(&devs, &small_params());
+        let cfg = || lamina_core::EngineConfig {
+            checkpoint_interval_blocks: u64::MAX / 4,
+            discard_delay_ms: delay,
+            ..small_config()
+        };
+        let mut e = open_rw(&devs, cfg());
+        let vol = create_volume(&mut e, "v", 4096 * BS as u64);
+        let mut model = std::collections::HashMap::new();
+        // Fill the volume once (its blocks live in early segments), then churn a
+        // small region through more than 100 segments.
+        overwrite(&mut e, vol, &mut model, 4096, 500, |i| i);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        for i in 0..200 {
+            overwrite(&mut e, vol, &mut model, 40, 40, |_| rng.gen_range(0..256));
+            let t = e.now_ms() + 1000 + i;
+            e.tick(t);
+            lamina_core::run_inline(&mut e);
+        }
+        let checkpoints = e.counters().checkpoints;
+        let discarded = e.segments_discarded();
+        drop(e);
+        let e = open_rw(&devs, cfg());
+        assert!(
+            checkpoints <= 2,
+            "no checkpoint during the churn ({checkpoints})"
+        );
+        // (With no delay only segments released after a checkpoint are, and there
+        // is none; the free ones are discarded with a delay.)
+        assert!(
+            delay == 0 || discarded > 0,
+            "free segments were not discarded"
+        );
+        verify_model(&e, vol, &model);
+    }
 }
 
 /// Reads without waiting: served when every block is unmapped, buffered or on a

@@ -603,6 +603,12 @@ impl Inline {
     ) -> Result<Self> {
         let uuids: Vec<[u8; 16]> = (0..devs.len()).map(|i| [i as u8 + 2; 16]).collect();
         lamina_core::format(&devs, params, [1; 16], &uuids, 0)?;
+        // No clock runs here: released segments are discarded as they are released,
+        // so that the emulated drive hears of every one (SALSA's setup).
+        let cfg = lamina_core::EngineConfig {
+            discard_delay_ms: 0,
+            ..cfg
+        };
         let (e, _) = lamina_core::open(devs, cfg, lamina_core::OpenMode::ReadWrite)?;
         let volume_bytes = e.status().usable_bytes / (1 << 20) * (1 << 20);
         let mut l = Inline {

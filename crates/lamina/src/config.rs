@@ -131,8 +131,11 @@ pub struct EngineSection {
     /// Geometry-aware placement: GC moves blocks read since they were written to
     /// the outermost free segments (default: on for zoned arrays).
     pub geometry_aware: Option<bool>,
-    /// Discard released segments (TRIM, holes in files); default true.
+    /// Discard free segments (TRIM, holes in files); default true.
     pub discard: Option<bool>,
+    /// Milliseconds a segment stays free before it is discarded (default 30000);
+    /// segments reused sooner are not discarded at all.
+    pub discard_delay_ms: Option<u64>,
     /// Memory for cached unit headers (checksums and owners the read path needs),
     /// e.g. "64M" (the default, about 20 GiB of data in 512 KiB units). A read whose
     /// unit is not cached reads its header from the device as well.
@@ -347,6 +350,9 @@ impl Config {
         c.geometry_aware = self.engine.geometry_aware;
         if let Some(d) = self.engine.discard {
             c.discard = d;
+        }
+        if let Some(ms) = self.engine.discard_delay_ms {
+            c.discard_delay_ms = ms;
         }
         Ok(c)
     }
