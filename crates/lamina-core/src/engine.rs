@@ -698,14 +698,24 @@ impl Engine {
         self.segments.quarantined
     }
 
-    /// Released segments discarded since the array was opened.
     /// The engine's clock: the last time [`Engine::tick`] was given.
     pub fn now_ms(&self) -> u64 {
         self.now_ms
     }
 
+    /// Segments discarded since the array was opened.
     pub fn segments_discarded(&self) -> u64 {
         self.segments.discarded
+    }
+
+    /// Free segments discarded since they were last written.
+    pub fn free_segments_discarded(&self) -> usize {
+        let segs = &self.segments.segs;
+        self.segments
+            .free
+            .iter()
+            .filter(|&&s| segs[s as usize].clean)
+            .count()
     }
 
     /// Short units flushes moved to conventional zones.
@@ -1124,7 +1134,11 @@ impl Engine {
     /// is released would pay for it twice when it is soon reused: a file system
     /// allocates the hole's pages or blocks again, a drive maps the range again.
     fn discard_idle(&mut self) {
-        if self.cfg.metadata_only || self.cfg.discard_delay_ms == 0 || self.failed.is_some() {
+        if self.cfg.metadata_only
+            || self.cfg.discard_delay_ms == 0
+            || self.failed.is_some()
+            || self.shutting_down
+        {
             return;
         }
         let before = self.discard_before();

@@ -179,14 +179,15 @@ pub(crate) struct SegmentTable {
 
 impl SegmentTable {
     /// `opened_at`: the first version of this run. What the segments found free
-    /// held before is not known, so they count as retired then (discarded once a
-    /// checkpoint of this run is durable).
+    /// held was opened by an earlier run, at a version below it, so they count as
+    /// retired just before it (discarded once a checkpoint of this run, which
+    /// starts at `opened_at` or later, is durable).
     pub fn new(mut segs: Vec<Seg>, free: VecDeque<u32>, opened_at: u64) -> Self {
         debug_assert!(free
             .iter()
             .all(|&s| segs[s as usize].state == SegState::Free));
         for &s in &free {
-            segs[s as usize].retired = opened_at;
+            segs[s as usize].retired = opened_at.saturating_sub(1);
         }
         SegmentTable {
             segs,

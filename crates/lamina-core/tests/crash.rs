@@ -201,7 +201,7 @@ impl Run {
         if self.rng.gen_bool(0.3) {
             let (mut half, _) = lamina_core::open_unfinished(
                 dyn_devs(&wrap(&devs)),
-                small_config(),
+                config(self.seed),
                 lamina_core::OpenMode::ReadWrite,
             )
             .unwrap_or_else(|e| panic!("seed {} round {round}: recovery failed: {e}", self.seed));
@@ -226,7 +226,7 @@ impl Run {
             let before: Vec<Vec<u8>> = devs.iter().map(|d| image(&mut self.rng, d)).collect();
             let (ro, _) = lamina_core::open(
                 dyn_devs(&devs),
-                small_config(),
+                config(self.seed),
                 lamina_core::OpenMode::ReadOnly,
             )
             .unwrap_or_else(|e| panic!("seed {} round {round}: read-only open: {e}", self.seed));
@@ -251,7 +251,7 @@ impl Run {
         }
         let (engine, _report) = lamina_core::open(
             dyn_devs(&faults),
-            small_config(),
+            config(self.seed),
             lamina_core::OpenMode::ReadWrite,
         )
         .unwrap_or_else(|e| panic!("seed {} round {round}: recovery failed: {e}", self.seed));
@@ -335,7 +335,7 @@ impl Run {
                 .collect();
             let (e, _) = lamina_core::open(
                 dyn_devs(&members),
-                small_config(),
+                config(self.seed),
                 lamina_core::OpenMode::ReadOnly,
             )
             .unwrap_or_else(|e| {
@@ -413,7 +413,7 @@ fn run_layout(
         .collect();
     format_devices(&dyn_devs(&devs), &layout_params(layout));
     let faults = wrap(&devs);
-    let mut engine = open_rw(&dyn_devs(&faults), small_config());
+    let mut engine = open_rw(&dyn_devs(&faults), config(seed));
     let usable = engine.usable_bytes() / BS as u64;
     let blocks = usable * 7 / 10;
     let vol = create_volume(&mut engine, "v", blocks * BS as u64);
@@ -506,6 +506,17 @@ fn run_layout(
         run.crash_and_check(round);
     }
     run.failures_on_record
+}
+
+/// The engine's configuration for `seed`: free segments are discarded as they are
+/// released (odd seeds) or once they have stayed free for 50 ms of the run's clock
+/// (even seeds: at about every tick), while the driver runs device operations in
+/// any order, so a discard that allocation did not wait for would land on new data.
+fn config(seed: u64) -> lamina_core::EngineConfig {
+    lamina_core::EngineConfig {
+        discard_delay_ms: if seed % 2 == 1 { 0 } else { 50 },
+        ..small_config()
+    }
 }
 
 /// Seeds to run: `LAMINA_CRASH_SEED` replays one, `LAMINA_CRASH_SEEDS` sets how many.
