@@ -5,7 +5,6 @@
 //! server, so that fio can run the same job against it and against a SAID5 array.
 //! On SIGINT it prints what it read and wrote as JSON.
 
-use crate::size::parse_size;
 use anyhow::{Context, Result};
 use crossbeam_channel::{unbounded, Sender};
 use lamina_device::file::{FileDevice, OpenMode as DevMode};
@@ -222,7 +221,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             plot,
             json,
         } => {
-            let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+            let size = |s: &str| crate::size_arg("size", s);
             return iops(
                 ssds,
                 size(&capacity)?,
@@ -242,7 +241,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             rounds,
             json,
         } => {
-            let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+            let size = |s: &str| crate::size_arg("size", s);
             return geometry(size(&capacity)?, size(&zone)?, size(&io)?, rounds, json);
         }
         BenchCmd::Parity {
@@ -251,7 +250,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             seconds,
             json,
         } => {
-            let chunk = parse_size(&chunk).map_err(anyhow::Error::msg)?;
+            let chunk = crate::size_arg("--chunk", &chunk)?;
             return parity(members, chunk, seconds, json);
         }
         BenchCmd::Smr {
@@ -309,7 +308,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         };
         members.push(Arc::new(dev));
     }
-    let chunk = parse_size(&chunk).map_err(anyhow::Error::msg)?;
+    let chunk = crate::size_arg("--chunk", &chunk)?;
     let raid = Arc::new(Raid5Rmw::new(members, chunk)?);
     let (tx, rx) = unbounded::<(Command, u64, Arc<ReplySink>)>();
     for _ in 0..threads.max(1) {
@@ -452,8 +451,8 @@ fn endurance(
 ) -> Result<()> {
     use lamina_device::flash::{Cell, Flash, FlashConfig};
     use lamina_device::mem::MemDevice;
-    let capacity = parse_size(capacity).map_err(anyhow::Error::msg)?;
-    let iu = parse_size(iu).map_err(anyhow::Error::msg)?;
+    let capacity = crate::size_arg("--capacity", capacity)?;
+    let iu = crate::size_arg("--iu", iu)?;
     let cfg = FlashConfig {
         capacity_bytes: capacity,
         iu_bytes: iu,
@@ -828,7 +827,7 @@ fn smr(
     use lamina_device::dmsmr::{DmSmrConfig, DriveManagedSmr};
     use lamina_device::mem::NullDevice;
     use lamina_device::zoned::SmrTiming;
-    let size = |s: &str| parse_size(s).map_err(anyhow::Error::msg);
+    let size = |s: &str| crate::size_arg("size", s);
     let (capacity, zone, io, unit, gap) = (
         size(capacity)?,
         size(zone)?,
@@ -1084,7 +1083,7 @@ pub fn parse_flash_spec(spec: &str) -> Result<lamina_device::flash::FlashConfig>
     };
     for kv in spec.split(',').filter(|s| !s.is_empty()) {
         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-        let size = || parse_size(v).map_err(anyhow::Error::msg);
+        let size = || crate::size_arg(k, v);
         let num = || {
             v.parse::<u32>()
                 .with_context(|| format!("{k}={v}: not a number"))

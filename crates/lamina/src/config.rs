@@ -36,8 +36,9 @@ pub struct ServeConfig {
     /// Unix socket for NBD clients.
     #[serde(default = "default_unix")]
     pub unix: Option<PathBuf>,
-    /// TCP address for NBD clients (loopback unless told otherwise).
-    #[serde(default = "default_tcp")]
+    /// TCP address for NBD clients; none unless given (`array create --tcp`;
+    /// the embedded default listens on loopback).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tcp: Option<String>,
     /// Address of the Prometheus metrics endpoint (`/metrics`); off when absent.
     #[serde(default)]
@@ -87,7 +88,7 @@ impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
             unix: default_unix(),
-            tcp: default_tcp(),
+            tcp: None,
             metrics: None,
             io_threads: default_io_threads(),
             io_nice: None,
@@ -164,9 +165,6 @@ fn default_log() -> PathBuf {
 }
 fn default_unix() -> Option<PathBuf> {
     Some("nbd.sock".into())
-}
-fn default_tcp() -> Option<String> {
-    Some("127.0.0.1:10809".into())
 }
 fn default_io_threads() -> usize {
     4

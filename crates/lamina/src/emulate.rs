@@ -14,7 +14,6 @@
 //! its logical offset.
 
 use crate::size::human;
-use crate::size::parse_size;
 use anyhow::{bail, Context, Result};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use lamina_device::dmsmr::{DmSmrConfig, DriveManagedSmr};
@@ -295,7 +294,7 @@ fn parse_smr_spec(spec: &str) -> Result<(u64, DmSmrConfig)> {
     let mut cache: Option<String> = None;
     for kv in spec.split(',').filter(|s| !s.is_empty()) {
         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-        let size = || parse_size(v).map_err(anyhow::Error::msg);
+        let size = || crate::size_arg(k, v);
         match k {
             "capacity" => capacity = size()?,
             "zone" => cfg.zone_bytes = size()?,
@@ -316,7 +315,7 @@ fn parse_smr_spec(spec: &str) -> Result<(u64, DmSmrConfig)> {
                 }
                 (capacity as f64 * p / 100.0) as u64 / 4096 * 4096
             }
-            None => parse_size(c).map_err(anyhow::Error::msg)?,
+            None => crate::size_arg("cache", c)?,
         },
     };
     Ok((capacity, cfg))

@@ -231,9 +231,9 @@ enum ArrayCmd {
     /// on from the others and their parity.
     Fail {
         dir: PathBuf,
-        /// Index of the member (as `lamina status` lists them).
-        #[arg(long, value_name = "N")]
-        device: usize,
+        /// The member: its index (as `lamina status` lists them) or its path.
+        #[arg(long, value_name = "N|PATH")]
+        device: String,
     },
     /// Put a new device in place of a failed member and rebuild it (online when
     /// the server runs).
@@ -263,8 +263,11 @@ Runs inside the server when it is up (clients keep working), else here.
 
 EXIT STATUS
     0  nothing wrong, or everything found was repaired
-    2  damage remains (unrecoverable blocks, parity mismatches with no culprit, or
-       unit headers damaged so that the units after them cannot be checked)";
+    1  the scrub could not run (the message says why)
+    2  bad usage
+    4  damage remains (unrecoverable blocks, parity mismatches with no culprit, or
+       unit headers damaged so that the units after them cannot be checked), as
+       `lamina fsck` says it";
 
 const ARRAY_REPLACE_ABOUT: &str = "\
 Put a new device in the place of failed member N of a striped array (said5,
@@ -285,9 +288,9 @@ EXAMPLE
 #[derive(clap::Args)]
 struct ArrayReplaceArgs {
     dir: PathBuf,
-    /// Index of the failed member (as `lamina status` lists them).
-    #[arg(long, value_name = "N")]
-    old: usize,
+    /// The failed member: its index (as `lamina status` lists them) or its path.
+    #[arg(long, value_name = "N|PATH")]
+    old: String,
     /// The new device: PATH or PATH:SIZE (creates a sparse file).
     #[arg(long, value_name = "PATH[:SIZE]")]
     new: String,
@@ -365,29 +368,39 @@ struct ArrayCreateArgs {
     /// PATH.zones beside each file.
     #[arg(long, value_name = "SPEC")]
     zoned: Option<String>,
+    /// Also serve NBD on this TCP address (written to lamina.toml as `[serve]
+    /// tcp`); without it the array is served on its Unix socket only, so that
+    /// arrays do not compete for one port.
+    #[arg(long, value_name = "HOST:PORT")]
+    tcp: Option<String>,
 }
 
 #[derive(Subcommand)]
 enum VolumeCmd {
     /// Create a thin-provisioned volume.
     Create {
-        dir: PathBuf,
-        name: String,
+        /// [DIR] NAME: the array directory (default ./lamina-data) and the
+        /// volume's name.
+        #[arg(required = true, num_args = 1..=2, value_name = "[DIR] NAME")]
+        args: Vec<String>,
         /// Size of the volume (K, M, G, T suffixes); a multiple of 4 KiB.
         #[arg(long, value_name = "SIZE")]
         size: String,
     },
     /// List volumes.
     List {
-        dir: PathBuf,
+        /// Array directory (default ./lamina-data).
+        dir: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
     /// Delete a volume and release its space. A volume with clients connected is
     /// refused unless --force is given.
     Delete {
-        dir: PathBuf,
-        name: String,
+        /// [DIR] NAME: the array directory (default ./lamina-data) and the
+        /// volume's name.
+        #[arg(required = true, num_args = 1..=2, value_name = "[DIR] NAME")]
+        args: Vec<String>,
         /// Delete even while clients are connected: they are disconnected first.
         #[arg(long)]
         force: bool,
@@ -410,7 +423,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Array(ArrayCmd::Create(a)) => array_create(a),
-        Cmd::Array(ArrayCmd::Fail { dir, device }) => array_fail(&dir, device),
+        Cmd::Array(ArrayCmd::Fail { dir, device }) => array_fail(&dir, &device),
         Cmd::Array(ArrayCmd::Replace(a)) => array_replace(a),
         Cmd::Array(ArrayCmd::Scrub { dir, json, quiet }) => array_scrub(&dir, json, quiet),
         Cmd::Volume(v) => volume(v),
@@ -481,6 +494,46 @@ pub fn size_arg(what: &str, s: &str) -> Result<u64> {
     parse_size(s).map_err(|e| anyhow::Error::new(Usage(format!("{what}: {e}"))))
 }
 
+/// A member of the array named on the command line by its index or by its path
+/// (as `array create --device` took it; relative to the current directory).
+fn member_arg(st: &lamina_core::StatusReport, what: &str, s: &str) -> Result<usize> {
+    let n = st.members.len();
+    if n == 0 {
+        return Err(Usage(format!(
+            "{what} {s}: no member {s}: a {} array has no members to fail or replace",
+            st.layout
+        ))
+        .into());
+    }
+    if let Ok(i) = s.parse::<usize>() {
+        if i >= n {
+            return Err(Usage(format!(
+                "{what} {i}: no member {i}; the array has members 0 to {}",
+                n - 1
+            ))
+            .into());
+        }
+        return Ok(i);
+    }
+    let canon = |p: &Path| p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
+    let want = canon(&absolute(Path::new(s))?);
+    st.members
+        .iter()
+        .position(|m| canon(Path::new(&m.name)) == want)
+        .ok_or_else(|| {
+            let names: Vec<String> = st
+                .members
+                .iter()
+                .map(|m| format!("{} {}", m.index, m.name))
+                .collect();
+            Usage(format!(
+                "{what} {s}: not a member of the array (members: {})",
+                names.join(", ")
+            ))
+            .into()
+        })
+}
+
 /// `lamina man`: the pages into `dir`, or lamina(1) to standard output.
 fn man(dir: Option<&Path>) -> Result<()> {
     use clap::CommandFactory;
@@ -545,23 +598,14 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
         .transpose()
         .map_err(anyhow::Error::msg)?;
     let (before, running) = get_status(&dir)?;
-    let old_name = before
-        .members
-        .get(a.old)
-        .map(|m| m.name.clone())
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "no member {} (the array has {})",
-                a.old,
-                before.members.len()
-            )
-        })?;
+    let old = member_arg(&before, "--old", &a.old)?;
+    let old_name = before.members[old].name.clone();
     let size = if rebuild::prepare_zoned(&old_name, &path, size)? {
         None
     } else {
         size
     };
-    let req = json!({"op": "member-replace", "index": a.old, "path": path, "size": size,
+    let req = json!({"op": "member-replace", "index": old, "path": path, "size": size,
                      "force": a.force, "rate": rate});
     let bar = |quiet: bool| {
         let pb = if quiet {
@@ -584,7 +628,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
         rebuild::update_config(&dir, &old_name, &path)?;
         println!(
             "member {} replaced by {}; rebuilding in the server",
-            a.old,
+            old,
             path.display()
         );
         if a.no_wait {
@@ -593,13 +637,13 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
         let pb = bar(a.quiet);
         loop {
             let (s, running) = get_status(&dir)?;
-            let m = &s.members[a.old];
+            let m = &s.members[old];
             match (m.state.as_str(), m.rebuild_progress) {
                 ("rebuilding", Some(p)) => pb.set_position((p * 100.0) as u64),
                 ("ok", _) => break,
                 (state, _) => bail!(
                     "member {} is {state}: the rebuild stopped (see the server log)",
-                    a.old
+                    old
                 ),
             }
             if !running {
@@ -608,7 +652,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
         pb.finish();
-        println!("member {} rebuilt", a.old);
+        println!("member {} rebuilt", old);
         return Ok(());
     }
     // Offline: run the engine here.
@@ -617,10 +661,10 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     let rt = runtime::Runtime::start(engine, cfg.serve.io_threads, cfg.serve.io_nice()?);
     let result = (|| -> Result<lamina_core::rebuild::RebuildReport> {
         let dev = rebuild::open_new_device(&path, size, a.force, cfg.io_options()?)?;
-        rebuild::replace(&rt, a.old, dev)?;
+        rebuild::replace(&rt, old, dev)?;
         rebuild::update_config(&dir, &old_name, &path)?;
         let pb = bar(a.quiet);
-        let r = rebuild::run(&rt, a.old, rate, a.whole_device, &mut |d, t| {
+        let r = rebuild::run(&rt, old, rate, a.whole_device, &mut |d, t| {
             pb.set_position(d * 100 / t.max(1));
         })?;
         pb.finish();
@@ -632,7 +676,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
         println!(
             "{}",
             json!({
-                "member": a.old,
+                "member": old,
                 "seconds": r.elapsed.as_secs_f64(),
                 "stripes_visited": r.stripes_visited,
                 "stripes_rebuilt": r.stripes_rebuilt,
@@ -644,7 +688,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     }
     println!(
         "member {} rebuilt in {:.1}s: {} of {} stripes held data; wrote {} (a whole-device rebuild writes {})",
-        a.old,
+        old,
         r.elapsed.as_secs_f64(),
         r.stripes_rebuilt,
         r.stripes_visited,
@@ -709,7 +753,7 @@ fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
         }
     }
     if n("unrecoverable") > 0 || n("unresolved") > 0 || n("damaged_unit_headers") > 0 {
-        std::process::exit(2);
+        std::process::exit(4);
     }
     Ok(())
 }
@@ -736,6 +780,7 @@ pub fn create_array(
     device_specs: &[(PathBuf, Option<u64>)],
     params: FormatParams,
     zoned: Option<&str>,
+    tcp: Option<String>,
 ) -> Result<()> {
     if Config::exists(dir) {
         bail!(
@@ -744,28 +789,24 @@ pub fn create_array(
             Config::path(dir).display()
         );
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // What this command makes goes again if it fails: a failed create leaves
+    // nothing behind (devices that existed are not removed, though they may hold a
+    // new superblock once formatting started).
+    let mut created = Created::default();
+    created.dirs(dir)?;
     let mut seen = std::collections::HashSet::new();
     let mut devices: Vec<Arc<dyn BlockDevice>> = Vec::new();
     let mut paths = Vec::new();
-    let mut created = Vec::new();
-    let cleanup = |created: &[PathBuf]| {
-        for p in created {
-            let _ = std::fs::remove_file(p);
-        }
-    };
     for (p, size) in device_specs {
         let abs = absolute(p)?;
         let canon = abs.canonicalize().unwrap_or(abs.clone());
         if !seen.insert(canon) {
-            cleanup(&created);
             bail!("device {} is listed twice", p.display());
         }
         let dev = if abs.exists() {
             let d = FileDevice::open(&abs, DevMode::ReadWrite)?;
             if let Some(s) = size {
                 if !d.is_block_device() && d.size_bytes() != *s {
-                    cleanup(&created);
                     bail!(
                         "{} exists with {} bytes, not the {} given; omit :SIZE to use it as it is",
                         abs.display(),
@@ -777,34 +818,23 @@ pub fn create_array(
             d
         } else {
             let Some(s) = size else {
-                cleanup(&created);
                 bail!(
                     "{} does not exist; give PATH:SIZE to create a sparse file",
                     abs.display()
                 );
             };
-            let d = FileDevice::create_sparse(&abs, *s)?;
-            created.push(abs.clone());
-            d
+            if let Some(parent) = abs.parent() {
+                created.dirs(parent)?;
+            }
+            created.files.push(abs.clone());
+            FileDevice::create_sparse(&abs, *s)?
         };
         match zoned {
-            Some(spec) => match devices::make_zoned(&abs, dev, spec) {
-                Ok(z) => {
-                    created.push(lamina_device::zoned::state_path(&abs));
-                    devices.push(z);
-                }
-                Err(e) => {
-                    cleanup(&created);
-                    return Err(e);
-                }
-            },
-            None => match lamina_device::blkzoned::open_if_zoned(dev) {
-                Ok(d) => devices.push(Arc::from(d)),
-                Err(e) => {
-                    cleanup(&created);
-                    return Err(e.into());
-                }
-            },
+            Some(spec) => {
+                created.files.push(lamina_device::zoned::state_path(&abs));
+                devices.push(devices::make_zoned(&abs, dev, spec)?);
+            }
+            None => devices.push(Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?)),
         }
         paths.push(abs);
     }
@@ -812,15 +842,56 @@ pub fn create_array(
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    if let Err(e) = lamina_core::format(&devices, &params, random_uuid(), &uuids, now) {
-        cleanup(&created);
-        return Err(e.into());
-    }
+    lamina_core::format(&devices, &params, random_uuid(), &uuids, now)?;
     // Opening writes the first checkpoint.
     let (engine, _) = lamina_core::open(devices, EngineConfig::default(), OpenMode::ReadWrite)?;
     drop(engine);
-    Config::new(paths).save(dir)?;
+    let mut config = Config::new(paths);
+    config.serve.tcp = tcp;
+    created.files.push(Config::path(dir));
+    config.save(dir)?;
+    created.keep();
     Ok(())
+}
+
+/// Files and directories a command made, removed again when it fails (dropped
+/// without [`Created::keep`]).
+#[derive(Default)]
+struct Created {
+    files: Vec<PathBuf>,
+    /// Outermost first.
+    dirs: Vec<PathBuf>,
+}
+
+impl Created {
+    /// Makes `dir` and its missing parents, remembering each one made.
+    fn dirs(&mut self, dir: &Path) -> Result<()> {
+        let missing: Vec<PathBuf> = dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        self.dirs.extend(missing.into_iter().rev());
+        Ok(())
+    }
+
+    fn keep(mut self) {
+        self.files.clear();
+        self.dirs.clear();
+    }
+}
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        for f in &self.files {
+            let _ = std::fs::remove_file(f);
+        }
+        // Innermost first; a directory something else was put in stays.
+        for d in self.dirs.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
 }
 
 fn array_create(a: ArrayCreateArgs) -> Result<()> {
@@ -849,7 +920,7 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
         overprovision: a.overprovision,
         force: a.force,
     };
-    create_array(&dir, &specs, params, a.zoned.as_deref())?;
+    create_array(&dir, &specs, params, a.zoned.as_deref(), a.tcp)?;
     let (engine, _) = open_array(&dir, OpenMode::ReadOnly)?;
     let s = engine.status();
     println!(
@@ -905,7 +976,7 @@ fn admin_socket(dir: &Path) -> Result<PathBuf> {
     Ok(Config::resolve(dir, &cfg.admin_socket))
 }
 
-fn array_fail(dir: &Path, device: usize) -> Result<()> {
+fn array_fail(dir: &Path, device: &str) -> Result<()> {
     let dir = absolute(dir)?;
     // Checked before anything is opened for writing.
     let (st, _) = get_status(&dir)?;
@@ -915,12 +986,7 @@ fn array_fail(dir: &Path, device: usize) -> Result<()> {
             if st.layout == "jbod" { "JBOD" } else { "SAID0" }
         );
     }
-    if device >= st.members.len() {
-        bail!(
-            "no member {device}: the array has members 0 to {}",
-            st.members.len() - 1
-        );
-    }
+    let device = member_arg(&st, "--device", device)?;
     let req = json!({"op": "member-fail", "index": device});
     if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
         offline(&dir, Request::FailMember { index: device })?;
@@ -946,8 +1012,8 @@ fn offline(dir: &Path, req: Request) -> Result<()> {
 
 fn volume(cmd: VolumeCmd) -> Result<()> {
     match cmd {
-        VolumeCmd::Create { dir, name, size } => {
-            let dir = absolute(&dir)?;
+        VolumeCmd::Create { args, size } => {
+            let (dir, name) = dir_and_name(args)?;
             let size = size_arg("--size", &size)?;
             let req = json!({"op": "volume-create", "name": name, "size": size});
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
@@ -961,8 +1027,8 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             }
             println!("created volume {name:?} ({})", human(size));
         }
-        VolumeCmd::Delete { dir, name, force } => {
-            let dir = absolute(&dir)?;
+        VolumeCmd::Delete { args, force } => {
+            let (dir, name) = dir_and_name(args)?;
             let req = json!({"op": "volume-delete", "name": name, "force": force});
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
                 offline(&dir, Request::DeleteVolume { name: name.clone() })?;
@@ -970,7 +1036,7 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             println!("deleted volume {name:?}");
         }
         VolumeCmd::List { dir, json } => {
-            let dir = absolute(&dir)?;
+            let dir = absolute(&dir.unwrap_or_else(default_dir))?;
             let (report, running) = get_status(&dir)?;
             if json {
                 let v = output::status_json(&report, running);
@@ -989,6 +1055,14 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `[DIR] NAME` of the volume commands: DIR defaults to ./lamina-data, as for
+/// `serve` and `status`.
+fn dir_and_name(mut args: Vec<String>) -> Result<(PathBuf, String)> {
+    let name = args.pop().expect("clap requires NAME");
+    let dir = args.pop().map_or_else(default_dir, PathBuf::from);
+    Ok((absolute(&dir)?, name))
 }
 
 fn get_status(dir: &Path) -> Result<(lamina_core::StatusReport, bool)> {

@@ -5,6 +5,9 @@ use crate::runtime::{LaminaBackend, Runtime};
 use crate::size::{human, parse_size};
 use crate::{absolute, create_array, default_dir, open_array};
 use anyhow::{bail, Context, Result};
+
+/// Where the embedded default array listens on TCP.
+const DEFAULT_TCP: &str = "127.0.0.1:10809";
 use lamina_core::{FormatParams, OpenMode, Request};
 use lamina_nbd::{Listener, TlsPolicy};
 use std::io::{Read, Write};
@@ -19,12 +22,20 @@ use std::time::Instant;
 pub struct ServeArgs {
     /// Array directory (default ./lamina-data, created with a default array if empty).
     dir: Option<PathBuf>,
-    /// Listen on this Unix socket (default DIR/nbd.sock).
-    #[arg(long, value_name = "PATH")]
+    /// Listen on this Unix socket instead of the one in lamina.toml (DIR/nbd.sock
+    /// unless changed there). Relative to the current directory.
+    #[arg(long, value_name = "PATH", conflicts_with = "no_unix")]
     unix: Option<PathBuf>,
-    /// Listen on this TCP address (default 127.0.0.1:10809).
-    #[arg(long, value_name = "HOST:PORT")]
+    /// Listen on this TCP address instead of the one in lamina.toml (the embedded
+    /// default has 127.0.0.1:10809, `array create` none unless given --tcp).
+    #[arg(long, value_name = "HOST:PORT", conflicts_with = "no_tcp")]
     tcp: Option<String>,
+    /// Do not listen on a Unix socket (TCP only).
+    #[arg(long)]
+    no_unix: bool,
+    /// Do not listen on TCP.
+    #[arg(long)]
+    no_tcp: bool,
     /// Serve Prometheus metrics on HOST:PORT at /metrics.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -120,6 +131,9 @@ fn create_default(dir: &Path, size: u64) -> Result<()> {
             ..Default::default()
         },
         None,
+        // The embedded default also listens on loopback TCP (the README's quick
+        // start); arrays made with `array create` only where told to.
+        Some(DEFAULT_TCP.into()),
     )?;
     let (mut engine, _) = open_array(dir, OpenMode::ReadWrite)?;
     let usable = engine.usable_bytes() / (1 << 20) * (1 << 20);
@@ -268,6 +282,25 @@ pub fn run(a: ServeArgs) -> Result<()> {
         create_default(&dir, size)?;
     }
     let cfg = Config::load(&dir)?;
+    // Each endpoint on the command line replaces its own kind from the config
+    // only; paths on the command line are relative to the current directory,
+    // paths in the config to DIR.
+    let unix = match &a.unix {
+        _ if a.no_unix => None,
+        Some(p) => Some(absolute(p)?),
+        None => cfg.serve.unix.as_ref().map(|p| Config::resolve(&dir, p)),
+    };
+    let tcp = match &a.tcp {
+        _ if a.no_tcp => None,
+        Some(t) => Some(t.clone()),
+        None => cfg.serve.tcp.clone(),
+    };
+    if unix.is_none() && tcp.is_none() {
+        return Err(crate::Usage(
+            "nothing to listen on: give --unix or --tcp (lamina.toml names neither)".into(),
+        )
+        .into());
+    }
     let tls = tls_config(&a, &cfg, &dir)?;
     if let Some(n) = cfg.serve.read_threads {
         if !(1..=1024).contains(&n) {
@@ -327,15 +360,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
     });
     let stop = Arc::new(AtomicBool::new(false));
 
-    let tcp_explicit = a.tcp.is_some();
-    let (unix, tcp) = if a.unix.is_some() || a.tcp.is_some() {
-        (a.unix.map(|p| Config::resolve(&dir, &p)), a.tcp)
-    } else {
-        (
-            cfg.serve.unix.as_ref().map(|p| Config::resolve(&dir, p)),
-            cfg.serve.tcp.clone(),
-        )
-    };
     let mut sockets = Vec::new();
     let mut endpoints = Vec::new();
     if let Some(path) = &unix {
@@ -368,14 +392,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 let (b, s) = (backend.clone(), stop.clone());
                 std::thread::spawn(move || lamina_nbd::serve(b, Listener::Tcp(l), policy, s));
             }
-            Err(e) if !tcp_explicit => {
-                tracing::warn!("not listening on TCP {addr}: {e}");
-            }
-            Err(e) => bail!("cannot listen on TCP {addr}: {e}"),
+            // Asked for (here or in lamina.toml), so not served without it: a
+            // client would find another server, or none, at that address.
+            Err(e) => bail!(
+                "cannot listen on TCP {addr}: {e} (another server there? give --tcp \
+                 HOST:PORT or --no-tcp, or change [serve] tcp in {})",
+                Config::path(&dir).display()
+            ),
         }
-    }
-    if endpoints.is_empty() {
-        bail!("nothing to listen on: give --unix or --tcp");
     }
     let admin_path = Config::resolve(&dir, &cfg.admin_socket);
     let admin = bind_unix(&admin_path)?;

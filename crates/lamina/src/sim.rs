@@ -1,7 +1,6 @@
 //! `lamina sim`: run the engine on a synthetic workload or a block trace, without
 //! data, and report write amplification.
 
-use crate::size::parse_size;
 use anyhow::{bail, Context, Result};
 use lamina_sim::plot::{line_chart, Line};
 use lamina_sim::trace::{Format, TraceReader};
@@ -132,9 +131,11 @@ struct Prepared {
 }
 
 fn blocks_of(what: &str, s: &str) -> Result<u64> {
-    let b = parse_size(s).map_err(anyhow::Error::msg)?;
+    let b = crate::size_arg(what, s)?;
     if b == 0 || b % 4096 != 0 {
-        bail!("{what} {s} must be a positive multiple of 4 KiB");
+        return Err(
+            crate::Usage(format!("{what} {s} must be a positive multiple of 4 KiB")).into(),
+        );
     }
     Ok(b / 4096)
 }

@@ -406,6 +406,23 @@ fn scrub_finds_and_repairs_silent_corruption() {
     assert!(a["blocks_checked"].as_u64().unwrap() >= vol / 4096, "{a}");
     assert_eq!(export_digest(&t, &s.uri("v"), "out.img"), want);
     s.stop();
+    // The same blocks of two members damaged: one parity cannot mend both, the
+    // scrub says so and exits 4 (as fsck does for damage left; 2 is bad usage).
+    for m in ["d1.img", "d2.img"] {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(t.join(m))
+            .unwrap();
+        for chunk in 0..31u64 {
+            f.write_all_at(&[0x5a; 4096], (1 << 20) + (chunk << 20) + (300 << 10))
+                .unwrap();
+        }
+    }
+    let out = lamina_output(&["array", "scrub", dir.to_str().unwrap(), "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(4), "{text}");
+    let r: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(r["unrecoverable"].as_u64().unwrap() > 0, "{r}");
 }
 
 /// The RAID-5 yardstick of bench/said5.sh serves correct data and counts 2 reads and

@@ -531,7 +531,7 @@ fn bad_configuration_and_commands_get_clear_messages() {
         &["array", "fail", d, "--device", "0"],
         "JBOD array has no redundancy",
     );
-    fails_with(
+    usage(
         &["array", "replace", d, "--old", "7", "--new", &xs],
         "no member 7",
     );

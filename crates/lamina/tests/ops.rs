@@ -197,3 +197,181 @@ fn top_shows_a_busy_volume() {
     assert!(view.contains("connections 1"), "{view}");
     srv.stop();
 }
+
+/// What a new user tripped over (issue "Volumes", friction list), each now one rule:
+/// a failed `array create` leaves nothing behind; arrays listen on TCP only where
+/// told to, and a TCP address that cannot be had stops the server instead of being
+/// dropped; `--unix` and `--tcp` each replace their own kind, with `--no-unix` and
+/// `--no-tcp` to drop one, and paths on the command line are relative to the
+/// current directory; the volume commands default to ./lamina-data as `serve` and
+/// `status` do; members are named by index or by path; a scrub that leaves damage
+/// exits 4 as fsck does (2 is bad usage); bad sizes of bench and emulate are usage.
+#[test]
+fn the_command_line_follows_one_set_of_rules() {
+    let t = TempDir::new("rules");
+    let exits = |code: i32, args: &[&str], needle: &str| {
+        let out = lamina_output(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "lamina {args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "lamina {args:?}: {needle:?} not in {err}"
+        );
+    };
+    // A create that fails (too small for 16 segments) takes back the directories
+    // and files it made.
+    let deep = t.join("new/deeper");
+    let dev = format!("{}/dev.img:64M", deep.display());
+    exits(
+        1,
+        &["array", "create", deep.to_str().unwrap(), "--device", &dev],
+        "too small",
+    );
+    assert!(
+        !t.join("new").exists(),
+        "a failed create left {}",
+        t.join("new").display()
+    );
+
+    // TCP only where asked: a plain array has none, --tcp writes one.
+    let a = t.join("a");
+    let a_s = a.to_str().unwrap();
+    let dev = format!("{}/dev.img:256M", a.display());
+    lamina(&["array", "create", a_s, "--device", &dev]);
+    let cfg = std::fs::read_to_string(a.join("lamina.toml")).unwrap();
+    assert!(!cfg.contains("tcp"), "{cfg}");
+    let b = t.join("b");
+    let dev = format!("{}/dev.img:256M", b.display());
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    lamina(&[
+        "array",
+        "create",
+        b.to_str().unwrap(),
+        "--device",
+        &dev,
+        "--tcp",
+        &addr,
+    ]);
+    let cfg = std::fs::read_to_string(b.join("lamina.toml")).unwrap();
+    assert!(cfg.contains(&format!("tcp = \"{addr}\"")), "{cfg}");
+
+    // Volume commands without DIR work on ./lamina-data, as serve and status do.
+    let home = t.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let in_home = |args: &[&str]| {
+        let out = std::process::Command::new(lamina_bin())
+            .args(args)
+            .current_dir(&home)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "lamina {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    in_home(&[
+        "array",
+        "create",
+        "lamina-data",
+        "--device",
+        "lamina-data/d.img:256M",
+    ]);
+    in_home(&["volume", "create", "v1", "--size", "16M"]);
+    assert!(in_home(&["volume", "list"]).contains("v1"));
+    in_home(&["volume", "delete", "v1"]);
+    assert!(!in_home(&["volume", "list"]).contains("v1"));
+
+    // --tcp alone keeps the config's Unix socket; --no-unix drops it; a relative
+    // --unix is relative to the current directory.
+    lamina(&["volume", "create", a_s, "v", "--size", "16M"]);
+    let serve = |dir: &std::path::Path, args: &[&str]| {
+        std::process::Command::new(lamina_bin())
+            .arg("serve")
+            .arg(dir)
+            .args(args)
+            .current_dir(&home)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let stop = |mut c: std::process::Child| {
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        assert!(c.wait().unwrap().success());
+    };
+    let port2 = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr2 = format!("127.0.0.1:{port2}");
+    let c = serve(&a, &["--tcp", &addr2]);
+    wait_for(&a.join("nbd.sock"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(&addr2).is_err() {
+        assert!(Instant::now() < deadline, "no TCP listener on {addr2}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop(c);
+    assert!(!a.join("nbd.sock").exists(), "socket removed at exit");
+    let c = serve(&a, &["--unix", "rel.sock"]);
+    wait_for(&home.join("rel.sock"));
+    stop(c);
+    exits(2, &["serve", a_s, "--no-unix"], "nothing to listen on");
+
+    // A TCP address in lamina.toml that is taken stops the server with the reason.
+    let holder = std::net::TcpListener::bind(&addr).unwrap();
+    exits(
+        1,
+        &["serve", b.to_str().unwrap()],
+        &format!("cannot listen on TCP {addr}"),
+    );
+    drop(holder);
+
+    // Members by index or path (relative to the current directory).
+    let r = t.join("r");
+    let devs: Vec<String> = (0..3)
+        .map(|i| format!("{}/m{i}.img:256M", r.display()))
+        .collect();
+    let r_s = r.to_str().unwrap();
+    lamina(&[
+        "array", "create", r_s, "--layout", "said5", "--device", &devs[0], "--device", &devs[1],
+        "--device", &devs[2],
+    ]);
+    exits(
+        2,
+        &["array", "fail", r_s, "--device", "3"],
+        "members 0 to 2",
+    );
+    exits(
+        2,
+        &["array", "fail", r_s, "--device", "/nowhere.img"],
+        "not a member",
+    );
+    let m1 = r.join("m1.img");
+    lamina(&["array", "fail", r_s, "--device", m1.to_str().unwrap()]);
+    let st = status_json(&r);
+    assert_eq!(st["array"]["members"][1]["state"], "failed", "{st}");
+
+    // Sizes of bench and emulate options are usage, as everywhere else.
+    exits(2, &["bench", "endurance", "--capacity", "1Q"], "--capacity");
+    exits(
+        2,
+        &[
+            "emulate",
+            "--ssd",
+            "tlc,capacity=10GB",
+            "--backing",
+            "x.img",
+            "--unix",
+            "x.sock",
+        ],
+        "capacity",
+    );
+}

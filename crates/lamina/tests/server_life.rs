@@ -56,7 +56,9 @@ fn the_implicit_default_is_created_once_and_served() {
     let t = TempDir::new("default");
     let start = || {
         Command::new(lamina_bin())
-            .args(["serve", "--default-size", "256M", "--unix", "nbd.sock"])
+            // (The default listens on loopback TCP too, as its config says; not
+            // here, where other tests' servers may hold the port.)
+            .args(["serve", "--default-size", "256M", "--no-tcp"])
             .current_dir(t.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -66,6 +68,8 @@ fn the_implicit_default_is_created_once_and_served() {
     let sock = t.join("lamina-data/nbd.sock");
     let mut child = start();
     wait_for(&sock);
+    let cfg = std::fs::read_to_string(t.join("lamina-data/lamina.toml")).unwrap();
+    assert!(cfg.contains("tcp = \"127.0.0.1:10809\""), "{cfg}");
     let mut c = Client::connect_unix(&sock, "default").unwrap();
     assert!(c.size > 100 << 20, "default volume of {} bytes", c.size);
     c.write(0, &pattern(0, 3), true).unwrap();
