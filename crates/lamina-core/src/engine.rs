@@ -99,6 +99,13 @@ pub struct EngineConfig {
     /// How long a segment stays free before it is discarded (segments reused
     /// sooner are not): see [`Engine::discard_idle`].
     pub discard_delay_ms: u64,
+    /// Fractions of the usable capacity at which the array is logged (and shown)
+    /// as filling up and as nearly full (LVM thin pools: 80% and 95%).
+    pub space_warn: f64,
+    pub space_critical: f64,
+    /// The most the volumes' sizes together may promise, as a multiple of the
+    /// usable capacity (`volume create` beyond it is refused); `None`: no limit.
+    pub max_overcommit: Option<f64>,
 }
 
 impl Default for EngineConfig {
@@ -122,6 +129,9 @@ impl Default for EngineConfig {
             geometry_aware: None,
             discard: true,
             discard_delay_ms: DEFAULT_DISCARD_DELAY_MS,
+            space_warn: 0.80,
+            space_critical: 0.95,
+            max_overcommit: None,
         }
     }
 }
@@ -601,13 +611,31 @@ impl Engine {
             EngineError::Invalid(format!("unknown GC policy {:?}", cfg.gc_policy))
         })?;
         let nbufs = shared.buffers.count();
-        let space = Space::new(
+        let mut space = Space::new(
             Space::usable_blocks(&geo, &sb),
             cfg.enforce_capacity,
             cfg.user_floor_segments,
             cfg.gc_start_segments,
             geo.segment_count as usize,
         );
+        if !(0.0 < cfg.space_warn
+            && cfg.space_warn <= cfg.space_critical
+            && cfg.space_critical <= 1.0)
+        {
+            return Err(EngineError::Invalid(format!(
+                "space thresholds warn {} and critical {}: give 0 < warn <= critical <= 1",
+                cfg.space_warn, cfg.space_critical
+            )));
+        }
+        if cfg
+            .max_overcommit
+            .is_some_and(|r| !(r > 0.0 && r.is_finite()))
+        {
+            return Err(EngineError::Invalid(
+                "max_overcommit must be a positive number".into(),
+            ));
+        }
+        space.set_thresholds(cfg.space_warn, cfg.space_critical);
         let zone_layout = geo
             .data_devices()
             .map(|d| shared.devices[d].zone_layout())
@@ -1126,7 +1154,60 @@ impl Engine {
             self.start_flush();
         }
         self.discard_idle();
+        self.report_space();
         self.progress();
+    }
+
+    /// Logs the fullness thresholds crossed and the writes refused for space.
+    fn report_space(&mut self) {
+        let r = self.space.report(self.now_ms);
+        let pct = 100.0 * self.space.live as f64 / self.space.usable.max(1) as f64;
+        let usable = self.space.usable * BLOCK_SIZE_U64;
+        let promised = self.promised_bytes();
+        let thin = if promised > usable {
+            format!(
+                "; the volumes promise {:.1}x that (thin provisioning)",
+                promised as f64 / usable as f64
+            )
+        } else {
+            String::new()
+        };
+        let what = "trim, delete volumes, or add capacity";
+        use crate::space::Fullness::*;
+        match r.crossed {
+            Some((from, Ok)) => tracing::info!(
+                "space: {pct:.1}% of the usable {usable} bytes in use, below the warning threshold again (was {})",
+                from.name()
+            ),
+            Some((_, Warning)) => tracing::warn!(
+                "space: {pct:.1}% of the usable {usable} bytes in use, above the warning threshold of {:.0}%{thin}",
+                self.cfg.space_warn * 100.0
+            ),
+            Some((_, Critical)) => tracing::error!(
+                "space: {pct:.1}% of the usable {usable} bytes in use, above the critical threshold of {:.0}%{thin}; writes to unwritten blocks fail when it is full: {what}",
+                self.cfg.space_critical * 100.0
+            ),
+            Some((_, Full)) => tracing::error!(
+                "space: the array is full ({usable} usable bytes in use{thin}); writes to unwritten blocks get ENOSPC: {what}"
+            ),
+            None => {}
+        }
+        if let Some(n) = r.refused {
+            tracing::error!(
+                "array full: {n} writes refused with ENOSPC ({pct:.1}% of the usable capacity in use): {what}"
+            );
+        }
+    }
+
+    /// What the volumes' sizes add up to (thin provisioning may promise more than
+    /// the usable capacity).
+    pub fn promised_bytes(&self) -> u64 {
+        self.volumes
+            .iter()
+            .flatten()
+            .filter(|v| v.deleting.is_none())
+            .map(|v| v.shared.size_bytes)
+            .sum()
     }
 
     /// Discards free segments that stayed free for `discard_delay_ms` (TRIM on an
@@ -1225,6 +1306,7 @@ impl Engine {
                 Ok(false) => {
                     self.pending.push_front(p);
                     if self.stuck_without_space() {
+                        self.space.refused += 1;
                         let p = self.pending.pop_front().unwrap();
                         self.finish_pending(
                             p,
@@ -1465,7 +1547,7 @@ impl Engine {
     /// ENOSPC unless the array has room for the blocks of `lbas` not yet mapped
     /// (thin provisioning: checked before a write or an allocating zero starts).
     fn check_space(
-        &self,
+        &mut self,
         vol: &VolumeShared,
         lbas: std::ops::Range<u64>,
     ) -> Result<(), EngineError> {
@@ -2777,6 +2859,16 @@ impl Engine {
             return Err(EngineError::Invalid(format!(
                 "volume {name:?} already exists"
             )));
+        }
+        if let Some(limit) = self.cfg.max_overcommit {
+            let usable = self.space.usable * BLOCK_SIZE_U64;
+            let promised = self.promised_bytes() + size_bytes;
+            if promised as f64 > limit * usable as f64 {
+                return Err(EngineError::Invalid(format!(
+                    "volume {name:?} would make the volumes promise {:.2}x the usable                      capacity of {usable} bytes, above max_overcommit = {limit}",
+                    promised as f64 / usable.max(1) as f64
+                )));
+            }
         }
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
         if next >= u16::MAX as u64 {

@@ -3,8 +3,9 @@
 //! collection and hold user writes back.
 //!
 //! Free segments are counted by the segment table; this module turns the engine's
-//! configuration into the three watermarks and decides when a write would exceed
-//! the capacity (ENOSPC).
+//! configuration into the three watermarks, decides when a write would exceed
+//! the capacity (ENOSPC), and says when the array crosses the fullness thresholds
+//! that thin provisioning warns at (as LVM thin pools do: 80% and 95% by default).
 
 use crate::error::EngineError;
 use crate::geometry::Geometry;
@@ -12,6 +13,41 @@ use lamina_format::superblock::Superblock;
 
 /// Free segments user streams leave to GC and the metadata stream (at least).
 pub(crate) const USER_FLOOR_SEGMENTS: usize = 4;
+
+/// How full the array is against its usable capacity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fullness {
+    Ok,
+    /// At or above the warning threshold (`[engine] space_warn`).
+    Warning,
+    /// At or above the critical threshold (`[engine] space_critical`).
+    Critical,
+    /// Every usable block is mapped: writes to unmapped blocks get ENOSPC.
+    Full,
+}
+
+impl Fullness {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fullness::Ok => "ok",
+            Fullness::Warning => "warning",
+            Fullness::Critical => "critical",
+            Fullness::Full => "full",
+        }
+    }
+}
+
+/// Writes refused for space are reported at most this often.
+const REFUSED_REPORT_MS: u64 = 10_000;
+
+/// What [`Space::report`] has to say.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct SpaceReport {
+    /// The fullness level changed from the first to the second.
+    pub crossed: Option<(Fullness, Fullness)>,
+    /// Writes refused with ENOSPC since the last report.
+    pub refused: Option<u64>,
+}
 
 pub(crate) struct Space {
     /// Blocks the volumes may map in all, and blocks mapped now.
@@ -23,6 +59,16 @@ pub(crate) struct Space {
     floor: Option<usize>,
     start: Option<usize>,
     segment_count: usize,
+    /// Mapped blocks at which the array is at the warning and critical levels.
+    warn_at: u64,
+    critical_at: u64,
+    /// The level last reported.
+    reported: Fullness,
+    /// Writes refused with ENOSPC, in all and as of the last report (at
+    /// `refused_ms`).
+    pub refused: u64,
+    refused_reported: u64,
+    refused_ms: u64,
 }
 
 impl Space {
@@ -33,14 +79,72 @@ impl Space {
         start: Option<usize>,
         segment_count: usize,
     ) -> Self {
-        Space {
+        let mut s = Space {
             usable,
             live: 0,
             enforce,
             floor,
             start,
             segment_count,
+            warn_at: 0,
+            critical_at: 0,
+            reported: Fullness::Ok,
+            refused: 0,
+            refused_reported: 0,
+            refused_ms: 0,
+        };
+        s.set_thresholds(0.80, 0.95);
+        s
+    }
+
+    /// The warning and critical thresholds, as fractions of the usable capacity
+    /// (`0 < warn <= critical <= 1`).
+    pub fn set_thresholds(&mut self, warn: f64, critical: f64) {
+        debug_assert!(0.0 < warn && warn <= critical && critical <= 1.0);
+        self.warn_at = (self.usable as f64 * warn).ceil() as u64;
+        self.critical_at = (self.usable as f64 * critical).ceil() as u64;
+    }
+
+    /// The fullness level with `live` mapped blocks.
+    fn level(&self, live: u64) -> Fullness {
+        if live >= self.usable {
+            Fullness::Full
+        } else if live >= self.critical_at {
+            Fullness::Critical
+        } else if live >= self.warn_at {
+            Fullness::Warning
+        } else {
+            Fullness::Ok
         }
+    }
+
+    /// The fullness level now.
+    pub fn fullness(&self) -> Fullness {
+        self.level(self.live)
+    }
+
+    /// What to log at engine time `now_ms`: the fullness level crossed since the
+    /// last report (downwards only once 1% of the capacity below the threshold,
+    /// so that a volume hovering at one does not fill the log), and the writes
+    /// refused with ENOSPC since the last report (at most every 10 s).
+    pub fn report(&mut self, now_ms: u64) -> SpaceReport {
+        let mut r = SpaceReport::default();
+        let now = self.fullness();
+        let down = self.level(self.live + self.usable / 100);
+        if now > self.reported || down < self.reported {
+            let to = now.max(down.min(self.reported));
+            r.crossed = Some((self.reported, to));
+            self.reported = to;
+        }
+        if self.refused > self.refused_reported
+            && (now_ms.saturating_sub(self.refused_ms) >= REFUSED_REPORT_MS
+                || self.refused_reported == 0)
+        {
+            r.refused = Some(self.refused - self.refused_reported);
+            self.refused_reported = self.refused;
+            self.refused_ms = now_ms;
+        }
+        r
     }
 
     /// Blocks volumes may map on an array of this geometry: the data blocks of the
@@ -57,9 +161,10 @@ impl Space {
         ((segs * per_seg) as f64 / (1.0 + op)) as u64
     }
 
-    /// ENOSPC unless `new_blocks` more mapped blocks fit.
-    pub fn admit(&self, new_blocks: u64) -> Result<(), EngineError> {
+    /// ENOSPC unless `new_blocks` more mapped blocks fit (counted as refused).
+    pub fn admit(&mut self, new_blocks: u64) -> Result<(), EngineError> {
         if self.enforce && self.live + new_blocks > self.usable {
+            self.refused += 1;
             return Err(EngineError::NoSpace(format!(
                 "{} of {} usable blocks are in use",
                 self.live, self.usable
@@ -157,5 +262,44 @@ mod tests {
         s.unmapped(50);
         assert!(s.admit(60).is_ok());
         assert!(Space::new(100, false, None, None, 64).admit(1000).is_ok());
+    }
+
+    /// Crossing a threshold is reported once each way, downwards only 1% below
+    /// it; refused writes are summed over 10 s.
+    #[test]
+    fn fullness_is_reported_once_per_crossing() {
+        let mut s = Space::new(1000, true, None, None, 64);
+        let crossed = |s: &mut Space, at| s.report(at).crossed;
+        assert_eq!(crossed(&mut s, 0), None);
+        s.mapped(800);
+        assert_eq!(s.fullness(), Fullness::Warning);
+        assert_eq!(crossed(&mut s, 0), Some((Fullness::Ok, Fullness::Warning)));
+        assert_eq!(crossed(&mut s, 0), None, "once");
+        s.unmapped(5);
+        assert_eq!(crossed(&mut s, 0), None, "795 is within 1% of 800");
+        s.unmapped(6);
+        assert_eq!(crossed(&mut s, 0), Some((Fullness::Warning, Fullness::Ok)));
+        s.mapped(211);
+        assert_eq!(s.fullness(), Fullness::Full);
+        assert_eq!(crossed(&mut s, 0), Some((Fullness::Ok, Fullness::Full)));
+        s.unmapped(20);
+        assert_eq!(s.fullness(), Fullness::Critical);
+        assert_eq!(
+            crossed(&mut s, 0),
+            Some((Fullness::Full, Fullness::Critical))
+        );
+        s.unmapped(500);
+        assert_eq!(crossed(&mut s, 0), Some((Fullness::Critical, Fullness::Ok)));
+        // Refused writes: the first at once, then at most every 10 s.
+        s.mapped(520);
+        assert!(s.admit(1).is_err() && s.admit(2).is_err());
+        assert_eq!(s.report(1_000).refused, Some(2));
+        assert!(s.admit(1).is_err());
+        assert_eq!(s.report(5_000).refused, None);
+        assert!(s.admit(1).is_err());
+        assert_eq!(s.report(11_000).refused, Some(2));
+        assert_eq!(s.report(30_000).refused, None);
+        s.set_thresholds(0.5, 0.6);
+        assert_eq!(s.fullness(), Fullness::Full);
     }
 }

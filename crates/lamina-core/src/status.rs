@@ -90,6 +90,14 @@ pub struct StatusReport {
     /// Live data the array accepts before writes fail with ENOSPC.
     pub usable_bytes: u64,
     pub live_bytes: u64,
+    /// The volumes' sizes together (above `usable_bytes`: thin, overcommitted).
+    pub promised_bytes: u64,
+    /// "ok", "warning", "critical" or "full" (see `[engine] space_warn`).
+    pub space_state: String,
+    pub space_warn: f64,
+    pub space_critical: f64,
+    /// Writes refused with ENOSPC since the array was opened.
+    pub writes_refused_nospace: u64,
     pub segment_count: u64,
     pub free_segments: u64,
     pub used_segments: u64,
@@ -280,6 +288,11 @@ impl Engine {
             capacity_bytes: self.geo.segment_count as u64 * self.geo.segment_blocks as u64 * bs,
             usable_bytes: self.space.usable * bs,
             live_bytes: self.space.live * bs,
+            promised_bytes: self.promised_bytes(),
+            space_state: self.space.fullness().name().into(),
+            space_warn: self.cfg.space_warn,
+            space_critical: self.cfg.space_critical,
+            writes_refused_nospace: self.space.refused,
             segment_count: self.geo.segment_count as u64,
             free_segments: self.segments.free.len() as u64,
             used_segments: self.geo.segment_count as u64 - self.segments.free.len() as u64,

@@ -137,6 +137,13 @@ pub struct EngineSection {
     /// Milliseconds a segment stays free before it is discarded (default 30000);
     /// segments reused sooner are not discarded at all.
     pub discard_delay_ms: Option<u64>,
+    /// Fraction of the usable capacity at which the array is logged and shown as
+    /// filling up (default 0.8), and as nearly full (`space_critical`, 0.95).
+    pub space_warn: Option<f64>,
+    pub space_critical: Option<f64>,
+    /// `volume create` is refused when the volumes' sizes together would exceed
+    /// this multiple of the usable capacity (thin provisioning; default no limit).
+    pub max_overcommit: Option<f64>,
     /// Memory for cached unit headers (checksums and owners the read path needs),
     /// e.g. "64M" (the default, about 20 GiB of data in 512 KiB units). A read whose
     /// unit is not cached reads its header from the device as well.
@@ -351,6 +358,22 @@ impl Config {
         }
         if let Some(ms) = self.engine.discard_delay_ms {
             c.discard_delay_ms = ms;
+        }
+        c.space_warn = self.engine.space_warn.unwrap_or(c.space_warn);
+        c.space_critical = self.engine.space_critical.unwrap_or(c.space_critical);
+        if !(0.0 < c.space_warn && c.space_warn <= c.space_critical && c.space_critical <= 1.0) {
+            bail!(
+                "[engine] space_warn = {} and space_critical = {}: give 0 < space_warn <= \
+                 space_critical <= 1",
+                c.space_warn,
+                c.space_critical
+            );
+        }
+        if let Some(r) = self.engine.max_overcommit {
+            if !(r > 0.0 && r.is_finite()) {
+                bail!("[engine] max_overcommit = {r}: give a positive multiple, e.g. 2.0");
+            }
+            c.max_overcommit = Some(r);
         }
         Ok(c)
     }

@@ -1026,6 +1026,20 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                 )?;
             }
             println!("created volume {name:?} ({})", human(size));
+            // Thin provisioning, as LVM says it: promising more than there is works
+            // until the space runs out.
+            if let Ok((st, _)) = get_status(&dir) {
+                if st.promised_bytes > st.usable_bytes {
+                    eprintln!(
+                        "lamina: warning: the volumes now promise {} = {:.2}x the usable {} \
+                         (thin provisioning: writes to unwritten blocks fail with ENOSPC \
+                         once it is in use; `lamina status` shows how full it is)",
+                        human(st.promised_bytes),
+                        st.promised_bytes as f64 / st.usable_bytes.max(1) as f64,
+                        human(st.usable_bytes)
+                    );
+                }
+            }
         }
         VolumeCmd::Delete { args, force } => {
             let (dir, name) = dir_and_name(args)?;

@@ -36,6 +36,11 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "capacity_bytes": s.capacity_bytes,
         "usable_bytes": s.usable_bytes,
         "live_bytes": s.live_bytes,
+        "promised_bytes": s.promised_bytes,
+        "space_state": s.space_state,
+        "space_warn": s.space_warn,
+        "space_critical": s.space_critical,
+        "writes_refused_nospace": s.writes_refused_nospace,
         "segment_count": s.segment_count,
         "used_segments": s.used_segments,
         "free_segments": s.free_segments,
@@ -155,6 +160,7 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
         human(s.live_bytes),
         100.0 * s.live_bytes as f64 / s.usable_bytes.max(1) as f64
     );
+    o += &space_line(s);
     o += &format!(
         "  segments {} of {}: {} used, {} free; over-provisioning {:.0}%\n",
         s.segment_count,
@@ -336,6 +342,24 @@ pub fn metrics_text(s: &StatusReport) -> String {
         s.usable_bytes as f64,
     );
     e.one("live_bytes", "gauge", "Live data.", s.live_bytes as f64);
+    let help = "The volumes' sizes together (above usable_bytes: overcommitted).";
+    e.one("promised_bytes", "gauge", help, s.promised_bytes as f64);
+    let help = "Fullness against the usable capacity: 0 ok, 1 above the warning \
+                threshold, 2 above the critical one, 3 full.";
+    let state = match s.space_state.as_str() {
+        "warning" => 1.0,
+        "critical" => 2.0,
+        "full" => 3.0,
+        _ => 0.0,
+    };
+    e.one("space_state", "gauge", help, state);
+    let help = "Writes refused with ENOSPC since the array was opened.";
+    e.one(
+        "writes_refused_nospace_total",
+        "counter",
+        help,
+        s.writes_refused_nospace as f64,
+    );
     let help = "Segments in the free queue.";
     e.one("free_segments", "gauge", help, s.free_segments as f64);
     let counters: [(&str, &str, u64); 11] = [
@@ -508,4 +532,37 @@ pub fn server_metrics_text(array: &str, snap: &lamina_nbd::stats::Snapshot) -> S
         }
     }
     e.out
+}
+
+/// The fullness line of `status`: the state against the thresholds, and how far
+/// thin volumes overcommit the usable capacity.
+fn space_line(s: &StatusReport) -> String {
+    let state = match s.space_state.as_str() {
+        "warning" => format!("WARNING: above {:.0}% of usable", s.space_warn * 100.0),
+        "critical" => format!(
+            "CRITICAL: above {:.0}% of usable; writes to unwritten blocks fail when full",
+            s.space_critical * 100.0
+        ),
+        "full" => "FULL: writes to unwritten blocks get ENOSPC".to_string(),
+        _ => format!(
+            "ok (warns at {:.0}%, critical at {:.0}%)",
+            s.space_warn * 100.0,
+            s.space_critical * 100.0
+        ),
+    };
+    let thin = if s.promised_bytes > s.usable_bytes {
+        format!(
+            "; volumes promise {} = {:.2}x usable (thin)",
+            human(s.promised_bytes),
+            s.promised_bytes as f64 / s.usable_bytes.max(1) as f64
+        )
+    } else {
+        format!("; volumes promise {}", human(s.promised_bytes))
+    };
+    let refused = if s.writes_refused_nospace > 0 {
+        format!("; {} writes refused (ENOSPC)", s.writes_refused_nospace)
+    } else {
+        String::new()
+    };
+    format!("  space {state}{thin}{refused}\n")
 }

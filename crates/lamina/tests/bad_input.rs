@@ -284,6 +284,33 @@ fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
     let t = TempDir::new("enospc");
     // Thin provisioning: the volume is four times larger than the array.
     let (dir, usable) = thin_array(&t);
+    let d = dir.to_str().unwrap();
+    // Another volume: creating it warns that the volumes promise more than there is.
+    let out = lamina_output(&["volume", "create", d, "w", "--size", "16M"]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("thin provisioning") && err.contains("x the usable"),
+        "{err}"
+    );
+    // With a limit on the overcommit, one that goes beyond it is refused.
+    let cfg_path = dir.join("lamina.toml");
+    let cfg = std::fs::read_to_string(&cfg_path).unwrap();
+    std::fs::write(
+        &cfg_path,
+        cfg.replace("[engine]\n", "[engine]\nmax_overcommit = 4.5\n"),
+    )
+    .unwrap();
+    let out = lamina_output(&["volume", "create", d, "x", "--size", "64M"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("above max_overcommit = 4.5"), "{err}");
+    let st = status_json(&dir);
+    assert_eq!(st["space_state"], "ok", "{st}");
+    assert!(
+        st["promised_bytes"].as_u64().unwrap()
+            > 4 * st["usable_bytes"].as_u64().unwrap() - (8 << 20)
+    );
     let srv = Server::start(&dir);
     let mut c = Client::connect_unix(&srv.sock, "v").unwrap();
     let written = fill_until_enospc(&mut c, 0, usable);
@@ -291,6 +318,37 @@ fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
         written * BS as u64 > usable / 2,
         "ENOSPC came too early: {written} blocks of {usable} bytes"
     );
+    // Full is said in the status, the metrics and the log (warning, critical or
+    // full, and the refused writes), not left to the client's error.
+    let st = status_json(&dir);
+    let state = st["space_state"].as_str().unwrap().to_string();
+    assert!(state == "critical" || state == "full", "{st}");
+    assert!(st["writes_refused_nospace"].as_u64().unwrap() >= 1, "{st}");
+    let text = lamina(&["status", d]);
+    assert!(text.contains("CRITICAL") || text.contains("FULL"), "{text}");
+    let prom = lamina(&["status", d, "--prometheus"]);
+    assert!(
+        prom.lines()
+            .any(|l| l.starts_with("lamina_space_state{")
+                && (l.ends_with(" 2") || l.ends_with(" 3"))),
+        "{prom}"
+    );
+    let log_says = |needle: &str| {
+        let t0 = std::time::Instant::now();
+        loop {
+            let log = std::fs::read_to_string(dir.join("lamina.log")).unwrap_or_default();
+            if log.contains(needle) {
+                return;
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "{needle:?} not in:\n{log}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    log_says("above the warning threshold of 80%");
+    log_says("writes refused with ENOSPC");
     // Nothing already written is damaged.
     c.flush().unwrap();
     for lba in (0..written).step_by(97) {
@@ -306,6 +364,8 @@ fn thin_array_out_of_space_gets_enospc_and_keeps_data() {
     c.write(written * BS as u64, &pattern(written, 3), false)
         .expect("space after a trim");
     c.flush().unwrap();
+    log_says("below the warning threshold again");
+    assert_eq!(status_json(&dir)["space_state"], "ok");
     assert_eq!(
         decode_pattern(written, &c.read(written * BS as u64, BS as u32).unwrap()),
         Ok(3)
