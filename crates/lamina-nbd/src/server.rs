@@ -1157,7 +1157,8 @@ fn negotiate<B: Backend>(
     Err(protocol("too many options"))
 }
 
-/// Serves one connection until the client disconnects or breaks the protocol.
+/// Serves one connection until the client disconnects or breaks the protocol. An
+/// error ends the handshake; how the transmission phase ended is logged here.
 /// `tls`: the listener's TLS policy, if it offers TLS.
 /// `reads`: the pool that runs this connection's reads; without one they run on the
 /// connection's reader thread, one at a time.
@@ -1213,9 +1214,74 @@ pub fn serve_connection<B: Backend>(
         Box::new(move || closer.lock().unwrap().shutdown_conn()),
     );
     let export = Arc::new(export);
+    let peer = peer_name(r.get_ref().raw_fd());
+    tracing::info!(
+        "client {peer} connected to export {:?}{}",
+        info.name,
+        if state.active { " (TLS)" } else { "" }
+    );
     let result = transmission(&*backend, &export, &info, session, &mut r, &writer, reads);
     r.get_ref().shutdown_conn();
-    result
+    // Logged here with the export's name; what the caller logs is the handshake's.
+    match &result {
+        Ok(()) => tracing::info!("client {peer} disconnected from export {:?}", info.name),
+        Err(e) => tracing::info!(
+            "client {peer} disconnected from export {:?}: {e}",
+            info.name
+        ),
+    }
+    Ok(())
+}
+
+/// Who is at the other end of a socket, for the log: `HOST:PORT` on TCP, the
+/// process on a Unix socket (`pid N`, from SO_PEERCRED), else "?".
+fn peer_name(fd: std::os::unix::io::RawFd) -> String {
+    let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: addr and len describe a buffer of len bytes.
+    let r = unsafe {
+        libc::getpeername(
+            fd,
+            (&mut addr as *mut libc::sockaddr_storage).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 {
+        match addr.ss_family as i32 {
+            libc::AF_INET => {
+                // SAFETY: the kernel wrote a sockaddr_in for AF_INET.
+                let a: &libc::sockaddr_in =
+                    unsafe { &*(&addr as *const _ as *const libc::sockaddr_in) };
+                let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+                return format!("{ip}:{}", u16::from_be(a.sin_port));
+            }
+            libc::AF_INET6 => {
+                // SAFETY: the kernel wrote a sockaddr_in6 for AF_INET6.
+                let a: &libc::sockaddr_in6 =
+                    unsafe { &*(&addr as *const _ as *const libc::sockaddr_in6) };
+                let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+                return format!("[{ip}]:{}", u16::from_be(a.sin6_port));
+            }
+            _ => {}
+        }
+    }
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len describe a ucred.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 && cred.pid > 0 {
+        format!("pid {} (uid {})", cred.pid, cred.uid)
+    } else {
+        "?".into()
+    }
 }
 
 fn transmission<B: Backend>(
@@ -1714,7 +1780,7 @@ pub fn serve<B: Backend>(
             .name("nbd-conn".into())
             .spawn(move || {
                 if let Err(e) = serve_connection(backend, conn, tls.as_deref(), reads.as_ref()) {
-                    tracing::info!("connection closed: {e}");
+                    tracing::info!("connection closed during the handshake: {e}");
                 }
                 CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
             });

@@ -36,7 +36,11 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
     };
     let result: Result<Value, String> = match op {
         "status" => status()
-            .map(|s| json!({"ok": true, "status": status_json(&s, true)}))
+            .map(|s| {
+                let mut v = status_json(&s, true);
+                v["last_scrub"] = rt.last_scrub.lock().unwrap().clone().unwrap_or(Value::Null);
+                json!({"ok": true, "status": v})
+            })
             .map_err(|e| e.to_string()),
         "metrics" => status()
             .map(|s| json!({"ok": true, "metrics": running_metrics_text(&s)}))
@@ -96,7 +100,56 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
             .map_err(|e| e.to_string()),
         other => Err(format!("unknown op {other:?}")),
     };
+    // What changes the array is logged, as zpool history keeps it; queries are not.
+    if !matches!(op, "status" | "metrics") {
+        let args: Vec<String> = req
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| *k != "op")
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        match &result {
+            Ok(_) => tracing::info!("admin: {op} {}: done", args.join(" ")),
+            Err(e) => tracing::warn!("admin: {op} {}: refused: {e}", args.join(" ")),
+        }
+    }
     result.unwrap_or_else(|e| json!({"ok": false, "error": e}))
+}
+
+/// Logs a scrub's findings and keeps them for `status` (`last_scrub`).
+fn record_scrub(rt: &Runtime, r: &lamina_core::scrub::ScrubReport, seconds: f64) -> Value {
+    let mut v = scrub_json(r);
+    let s = &r.stats;
+    let left = s.unrecoverable + s.unresolved + r.damaged_headers;
+    let msg = format!(
+        "scrub finished in {seconds:.1}s: {} segments, {} blocks checked; {} checksum errors, \
+         {} parity mismatches; repaired {} blocks and {} parity blocks; {} unrecoverable, \
+         {} unresolved, {} damaged unit headers",
+        r.segments,
+        r.blocks_checked,
+        s.checksum_errors,
+        s.parity_mismatches,
+        s.blocks_repaired,
+        s.parity_repaired,
+        s.unrecoverable,
+        s.unresolved,
+        r.damaged_headers
+    );
+    if left > 0 {
+        tracing::error!("{msg}");
+    } else if s.checksum_errors + s.parity_mismatches > 0 {
+        tracing::warn!("{msg}");
+    } else {
+        tracing::info!("{msg}");
+    }
+    let finished = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    v["finished_unix"] = json!(finished);
+    v["seconds"] = json!(seconds);
+    *rt.last_scrub.lock().unwrap() = Some(v.clone());
+    v
 }
 
 /// Serves the admin socket (runs until the process exits). `io` says how devices
@@ -116,12 +169,20 @@ pub fn serve(listener: UnixListener, rt: Runtime, io: IoOptions) {
                 Ok(req) if req.get("op").and_then(|v| v.as_str()) == Some("scrub") => {
                     // Streams {"progress":[done,total]} lines, then the report.
                     let mut w = &conn;
+                    tracing::info!("admin: scrub started");
+                    let t0 = std::time::Instant::now();
                     let r = lamina_core::scrub::scrub(&rt.shared, &mut |d, t| {
                         let _ = writeln!(w, "{}", json!({"progress": [d, t]}));
                     });
                     match r {
-                        Ok(r) => json!({"ok": true, "scrub": scrub_json(&r)}),
-                        Err(e) => json!({"ok": false, "error": e.to_string()}),
+                        Ok(r) => {
+                            let v = record_scrub(&rt, &r, t0.elapsed().as_secs_f64());
+                            json!({"ok": true, "scrub": v})
+                        }
+                        Err(e) => {
+                            tracing::error!("scrub failed: {e}");
+                            json!({"ok": false, "error": e.to_string()})
+                        }
                     }
                 }
                 Ok(req) => handle(&rt, io, &req),

@@ -1100,16 +1100,29 @@ fn status(a: StatusArgs) -> Result<()> {
             }
         }
     }
-    let (report, running) = get_status(&dir)?;
+    // A running server also knows its last scrub.
+    let (report, running, last_scrub) =
+        match admin::request(&admin_socket(&dir)?, &json!({"op": "status"}))? {
+            Some(v) => (
+                admin::status_from_json(&v)?,
+                true,
+                v["status"]["last_scrub"].clone(),
+            ),
+            None => (get_status(&dir)?.0, false, serde_json::Value::Null),
+        };
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&output::status_json(&report, running))?
-        );
+        let mut v = output::status_json(&report, running);
+        if running {
+            v["last_scrub"] = last_scrub;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else if a.prometheus {
         print!("{}", output::metrics_text(&report));
     } else {
         print!("{}", output::status_text(&report, running));
+        if running {
+            print!("{}", output::scrub_line(&last_scrub));
+        }
     }
     Ok(())
 }

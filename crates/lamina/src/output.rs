@@ -566,3 +566,35 @@ fn space_line(s: &StatusReport) -> String {
     };
     format!("  space {state}{thin}{refused}\n")
 }
+
+/// The last scrub of a running server, as `zpool status` shows its scan line.
+pub fn scrub_line(v: &Value) -> String {
+    if v.is_null() {
+        return "  scrub: none since the server started (lamina array scrub)\n".into();
+    }
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let ago = now.saturating_sub(n("finished_unix"));
+    let left = n("unrecoverable") + n("unresolved") + n("damaged_unit_headers");
+    format!(
+        "  scrub: {} blocks checked in {:.1}s, {} ago: {} checksum errors, {} parity \
+         mismatches, {} repaired, {}\n",
+        n("blocks_checked"),
+        v["seconds"].as_f64().unwrap_or(0.0),
+        if ago < 120 {
+            format!("{ago}s")
+        } else {
+            format!("{} min", ago / 60)
+        },
+        n("checksum_errors"),
+        n("parity_mismatches"),
+        n("blocks_repaired") + n("parity_repaired"),
+        if left > 0 {
+            format!("DAMAGE LEFT: {left} blocks or headers")
+        } else {
+            "no damage left".to_string()
+        }
+    )
+}

@@ -56,6 +56,8 @@ pub struct Runtime {
     pub shared: Arc<Shared>,
     pub shutting_down: Arc<AtomicBool>,
     pub clients: Arc<Clients>,
+    /// The last scrub this server ran, as `status` shows it (JSON).
+    pub last_scrub: Arc<std::sync::Mutex<Option<serde_json::Value>>>,
 }
 
 /// Messages a thread handles per round before it looks at the clock and the
@@ -351,6 +353,7 @@ impl Runtime {
             shared,
             shutting_down: Arc::new(AtomicBool::new(false)),
             clients: Arc::default(),
+            last_scrub: Arc::default(),
         }
     }
 

@@ -375,3 +375,66 @@ fn the_command_line_follows_one_set_of_rules() {
         "capacity",
     );
 }
+
+/// What an operator reads afterwards, as `zpool history` and `zpool status` give
+/// it: every admin action in the log (done or refused, with its arguments), every
+/// client's connection and disconnection with the export and who it was, and the
+/// last scrub's findings in the log and in `status`.
+#[test]
+fn actions_clients_and_scrubs_are_logged_and_shown() {
+    let t = TempDir::new("oplog");
+    let dir = small_array(&t, "16M");
+    let d = dir.to_str().unwrap();
+    let srv = Server::start(&dir);
+    lamina(&["volume", "create", d, "w", "--size", "8M"]);
+    let out = lamina_output(&["volume", "delete", d, "nope"]);
+    assert_eq!(out.status.code(), Some(1));
+    let mut c = lamina_nbd::client::Client::connect_unix(&srv.sock, "v").unwrap();
+    c.write(0, &lamina_testkit::pattern(0, 1), true).unwrap();
+    drop(c);
+    let before = lamina(&["status", d]);
+    assert!(
+        before.contains("scrub: none since the server started"),
+        "{before}"
+    );
+    let scrub: serde_json::Value =
+        serde_json::from_str(&lamina(&["array", "scrub", d, "--json", "--quiet"])).unwrap();
+    assert!(scrub["blocks_checked"].as_u64().unwrap() >= 1, "{scrub}");
+    let text = lamina(&["status", d]);
+    assert!(
+        text.contains("scrub: ") && text.contains("no damage left"),
+        "{text}"
+    );
+    let st = status_json(&dir);
+    assert_eq!(
+        st["last_scrub"]["blocks_checked"], scrub["blocks_checked"],
+        "{st}"
+    );
+    let me = format!("pid {}", std::process::id());
+    let t0 = Instant::now();
+    let wanted = [
+        "admin: volume-create name=\"w\" size=8388608: done".to_string(),
+        "admin: volume-delete force=false name=\"nope\": refused: ".to_string(),
+        format!("client {me}"),
+        "connected to export \"v\"".to_string(),
+        "disconnected from export \"v\"".to_string(),
+        "admin: scrub started".to_string(),
+        "scrub finished in".to_string(),
+    ];
+    loop {
+        let log = std::fs::read_to_string(dir.join("lamina.log")).unwrap_or_default();
+        let missing: Vec<&String> = wanted
+            .iter()
+            .filter(|w| !log.contains(w.as_str()))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{missing:?} not in:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    srv.stop();
+}
