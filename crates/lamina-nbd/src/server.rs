@@ -166,6 +166,13 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (export, offset, length);
         Ok(())
     }
+    /// A data request of `bytes` payload (reads, writes, trims and zeroes, the last
+    /// two with none) arrives: how long its connection waits before starting it,
+    /// to hold the export to a rate (quality of service). By default no wait.
+    fn pace(&self, export: &Self::Export, bytes: u64) -> Duration {
+        let _ = (export, bytes);
+        Duration::ZERO
+    }
     /// Starts a command; its completion must eventually reach `reply`
     /// ([`ReplySink::complete`]) with the `handle` given here. The handle is the
     /// server's own number for the request (below [`MAX_INFLIGHT`], not the client's
@@ -1363,6 +1370,18 @@ fn transmission<B: Backend>(
                 CMD_BLOCK_STATUS => Some(Op::BlockStatus),
                 _ => None,
             };
+            let paced = match op {
+                Some(Op::Read | Op::Write) => Some(len),
+                Some(Op::Trim | Op::WriteZeroes) => Some(0),
+                _ => None,
+            };
+            if let Some(wait) = paced.map(|bytes| backend.pace(export, bytes)) {
+                if !wait.is_zero() {
+                    // Held commands go first: the wait may be long.
+                    backend.kick();
+                    std::thread::sleep(wait);
+                }
+            }
             let count = |bytes: u64, error: bool| {
                 if let Some(op) = op {
                     sink.stats.record(op, bytes, error, started);

@@ -39,6 +39,13 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
             .map(|s| {
                 let mut v = status_json(&s, true);
                 v["last_scrub"] = rt.last_scrub.lock().unwrap().clone().unwrap_or(Value::Null);
+                v["qos"] = rt
+                    .qos
+                    .all()
+                    .into_iter()
+                    .map(|(name, l)| (name, limits_json(l)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
                 json!({"ok": true, "status": v})
             })
             .map_err(|e| e.to_string()),
@@ -94,6 +101,39 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
                 _ => Err("member-replace needs \"index\" and \"path\"".into()),
             }
         }
+        "volume-qos" => match req.get("name").and_then(|v| v.as_str()) {
+            Some(name) if rt.shared.volume(name).is_some() => {
+                let mut l = rt.qos.limits(name);
+                // A key given sets that limit (null: none); one left out keeps it.
+                let limit = |k: &str, old: Option<u64>| match req.get(k) {
+                    None => Ok(old),
+                    Some(Value::Null) => Ok(None),
+                    Some(v) => match v.as_u64() {
+                        Some(n) if n > 0 => Ok(Some(n)),
+                        _ => Err(format!("{k} must be a positive number or null")),
+                    },
+                };
+                limit("iops", l.iops)
+                    .and_then(|iops| Ok((iops, limit("bandwidth", l.bytes_per_sec)?)))
+                    .map(|(iops, bw)| {
+                        let changed = req.get("iops").is_some() || req.get("bandwidth").is_some();
+                        l = crate::qos::Limits {
+                            iops,
+                            bytes_per_sec: bw,
+                        };
+                        if changed {
+                            rt.qos.set(name, l);
+                            tracing::info!(
+                                "volume {name:?} limited to {}",
+                                crate::qos::describe(l)
+                            );
+                        }
+                        json!({"ok": true, "limits": limits_json(l)})
+                    })
+            }
+            Some(name) => Err(format!("no volume named {name:?}")),
+            None => Err("volume-qos needs \"name\"".into()),
+        },
         "checkpoint" => rt
             .call(Request::Checkpoint)
             .map(|_| json!({"ok": true}))
@@ -115,6 +155,10 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
         }
     }
     result.unwrap_or_else(|e| json!({"ok": false, "error": e}))
+}
+
+fn limits_json(l: crate::qos::Limits) -> Value {
+    json!({"iops": l.iops, "bandwidth": l.bytes_per_sec})
 }
 
 /// Logs a scrub's findings and keeps them for `status` (`last_scrub`).

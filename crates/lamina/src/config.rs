@@ -156,12 +156,42 @@ pub struct EngineSection {
     pub direct_io: Option<String>,
 }
 
-/// Placement choices of one volume (override the `[engine]` ones).
+/// Choices for one volume: placement (overrides the `[engine]` ones) and limits.
 #[derive(Clone, Debug, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct VolumeEngine {
     pub classifier: Option<String>,
     pub gc_policy: Option<String>,
+    /// Requests per second the volume's clients get together (reads, writes,
+    /// trims, zeroes); unlimited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iops_limit: Option<u64>,
+    /// Payload bytes per second ("100M"); unlimited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth_limit: Option<String>,
+}
+
+impl VolumeEngine {
+    /// The volume's limits, checked.
+    pub fn limits(&self, name: &str) -> Result<crate::qos::Limits> {
+        if self.iops_limit == Some(0) {
+            bail!(
+                "[engine.volumes.{name}] iops_limit = 0: give a positive number, or leave it out"
+            );
+        }
+        let bytes_per_sec = match &self.bandwidth_limit {
+            None => None,
+            Some(b) => match parse_size(b) {
+                Ok(n) if n > 0 => Some(n),
+                Ok(_) => bail!("[engine.volumes.{name}] bandwidth_limit = {b:?}: give more than 0"),
+                Err(e) => bail!("[engine.volumes.{name}] bandwidth_limit = {b:?}: {e}"),
+            },
+        };
+        Ok(crate::qos::Limits {
+            iops: self.iops_limit,
+            bytes_per_sec,
+        })
+    }
 }
 
 fn default_admin() -> PathBuf {

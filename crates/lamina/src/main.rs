@@ -13,6 +13,7 @@ mod fsck;
 mod iops;
 mod notify;
 mod output;
+mod qos;
 mod rebuild;
 mod runtime;
 mod serve;
@@ -386,6 +387,22 @@ enum VolumeCmd {
         /// Size of the volume (K, M, G, T suffixes); a multiple of 4 KiB.
         #[arg(long, value_name = "SIZE")]
         size: String,
+    },
+    /// Limit a volume's requests and bytes per second, live (without --iops and
+    /// --bandwidth: show its limits). The limits last until the server stops;
+    /// `[engine.volumes.NAME] iops_limit` and `bandwidth_limit` in lamina.toml set
+    /// them at every start.
+    Qos {
+        /// [DIR] NAME: the array directory (default ./lamina-data) and the
+        /// volume's name.
+        #[arg(required = true, num_args = 1..=2, value_name = "[DIR] NAME")]
+        args: Vec<String>,
+        /// Requests per second (reads, writes, trims, zeroes together), or `none`.
+        #[arg(long, value_name = "N|none")]
+        iops: Option<String>,
+        /// Payload bytes per second (K, M, G suffixes), or `none`.
+        #[arg(long, value_name = "SIZE|none")]
+        bandwidth: Option<String>,
     },
     /// List volumes.
     List {
@@ -1049,6 +1066,54 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             }
             println!("deleted volume {name:?}");
         }
+        VolumeCmd::Qos {
+            args,
+            iops,
+            bandwidth,
+        } => {
+            let (dir, name) = dir_and_name(args)?;
+            let mut req = json!({"op": "volume-qos", "name": name});
+            if let Some(v) = iops {
+                req["iops"] = match v.as_str() {
+                    "none" => serde_json::Value::Null,
+                    n => match n.parse::<u64>() {
+                        Ok(n) if n > 0 => json!(n),
+                        _ => {
+                            return Err(Usage(format!(
+                                "--iops {v}: give a positive number or none"
+                            ))
+                            .into())
+                        }
+                    },
+                };
+            }
+            if let Some(v) = bandwidth {
+                req["bandwidth"] = match v.as_str() {
+                    "none" => serde_json::Value::Null,
+                    s => match size_arg("--bandwidth", s)? {
+                        0 => return Err(Usage("--bandwidth 0: give more, or none".into()).into()),
+                        n => json!(n),
+                    },
+                };
+            }
+            let Some(v) = admin::request(&admin_socket(&dir)?, &req)? else {
+                bail!(
+                    "no server is running for {}: limits apply to a running server; to set \
+                     them at start, add iops_limit or bandwidth_limit to [engine.volumes.{name}] \
+                     in its lamina.toml",
+                    dir.display()
+                );
+            };
+            let l = &v["limits"];
+            let show = |x: &serde_json::Value, f: &dyn Fn(u64) -> String| {
+                x.as_u64().map_or("no limit".to_string(), f)
+            };
+            println!(
+                "volume {name:?}: requests {}, bandwidth {}",
+                show(&l["iops"], &|n| format!("{n}/s")),
+                show(&l["bandwidth"], &|n| format!("{}/s", human(n)))
+            );
+        }
         VolumeCmd::List { dir, json } => {
             let dir = absolute(&dir.unwrap_or_else(default_dir))?;
             let (report, running) = get_status(&dir)?;
@@ -1100,20 +1165,18 @@ fn status(a: StatusArgs) -> Result<()> {
             }
         }
     }
-    // A running server also knows its last scrub.
-    let (report, running, last_scrub) =
+    // A running server also knows its last scrub and the volumes' limits.
+    let (report, running, raw) =
         match admin::request(&admin_socket(&dir)?, &json!({"op": "status"}))? {
-            Some(v) => (
-                admin::status_from_json(&v)?,
-                true,
-                v["status"]["last_scrub"].clone(),
-            ),
+            Some(v) => (admin::status_from_json(&v)?, true, v["status"].clone()),
             None => (get_status(&dir)?.0, false, serde_json::Value::Null),
         };
+    let last_scrub = raw["last_scrub"].clone();
     if a.json {
         let mut v = output::status_json(&report, running);
         if running {
             v["last_scrub"] = last_scrub;
+            v["qos"] = raw["qos"].clone();
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else if a.prometheus {

@@ -58,6 +58,8 @@ pub struct Runtime {
     pub clients: Arc<Clients>,
     /// The last scrub this server ran, as `status` shows it (JSON).
     pub last_scrub: Arc<std::sync::Mutex<Option<serde_json::Value>>>,
+    /// Per-volume limits (`[engine.volumes.NAME] iops_limit`, `lamina volume qos`).
+    pub qos: Arc<crate::qos::QosTable>,
 }
 
 /// Messages a thread handles per round before it looks at the clock and the
@@ -241,7 +243,11 @@ pub struct Clients {
 }
 
 impl Clients {
-    fn open(self: &Arc<Self>, vol: Arc<VolumeShared>) -> ExportHandle {
+    fn open(
+        self: &Arc<Self>,
+        vol: Arc<VolumeShared>,
+        qos: Arc<crate::qos::Limiter>,
+    ) -> ExportHandle {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         self.by_volume
             .lock()
@@ -253,6 +259,7 @@ impl Clients {
             vol,
             id,
             clients: self.clone(),
+            qos,
         }
     }
 
@@ -283,6 +290,8 @@ pub struct ExportHandle {
     vol: Arc<VolumeShared>,
     id: u64,
     clients: Arc<Clients>,
+    /// The volume's limits (`crate::qos`).
+    qos: Arc<crate::qos::Limiter>,
 }
 
 impl Drop for ExportHandle {
@@ -354,6 +363,7 @@ impl Runtime {
             shutting_down: Arc::new(AtomicBool::new(false)),
             clients: Arc::default(),
             last_scrub: Arc::default(),
+            qos: Arc::default(),
         }
     }
 
@@ -476,7 +486,8 @@ impl Backend for LaminaBackend {
             description: format!("Lamina volume {}", v.name),
             size: v.size_bytes,
         };
-        Some((self.rt.clients.open(v), info))
+        let qos = self.rt.qos.get(&v.name);
+        Some((self.rt.clients.open(v, qos), info))
     }
 
     fn attach(&self, export: &Self::Export, disconnect: Disconnect) {
@@ -516,6 +527,10 @@ impl Backend for LaminaBackend {
 
     fn read_only(&self, export: &Self::Export) -> bool {
         self.read_only.all || self.read_only.volumes.contains(&export.vol.name)
+    }
+
+    fn pace(&self, export: &Self::Export, bytes: u64) -> Duration {
+        export.qos.pace(bytes)
     }
 
     fn block_status(

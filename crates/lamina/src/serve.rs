@@ -302,6 +302,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .into());
     }
     let tls = tls_config(&a, &cfg, &dir)?;
+    let limits = cfg
+        .engine
+        .volumes
+        .iter()
+        .map(|(name, v)| Ok((name.clone(), v.limits(name)?)))
+        .collect::<Result<Vec<_>>>()?;
     if let Some(n) = cfg.serve.read_threads {
         if !(1..=1024).contains(&n) {
             bail!("[serve] read_threads = {n}: give 1 to 1024");
@@ -336,6 +342,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     );
     let status = engine.status();
     let rt = Runtime::start(engine, cfg.serve.io_threads, io_nice);
+    for (name, l) in limits.into_iter().filter(|(_, l)| !l.is_none()) {
+        tracing::info!("volume {name:?} limited to {}", crate::qos::describe(l));
+        rt.qos.set(&name, l);
+    }
     let rebuild_rate = cfg
         .serve
         .rebuild_rate

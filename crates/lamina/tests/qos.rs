@@ -1,0 +1,90 @@
+//! Per-volume limits (issue "Volumes", QoS): requests and bytes per second, set in
+//! lamina.toml for every start or live with `lamina volume qos`.
+
+mod common;
+use common::*;
+use lamina_nbd::client::Client;
+use lamina_testkit::{pattern, BS};
+use std::time::{Duration, Instant};
+
+/// Writes `n` blocks of `blocks` 4 KiB blocks one at a time (queue depth 1) and
+/// returns how long they took.
+fn timed_writes(c: &mut Client, n: u64, blocks: u64) -> Duration {
+    let data: Vec<u8> = (0..blocks).flat_map(|b| pattern(b, 1)).collect();
+    let t = Instant::now();
+    for i in 0..n {
+        c.write(i * blocks * BS as u64, &data, false).unwrap();
+    }
+    t.elapsed()
+}
+
+/// A volume's clients get at most its rate (checked from below only: a slow
+/// machine makes them slower, never faster); a limit changed live applies at once
+/// to open connections; the other volume is not held back by it.
+#[test]
+fn volume_limits_hold_requests_to_their_rate() {
+    let t = TempDir::new("qos");
+    let dir = small_array(&t, "16M");
+    let d = dir.to_str().unwrap();
+    create_volume(&dir, "w", "16M");
+    let cfg = dir.join("lamina.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        format!("{text}\n[engine.volumes.v]\niops_limit = 200\n"),
+    )
+    .unwrap();
+    let srv = Server::start(&dir);
+    let mut v = Client::connect_unix(&srv.sock, "v").unwrap();
+    let mut w = Client::connect_unix(&srv.sock, "w").unwrap();
+    // 150 requests at 200/s, of which 20 ms' worth go at once: at least 0.73 s.
+    let took = timed_writes(&mut v, 150, 1);
+    assert!(
+        took >= Duration::from_millis(700),
+        "150 writes at 200/s took {took:?}"
+    );
+    let shown = lamina(&["volume", "qos", d, "v"]);
+    assert!(
+        shown.contains("requests 200/s") && shown.contains("bandwidth no limit"),
+        "{shown}"
+    );
+    // Live: w gets a byte rate (1 MiB/s), v loses its limit.
+    lamina(&["volume", "qos", d, "w", "--bandwidth", "1M"]);
+    lamina(&["volume", "qos", d, "v", "--iops", "none"]);
+    let st = status_json(&dir);
+    assert_eq!(st["qos"]["w"]["bandwidth"], 1 << 20, "{st}");
+    assert!(st["qos"].get("v").is_none(), "{st}");
+    // 20 writes of 64 KiB = 1.25 MiB at 1 MiB/s: at least a second.
+    let took = timed_writes(&mut w, 20, 16);
+    assert!(
+        took >= Duration::from_millis(1000),
+        "1.25 MiB at 1 MiB/s took {took:?}"
+    );
+    // Bad requests are refused with the reason.
+    let out = lamina_output(&["volume", "qos", d, "nope", "--iops", "5"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no volume named"));
+    let out = lamina_output(&["volume", "qos", d, "v", "--iops", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+    let log = std::fs::read_to_string(dir.join("lamina.log")).unwrap();
+    assert!(
+        log.contains("volume \"v\" limited to 200 requests/s"),
+        "{log}"
+    );
+    assert!(log.contains("volume \"w\" limited to 1.0 MiB/s"), "{log}");
+    drop((v, w));
+    srv.stop();
+    // Without a server the limits cannot be set live: the message says where.
+    let out = lamina_output(&["volume", "qos", d, "v", "--iops", "5"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("[engine.volumes.v]"));
+    // A bad limit in the config stops the server before it opens the array.
+    std::fs::write(
+        &cfg,
+        format!("{text}\n[engine.volumes.v]\nbandwidth_limit = \"0\"\n"),
+    )
+    .unwrap();
+    let out = lamina_output(&["serve", d]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bandwidth_limit"));
+}
