@@ -1206,8 +1206,7 @@ impl Engine {
             .iter()
             .flatten()
             .filter(|v| v.deleting.is_none())
-            .map(|v| v.shared.size_bytes)
-            .sum()
+            .fold(0u64, |a, v| a.saturating_add(v.shared.size_bytes))
     }
 
     /// Discards free segments that stayed free for `discard_delay_ms` (TRIM on an
@@ -2862,10 +2861,10 @@ impl Engine {
         }
         if let Some(limit) = self.cfg.max_overcommit {
             let usable = self.space.usable * BLOCK_SIZE_U64;
-            let promised = self.promised_bytes() + size_bytes;
+            let promised = self.promised_bytes().saturating_add(size_bytes);
             if promised as f64 > limit * usable as f64 {
                 return Err(EngineError::Invalid(format!(
-                    "volume {name:?} would make the volumes promise {:.2}x the usable                      capacity of {usable} bytes, above max_overcommit = {limit}",
+                    "volume {name:?} would make the volumes promise {:.2}x the usable capacity of {usable} bytes, above max_overcommit = {limit}",
                     promised as f64 / usable.max(1) as f64
                 )));
             }

@@ -36,6 +36,8 @@ pub struct MemberStatus {
     pub bytes_read: u64,
     /// Reads of this member that failed (and were rebuilt from parity).
     pub read_errors: u64,
+    /// Blocks of this member that failed their checksum (and were rebuilt).
+    pub checksum_errors: u64,
     /// While rebuilding: the fraction of stripes done.
     pub rebuild_progress: Option<f64>,
 }
@@ -214,6 +216,7 @@ impl Engine {
                     bytes_written: m.bytes_written,
                     bytes_read: m.bytes_read,
                     read_errors: m.read_errors,
+                    checksum_errors: m.checksum_errors,
                     rebuild_progress: m
                         .rebuild_cursor
                         .map(|c| c as f64 / self.geo.segment_count.max(1) as f64),
@@ -229,6 +232,7 @@ impl Engine {
                     bytes_written: self.device_blocks.get(i).copied().unwrap_or(0) * bs,
                     bytes_read: 0,
                     read_errors: 0,
+                    checksum_errors: 0,
                     rebuild_progress: None,
                 })
                 .collect(),

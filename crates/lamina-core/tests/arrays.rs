@@ -720,6 +720,17 @@ fn silent_faults_on_one_member_are_served_from_parity() {
                 .load(std::sync::atomic::Ordering::Relaxed)
                 + st.rebuilt_blocks();
             assert!(served > 0, "{what}: some reads were served from parity");
+            // The damage is counted against the member that has it, as zpool
+            // status's READ and CKSUM columns do, and no other member is blamed.
+            let ms = st.member_states();
+            if *kind == "latent sector errors" {
+                assert!(ms[bad].read_errors > 0, "{what}: {ms:?}");
+            } else {
+                assert!(ms[bad].checksum_errors > 0, "{what}: {ms:?}");
+            }
+            for (i, m) in ms.iter().enumerate().filter(|&(i, _)| i != bad) {
+                assert_eq!(m.checksum_errors, 0, "{what}: member {i} blamed: {ms:?}");
+            }
             // GC moves on over the damage, and a restart finds everything.
             run(&mut e, vol, &mut model, blocks, blocks, seed + 200, |_| {});
             verify(&e, vol, &model);

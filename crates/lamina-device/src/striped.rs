@@ -125,6 +125,9 @@ pub struct MemberState {
     pub rebuild_cursor: Option<u64>,
     /// Reads of this member that failed and were rebuilt from parity.
     pub read_errors: u64,
+    /// Blocks of this member that read back damaged (their checksum failed) and
+    /// were rebuilt from parity.
+    pub checksum_errors: u64,
     pub bytes_written: u64,
     pub bytes_read: u64,
 }
@@ -150,6 +153,7 @@ pub struct Striped {
     shape: StripeShape,
     failed: Vec<AtomicBool>,
     read_errors: Vec<AtomicU64>,
+    checksum_errors: Vec<AtomicU64>,
     written: Vec<AtomicU64>,
     read_bytes: Vec<AtomicU64>,
     /// Bumped whenever a member fails, so the owner can notice and record it.
@@ -215,6 +219,7 @@ impl Striped {
                 .map(|i| AtomicBool::new(failed.get(i).copied().unwrap_or(false)))
                 .collect(),
             read_errors: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            checksum_errors: (0..n).map(|_| AtomicU64::new(0)).collect(),
             written: (0..n).map(|_| AtomicU64::new(0)).collect(),
             read_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
             members: members.into_iter().map(RwLock::new).collect(),
@@ -275,6 +280,7 @@ impl Striped {
         *slot = dev;
         self.slot_gen[i].fetch_add(1, Ordering::SeqCst);
         self.read_errors[i].store(0, Ordering::Relaxed);
+        self.checksum_errors[i].store(0, Ordering::Relaxed);
         self.rebuilt_below[i].store(from, Ordering::Release);
         self.failed[i].store(false, Ordering::SeqCst);
         drop(slot);
@@ -301,9 +307,12 @@ impl Striped {
     /// A block read from member `member` at array offset `offset` failed its
     /// checksum and was rebuilt from parity: counted as a read error of the member,
     /// and its stripe goes to the repair list.
+    /// A block of `member` at array `offset` failed its checksum (and was served
+    /// from parity): counted against the member, and its row queued for repair.
     pub fn note_bad_block(&self, member: usize, offset: u64) {
         if let Ok((s, _, _)) = self.split("note", offset, 0) {
-            self.note_read_error(member, s);
+            self.checksum_errors[member].fetch_add(1, Ordering::Relaxed);
+            self.repairs.lock().unwrap().insert(s);
         }
     }
 
@@ -760,6 +769,7 @@ impl Striped {
                 rebuild_cursor: self.rebuild_cursor(i),
                 failed: self.is_failed(i),
                 read_errors: self.read_errors[i].load(Ordering::Relaxed),
+                checksum_errors: self.checksum_errors[i].load(Ordering::Relaxed),
                 bytes_written: self.written[i].load(Ordering::Relaxed),
                 bytes_read: self.read_bytes[i].load(Ordering::Relaxed),
             })

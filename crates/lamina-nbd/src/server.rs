@@ -173,6 +173,12 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (export, bytes);
         Duration::ZERO
     }
+    /// Whether a wait [`Backend::pace`] asked for at `since` still holds (false:
+    /// the limits changed or the export is going away; the request goes on).
+    fn pace_holds(&self, export: &Self::Export, since: Instant) -> bool {
+        let _ = (export, since);
+        true
+    }
     /// Starts a command; its completion must eventually reach `reply`
     /// ([`ReplySink::complete`]) with the `handle` given here. The handle is the
     /// server's own number for the request (below [`MAX_INFLIGHT`], not the client's
@@ -258,6 +264,10 @@ macro_rules! impl_conn {
 }
 impl_conn!(UnixStream);
 impl_conn!(TcpStream);
+
+/// A wait for quality of service is slept in slices this long (see
+/// [`Backend::pace_holds`]).
+const PACE_SLICE: Duration = Duration::from_millis(50);
 
 /// How long a connection's reader keeps looking for the next request before it
 /// sleeps in the kernel (see [`Polled`]).
@@ -1176,6 +1186,8 @@ pub fn serve_connection<B: Backend>(
     reads: Option<&Arc<ReadPool<B>>>,
 ) -> io::Result<()> {
     stream.set_read_timeout_conn(Some(HANDSHAKE_TIMEOUT))?;
+    // Before TLS, which moves the connection onto a socket pair of our own.
+    let peer = peer_name(stream.raw_fd());
     let writer_for = |s: &dyn Conn| -> io::Result<Writer> {
         Ok(Arc::new(Mutex::new(ConnWriter {
             stream: s.try_clone_conn()?,
@@ -1221,7 +1233,6 @@ pub fn serve_connection<B: Backend>(
         Box::new(move || closer.lock().unwrap().shutdown_conn()),
     );
     let export = Arc::new(export);
-    let peer = peer_name(r.get_ref().raw_fd());
     tracing::info!(
         "client {peer} connected to export {:?}{}",
         info.name,
@@ -1370,24 +1381,36 @@ fn transmission<B: Backend>(
                 CMD_BLOCK_STATUS => Some(Op::BlockStatus),
                 _ => None,
             };
-            let paced = match op {
-                Some(Op::Read | Op::Write) => Some(len),
-                Some(Op::Trim | Op::WriteZeroes) => Some(0),
-                _ => None,
-            };
-            if let Some(wait) = paced.map(|bytes| backend.pace(export, bytes)) {
-                if !wait.is_zero() {
-                    // Held commands go first: the wait may be long.
-                    backend.kick();
-                    std::thread::sleep(wait);
-                }
-            }
             let count = |bytes: u64, error: bool| {
                 if let Some(op) = op {
                     sink.stats.record(op, bytes, error, started);
                 }
             };
             let in_range = offset.checked_add(len).is_some_and(|end| end <= info.size);
+            // Quality of service: requests that will be served wait their turn;
+            // what is refused costs nothing. (A read or write is at most
+            // MAX_PAYLOAD, a trim or zeroes moves no payload.)
+            let paced = match op {
+                Some(Op::Read | Op::Write) if in_range && len <= MAX_PAYLOAD as u64 => Some(len),
+                Some(Op::Trim | Op::WriteZeroes) if in_range => Some(0),
+                _ => None,
+            };
+            if let Some(wait) = paced.map(|bytes| backend.pace(export, bytes)) {
+                if !wait.is_zero() {
+                    // Held commands go first: the wait may be long. It is slept in
+                    // slices, and ends early when the backend says it no longer
+                    // holds (the limits changed, the export went away).
+                    backend.kick();
+                    let from = Instant::now();
+                    while let Some(left) = wait.checked_sub(from.elapsed()).filter(|l| !l.is_zero())
+                    {
+                        std::thread::sleep(left.min(PACE_SLICE));
+                        if !backend.pace_holds(export, from) {
+                            break;
+                        }
+                    }
+                }
+            }
             // FUA is accepted on every command (the spec), ignored where nothing is
             // written.
             let allowed_flags = match req.kind {

@@ -123,10 +123,14 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
                         };
                         if changed {
                             rt.qos.set(name, l);
-                            tracing::info!(
-                                "volume {name:?} limited to {}",
-                                crate::qos::describe(l)
-                            );
+                            if l.is_none() {
+                                tracing::info!("volume {name:?}: limits lifted");
+                            } else {
+                                tracing::info!(
+                                    "volume {name:?} limited to {}",
+                                    crate::qos::describe(l)
+                                );
+                            }
                         }
                         json!({"ok": true, "limits": limits_json(l)})
                     })
@@ -141,7 +145,9 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
         other => Err(format!("unknown op {other:?}")),
     };
     // What changes the array is logged, as zpool history keeps it; queries are not.
-    if !matches!(op, "status" | "metrics") {
+    let query = matches!(op, "status" | "metrics")
+        || (op == "volume-qos" && req.get("iops").is_none() && req.get("bandwidth").is_none());
+    if !query {
         let args: Vec<String> = req
             .as_object()
             .into_iter()
@@ -355,6 +361,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                         bytes_written: m["bytes_written"].as_u64().unwrap_or(0),
                         bytes_read: m["bytes_read"].as_u64().unwrap_or(0),
                         read_errors: m["read_errors"].as_u64().unwrap_or(0),
+                        checksum_errors: m["checksum_errors"].as_u64().unwrap_or(0),
                         rebuild_progress: m["rebuild_progress"].as_f64(),
                     })
                     .collect()
@@ -429,6 +436,9 @@ fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String>
     rt.call(Request::DeleteVolume {
         name: name.to_string(),
     })
-    .map(|_| json!({"ok": true}))
+    .map(|_| {
+        rt.qos.remove(name);
+        json!({"ok": true})
+    })
     .map_err(|e| e.to_string())
 }

@@ -843,12 +843,18 @@ pub fn create_array(
             if let Some(parent) = abs.parent() {
                 created.dirs(parent)?;
             }
+            // (`exists` is false for a dangling link too, which is not ours.)
+            let d = FileDevice::create_sparse(&abs, *s)?;
             created.files.push(abs.clone());
-            FileDevice::create_sparse(&abs, *s)?
+            d
         };
         match zoned {
             Some(spec) => {
-                created.files.push(lamina_device::zoned::state_path(&abs));
+                // Its zone state file is ours to remove only if it was not there.
+                let state = lamina_device::zoned::state_path(&abs);
+                if state.symlink_metadata().is_err() {
+                    created.files.push(state);
+                }
                 devices.push(devices::make_zoned(&abs, dev, spec)?);
             }
             None => devices.push(Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?)),
@@ -1173,11 +1179,14 @@ fn status(a: StatusArgs) -> Result<()> {
         };
     let last_scrub = raw["last_scrub"].clone();
     if a.json {
+        // The same fields either way: a stopped array has no last scrub or limits.
         let mut v = output::status_json(&report, running);
-        if running {
-            v["last_scrub"] = last_scrub;
-            v["qos"] = raw["qos"].clone();
-        }
+        v["last_scrub"] = last_scrub;
+        v["qos"] = if running {
+            raw["qos"].clone()
+        } else {
+            json!({})
+        };
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else if a.prometheus {
         print!("{}", output::metrics_text(&report));

@@ -23,6 +23,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
                 "bytes_written": m.bytes_written,
                 "bytes_read": m.bytes_read,
                 "read_errors": m.read_errors,
+                "checksum_errors": m.checksum_errors,
                 "rebuild_progress": m.rebuild_progress,
             })).collect::<Vec<_>>(),
             "redundancy_left": s.redundancy_left,
@@ -118,10 +119,9 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             },
             m.name,
             human(m.bytes_written),
-            if m.read_errors > 0 {
-                format!(", {} read errors repaired from parity", m.read_errors)
-            } else {
-                String::new()
+            match (m.read_errors, m.checksum_errors) {
+                (0, 0) => String::new(),
+                (r, c) => format!(", errors repaired from parity: {r} read, {c} checksum"),
             }
         );
     }
@@ -323,6 +323,9 @@ pub fn metrics_text(s: &StatusReport) -> String {
     let errors = member(&|m| m.read_errors as f64);
     let help = "Reads of each member that failed (and were rebuilt from parity).";
     e.metric("member_read_errors_total", "counter", help, errors);
+    let cksum = member(&|m| m.checksum_errors as f64);
+    let help = "Blocks of each member that failed their checksum (and were rebuilt from parity).";
+    e.metric("member_checksum_errors_total", "counter", help, cksum);
     let progress = member(&|m| match m.state.as_str() {
         "failed" => 0.0,
         "rebuilding" => m.rebuild_progress.unwrap_or(0.0),

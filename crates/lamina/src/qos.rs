@@ -31,27 +31,31 @@ impl Limits {
 /// bytes go out at once (a client's queue of requests after an idle spell).
 const BURST: Duration = Duration::from_millis(20);
 
-/// One GCRA clock: nanoseconds per unit (0: unlimited) and the theoretical
-/// arrival time of the next unit, in nanoseconds since [`epoch`].
+/// One GCRA clock: units per second (0: unlimited) and the theoretical arrival
+/// time of the next unit, in nanoseconds since [`epoch`].
 #[derive(Default)]
 struct Rate {
-    ns_per_unit: AtomicU64,
+    per_sec: AtomicU64,
     tat: AtomicU64,
 }
 
 impl Rate {
-    fn set(&self, per_sec: Option<u64>) {
-        let ns = per_sec.map_or(0, |r| (1_000_000_000 / r.max(1)).max(1));
-        self.ns_per_unit.store(ns, Ordering::Relaxed);
+    /// A new rate; the backlog reserved at the old one is forgotten.
+    fn set(&self, per_sec: Option<u64>, now: u64) {
+        self.per_sec.store(per_sec.unwrap_or(0), Ordering::Relaxed);
+        self.tat.store(now, Ordering::Relaxed);
     }
 
     /// Reserves `units` at `now` (ns); returns how long to wait before going on.
     fn reserve(&self, units: u64, now: u64) -> u64 {
-        let per = self.ns_per_unit.load(Ordering::Relaxed);
-        if per == 0 {
+        let rate = self.per_sec.load(Ordering::Relaxed);
+        if rate == 0 {
             return 0;
         }
-        let cost = per.saturating_mul(units);
+        // Nanoseconds the units take at the rate, rounded up (exact for any rate:
+        // whole nanoseconds per byte would be 6% off at 100 MB/s).
+        let cost = (units as u128 * 1_000_000_000).div_ceil(rate as u128);
+        let cost = cost.min(u64::MAX as u128 / 4) as u64;
         let burst = BURST.as_nanos() as u64;
         let mut tat = self.tat.load(Ordering::Relaxed);
         loop {
@@ -74,13 +78,23 @@ pub struct Limiter {
     iops: Rate,
     bytes: Rate,
     limits: Mutex<Limits>,
+    /// When the limits were last set (ns since [`epoch`]).
+    changed: AtomicU64,
 }
 
 impl Limiter {
     pub fn set(&self, l: Limits) {
-        self.iops.set(l.iops);
-        self.bytes.set(l.bytes_per_sec);
+        let now = now_ns();
+        self.iops.set(l.iops, now);
+        self.bytes.set(l.bytes_per_sec, now);
+        self.changed.store(now, Ordering::Relaxed);
         *self.limits.lock().unwrap() = l;
+    }
+
+    /// Whether the limits were changed after `t` (a wait computed before then is
+    /// void: the connection stops waiting).
+    pub fn changed_since(&self, t: Instant) -> bool {
+        self.changed.load(Ordering::Relaxed) > t.duration_since(epoch()).as_nanos() as u64
     }
 
     pub fn limits(&self) -> Limits {
@@ -90,7 +104,7 @@ impl Limiter {
     /// A request of `bytes` payload arrives: how long it waits to keep the volume
     /// within its limits.
     pub fn pace(&self, bytes: u64) -> Duration {
-        let now = epoch().elapsed().as_nanos() as u64;
+        let now = now_ns();
         let a = self.iops.reserve(1, now);
         let b = if bytes > 0 {
             self.bytes.reserve(bytes, now)
@@ -120,6 +134,10 @@ pub fn describe(l: Limits) -> String {
 fn epoch() -> Instant {
     static E: OnceLock<Instant> = OnceLock::new();
     *E.get_or_init(Instant::now)
+}
+
+fn now_ns() -> u64 {
+    epoch().elapsed().as_nanos() as u64
 }
 
 /// The limiters of an array's volumes, by name: made when limits are first set
@@ -160,6 +178,13 @@ impl QosTable {
             .map_or(Limits::default(), |l| l.limits())
     }
 
+    /// A deleted volume's limits go with it (a new volume of the name starts free).
+    pub fn remove(&self, name: &str) {
+        if let Some(l) = self.0.lock().unwrap().remove(name) {
+            l.set(Limits::default());
+        }
+    }
+
     /// Every volume's limits that are set.
     pub fn all(&self) -> Vec<(String, Limits)> {
         let mut v: Vec<_> = self
@@ -185,15 +210,26 @@ mod tests {
     fn gcra_spaces_requests_at_the_rate_after_a_burst() {
         let r = Rate::default();
         assert_eq!(r.reserve(1, 0), 0, "unlimited");
-        r.set(Some(1000)); // 1 ms a request, 20 ms of burst
+        r.set(Some(1000), 0); // 1 ms a request, 20 ms of burst
         let waits: Vec<u64> = (0..30).map(|_| r.reserve(1, 0)).collect();
         assert!(waits[..=20].iter().all(|&w| w == 0), "{waits:?}");
         assert_eq!(waits[21], 1_000_000);
         assert_eq!(waits[29], 9_000_000);
         // Time passes: the clock catches up.
         assert_eq!(r.reserve(1, 200_000_000), 0);
+        // A raised limit forgets the backlog of the old one.
+        r.set(Some(1000), 200_000_000);
+        assert_eq!(r.reserve(1, 200_000_000), 0);
+        // Byte rates are exact at any size: 250 MB/s, 10 GB/s.
+        for rate in [250_000_000u64, 10_000_000_000] {
+            let x = Rate::default();
+            x.set(Some(rate), 0);
+            x.reserve(rate, 0);
+            let w = x.reserve(1, 0) + BURST.as_nanos() as u64;
+            assert!((999_000_000..=1_001_000_000).contains(&w), "{rate}: {w}");
+        }
         let b = Rate::default();
-        b.set(Some(1 << 20)); // 1 MiB/s
+        b.set(Some(1 << 20), 0); // 1 MiB/s
         assert_eq!(b.reserve(16 << 10, 0), 0, "within the burst");
         assert_eq!(b.reserve(1 << 20, 0), 0, "charged after it goes");
         let w = b.reserve(1, 0);

@@ -533,6 +533,12 @@ impl Backend for LaminaBackend {
         export.qos.pace(bytes)
     }
 
+    fn pace_holds(&self, export: &Self::Export, since: Instant) -> bool {
+        !export.vol.deleted.load(Ordering::Relaxed)
+            && !self.rt.shutting_down.load(Ordering::Relaxed)
+            && !export.qos.changed_since(since)
+    }
+
     fn block_status(
         &self,
         export: &Self::Export,

@@ -402,6 +402,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 let (b, s) = (backend.clone(), stop.clone());
                 std::thread::spawn(move || lamina_nbd::serve(b, Listener::Tcp(l), policy, s));
             }
+            // Configs written before `array create --tcp` existed all name the
+            // old default address: there, and for the embedded default, a second
+            // array on the host goes on without TCP (said loudly), as it did.
+            Err(e) if a.tcp.is_none() && addr == DEFAULT_TCP => {
+                tracing::warn!(
+                    "not listening on TCP {addr}: {e} (another array's server has it; \
+                     serving on the Unix socket only; give [serve] tcp in {} another \
+                     address, or remove it)",
+                    Config::path(&dir).display()
+                );
+            }
             // Asked for (here or in lamina.toml), so not served without it: a
             // client would find another server, or none, at that address.
             Err(e) => bail!(

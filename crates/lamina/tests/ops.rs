@@ -325,13 +325,25 @@ fn the_command_line_follows_one_set_of_rules() {
     stop(c);
     exits(2, &["serve", a_s, "--no-unix"], "nothing to listen on");
 
-    // A TCP address in lamina.toml that is taken stops the server with the reason.
+    // A TCP address in lamina.toml that is taken stops the server with the reason;
+    // --no-tcp serves without it.
     let holder = std::net::TcpListener::bind(&addr).unwrap();
     exits(
         1,
         &["serve", b.to_str().unwrap()],
         &format!("cannot listen on TCP {addr}"),
     );
+    lamina(&[
+        "volume",
+        "create",
+        b.to_str().unwrap(),
+        "v",
+        "--size",
+        "16M",
+    ]);
+    let c = serve(&b, &["--no-tcp"]);
+    wait_for(&b.join("nbd.sock"));
+    stop(c);
     drop(holder);
 
     // Members by index or path (relative to the current directory).
@@ -354,8 +366,17 @@ fn the_command_line_follows_one_set_of_rules() {
         &["array", "fail", r_s, "--device", "/nowhere.img"],
         "not a member",
     );
-    let m1 = r.join("m1.img");
-    lamina(&["array", "fail", r_s, "--device", m1.to_str().unwrap()]);
+    // A member path relative to the current directory.
+    let out = std::process::Command::new(lamina_bin())
+        .args(["array", "fail", r_s, "--device", "m1.img"])
+        .current_dir(&r)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let st = status_json(&r);
     assert_eq!(st["array"]["members"][1]["state"], "failed", "{st}");
 

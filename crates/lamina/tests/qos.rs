@@ -20,7 +20,8 @@ fn timed_writes(c: &mut Client, n: u64, blocks: u64) -> Duration {
 
 /// A volume's clients get at most its rate (checked from below only: a slow
 /// machine makes them slower, never faster); a limit changed live applies at once
-/// to open connections; the other volume is not held back by it.
+/// to open connections, also those opened before the volume had any limit.
+/// (That the other volume keeps its rate is measured by bench/qos.sh.)
 #[test]
 fn volume_limits_hold_requests_to_their_rate() {
     let t = TempDir::new("qos");
@@ -60,6 +61,26 @@ fn volume_limits_hold_requests_to_their_rate() {
         took >= Duration::from_millis(1000),
         "1.25 MiB at 1 MiB/s took {took:?}"
     );
+    // A request the server refuses costs nothing: a read of almost 4 GiB beyond
+    // the end (EINVAL) does not hold the next one for an hour at 1 MiB/s.
+    assert!(w.read(0, 0xffff_f000).is_err());
+    let t0 = Instant::now();
+    w.write(0, &pattern(0, 2), false).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // A wait ends when the limit is lifted: 8 MiB at 1 MiB/s leaves the next
+    // request 8 s to wait, and lifting the limit half a second in ends it.
+    w.write(0, &vec![7u8; 8 << 20], false).unwrap();
+    let lift = {
+        let d = d.to_string();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            lamina(&["volume", "qos", &d, "w", "--bandwidth", "none"]);
+        })
+    };
+    let t0 = Instant::now();
+    w.write(0, &pattern(0, 3), false).unwrap();
+    lift.join().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
     // Bad requests are refused with the reason.
     let out = lamina_output(&["volume", "qos", d, "nope", "--iops", "5"]);
     assert_eq!(out.status.code(), Some(1));
