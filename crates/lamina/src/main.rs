@@ -64,7 +64,7 @@ enum Cmd {
     /// Create arrays, fail and replace members, scrub.
     #[command(subcommand)]
     Array(ArrayCmd),
-    /// Create, list and delete volumes.
+    /// Create, list, limit and delete volumes.
     #[command(subcommand)]
     Volume(VolumeCmd),
     /// Serve the volumes of an array over NBD (creates a default array if needed).
@@ -388,10 +388,11 @@ enum VolumeCmd {
         #[arg(long, value_name = "SIZE")]
         size: String,
     },
-    /// Limit a volume's requests and bytes per second, live (without --iops and
-    /// --bandwidth: show its limits). The limits last until the server stops;
-    /// `[engine.volumes.NAME] iops_limit` and `bandwidth_limit` in lamina.toml set
-    /// them at every start.
+    /// Limit a volume's requests and bytes per second, live.
+    ///
+    /// Without --iops and --bandwidth: show its limits. Limits set here last until
+    /// the server stops; `[engine.volumes.NAME] iops_limit` and `bandwidth_limit` in
+    /// lamina.toml set them at every start.
     Qos {
         /// [DIR] NAME: the array directory (default ./lamina-data) and the
         /// volume's name.
