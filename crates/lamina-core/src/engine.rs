@@ -129,8 +129,8 @@ impl Default for EngineConfig {
             geometry_aware: None,
             discard: true,
             discard_delay_ms: DEFAULT_DISCARD_DELAY_MS,
-            space_warn: 0.80,
-            space_critical: 0.95,
+            space_warn: crate::space::DEFAULT_SPACE_WARN,
+            space_critical: crate::space::DEFAULT_SPACE_CRITICAL,
             max_overcommit: None,
         }
     }
@@ -618,23 +618,12 @@ impl Engine {
             cfg.gc_start_segments,
             geo.segment_count as usize,
         );
-        if !(0.0 < cfg.space_warn
-            && cfg.space_warn <= cfg.space_critical
-            && cfg.space_critical <= 1.0)
-        {
-            return Err(EngineError::Invalid(format!(
-                "space thresholds warn {} and critical {}: give 0 < warn <= critical <= 1",
-                cfg.space_warn, cfg.space_critical
-            )));
-        }
-        if cfg
-            .max_overcommit
-            .is_some_and(|r| !(r > 0.0 && r.is_finite()))
-        {
-            return Err(EngineError::Invalid(
-                "max_overcommit must be a positive number".into(),
-            ));
-        }
+        crate::space::check_thresholds(cfg.space_warn, cfg.space_critical)
+            .and_then(|()| {
+                cfg.max_overcommit
+                    .map_or(Ok(()), crate::space::check_overcommit)
+            })
+            .map_err(EngineError::Invalid)?;
         space.set_thresholds(cfg.space_warn, cfg.space_critical);
         let zone_layout = geo
             .data_devices()
@@ -1161,6 +1150,10 @@ impl Engine {
     /// Logs the fullness thresholds crossed and the writes refused for space.
     fn report_space(&mut self) {
         let r = self.space.report(self.now_ms);
+        if r.crossed.is_none() && r.refused.is_none() {
+            // Most ticks: nothing to say, and nothing to add up or format.
+            return;
+        }
         let pct = 100.0 * self.space.live as f64 / self.space.usable.max(1) as f64;
         let usable = self.space.usable * BLOCK_SIZE_U64;
         let promised = self.promised_bytes();

@@ -38,5 +38,6 @@ pub use recovery::{
     RECOVERY_TOKEN,
 };
 pub use shared::{ReadError, Shared, VolumeShared};
+pub use space::{check_overcommit, check_thresholds};
 pub use status::{ClassStatus, MemberStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

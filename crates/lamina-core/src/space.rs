@@ -37,6 +37,34 @@ impl Fullness {
     }
 }
 
+/// Default fractions of the usable capacity at which the array is filling up and
+/// nearly full (`[engine] space_warn`, `space_critical`).
+pub const DEFAULT_SPACE_WARN: f64 = 0.80;
+pub const DEFAULT_SPACE_CRITICAL: f64 = 0.95;
+
+/// Checks fullness thresholds: `0 < warn <= critical <= 1`.
+pub fn check_thresholds(warn: f64, critical: f64) -> Result<(), String> {
+    if 0.0 < warn && warn <= critical && critical <= 1.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "space_warn = {warn} and space_critical = {critical}: give 0 < space_warn <= \
+             space_critical <= 1"
+        ))
+    }
+}
+
+/// Checks an overcommit limit: a positive, finite multiple.
+pub fn check_overcommit(r: f64) -> Result<(), String> {
+    if r > 0.0 && r.is_finite() {
+        Ok(())
+    } else {
+        Err(format!(
+            "max_overcommit = {r}: give a positive multiple, e.g. 2.0"
+        ))
+    }
+}
+
 /// Writes refused for space are reported at most this often.
 const REFUSED_REPORT_MS: u64 = 10_000;
 
@@ -93,7 +121,7 @@ impl Space {
             refused_reported: 0,
             refused_ms: 0,
         };
-        s.set_thresholds(0.80, 0.95);
+        s.set_thresholds(DEFAULT_SPACE_WARN, DEFAULT_SPACE_CRITICAL);
         s
     }
 

@@ -279,9 +279,9 @@ const POLL_SPIN: Duration = Duration::from_micros(50);
 /// has the replies, a few microseconds after the reader ran dry. Sleeping in
 /// `recv` in between costs a wake-up per burst, and on a VM whose other core is
 /// idle, a halted virtual CPU to be woken. Looking again for up to 50 µs
-/// (yielding the core to anything runnable meanwhile) took 4 KiB random writes at
-/// iodepth 32 from 128k to 143k IOPS on RAM-backed files, at the same CPU per
-/// request (`bench/ab.sh`, docs/benchmarks.md). A client that keeps the reader
+/// (yielding the core to anything runnable meanwhile) gave 4 KiB random writes at
+/// iodepth 32 on RAM-backed files 1.07x the IOPS (1.12x when always spinning), at
+/// the same CPU per request (`bench/ab.sh`, docs/benchmarks.md). A client that keeps the reader
 /// waiting longer than that is not spun for: after a wait of more than four spins
 /// the next read blocks at once, until a wait is short again, so idle and slow
 /// connections cost nothing.

@@ -103,7 +103,7 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
         }
         "volume-qos" => match req.get("name").and_then(|v| v.as_str()) {
             Some(name) if rt.shared.volume(name).is_some() => {
-                let mut l = rt.qos.limits(name);
+                let old = rt.qos.limits(name);
                 // A key given sets that limit (null: none); one left out keeps it.
                 let limit = |k: &str, old: Option<u64>| match req.get(k) {
                     None => Ok(old),
@@ -113,24 +113,15 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
                         _ => Err(format!("{k} must be a positive number or null")),
                     },
                 };
-                limit("iops", l.iops)
-                    .and_then(|iops| Ok((iops, limit("bandwidth", l.bytes_per_sec)?)))
-                    .map(|(iops, bw)| {
-                        let changed = req.get("iops").is_some() || req.get("bandwidth").is_some();
-                        l = crate::qos::Limits {
+                limit("iops", old.iops)
+                    .and_then(|iops| Ok((iops, limit("bandwidth", old.bytes_per_sec)?)))
+                    .map(|(iops, bytes_per_sec)| {
+                        let l = crate::qos::Limits {
                             iops,
-                            bytes_per_sec: bw,
+                            bytes_per_sec,
                         };
-                        if changed {
+                        if req.get("iops").is_some() || req.get("bandwidth").is_some() {
                             rt.qos.set(name, l);
-                            if l.is_none() {
-                                tracing::info!("volume {name:?}: limits lifted");
-                            } else {
-                                tracing::info!(
-                                    "volume {name:?} limited to {}",
-                                    crate::qos::describe(l)
-                                );
-                            }
                         }
                         json!({"ok": true, "limits": limits_json(l)})
                     })
@@ -171,7 +162,6 @@ fn limits_json(l: crate::qos::Limits) -> Value {
 fn record_scrub(rt: &Runtime, r: &lamina_core::scrub::ScrubReport, seconds: f64) -> Value {
     let mut v = scrub_json(r);
     let s = &r.stats;
-    let left = s.unrecoverable + s.unresolved + r.damaged_headers;
     let msg = format!(
         "scrub finished in {seconds:.1}s: {} segments, {} blocks checked; {} checksum errors, \
          {} parity mismatches; repaired {} blocks and {} parity blocks; {} unrecoverable, \
@@ -186,7 +176,7 @@ fn record_scrub(rt: &Runtime, r: &lamina_core::scrub::ScrubReport, seconds: f64)
         s.unresolved,
         r.damaged_headers
     );
-    if left > 0 {
+    if v["damage_left"].as_u64() > Some(0) {
         tracing::error!("{msg}");
     } else if s.checksum_errors + s.parity_mismatches > 0 {
         tracing::warn!("{msg}");
@@ -245,7 +235,11 @@ pub fn serve(listener: UnixListener, rt: Runtime, io: IoOptions) {
 }
 
 pub fn scrub_json(r: &lamina_core::scrub::ScrubReport) -> Value {
+    let s = &r.stats;
     json!({
+        // What no scrub can mend: blocks without a good copy, mismatches without
+        // a culprit, headers that hide the units after them.
+        "damage_left": s.unrecoverable + s.unresolved + r.damaged_headers,
         "segments": r.segments,
         "units": r.units,
         "blocks_checked": r.blocks_checked,

@@ -391,20 +391,14 @@ impl Config {
         }
         c.space_warn = self.engine.space_warn.unwrap_or(c.space_warn);
         c.space_critical = self.engine.space_critical.unwrap_or(c.space_critical);
-        if !(0.0 < c.space_warn && c.space_warn <= c.space_critical && c.space_critical <= 1.0) {
-            bail!(
-                "[engine] space_warn = {} and space_critical = {}: give 0 < space_warn <= \
-                 space_critical <= 1",
-                c.space_warn,
-                c.space_critical
-            );
-        }
-        if let Some(r) = self.engine.max_overcommit {
-            if !(r > 0.0 && r.is_finite()) {
-                bail!("[engine] max_overcommit = {r}: give a positive multiple, e.g. 2.0");
-            }
-            c.max_overcommit = Some(r);
-        }
+        c.max_overcommit = self.engine.max_overcommit;
+        // The engine checks these too; here the message names the section.
+        lamina_core::check_thresholds(c.space_warn, c.space_critical)
+            .and_then(|()| {
+                c.max_overcommit
+                    .map_or(Ok(()), lamina_core::check_overcommit)
+            })
+            .map_err(|e| anyhow::anyhow!("[engine] {e}"))?;
         Ok(c)
     }
 }

@@ -770,7 +770,7 @@ fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
             );
         }
     }
-    if n("unrecoverable") > 0 || n("unresolved") > 0 || n("damaged_unit_headers") > 0 {
+    if n("damage_left") > 0 {
         std::process::exit(4);
     }
     Ok(())

@@ -314,18 +314,32 @@ pub fn metrics_text(s: &StatusReport) -> String {
         "1 if the member device has failed.",
         failed,
     );
-    let written = member(&|m| m.bytes_written as f64);
-    let help = "Bytes written to each member device.";
-    e.metric("member_bytes_written_total", "counter", help, written);
-    let read = member(&|m| m.bytes_read as f64);
-    let help = "Bytes read from each member device (striped layouts; since the array was opened).";
-    e.metric("member_bytes_read_total", "counter", help, read);
-    let errors = member(&|m| m.read_errors as f64);
-    let help = "Reads of each member that failed (and were rebuilt from parity).";
-    e.metric("member_read_errors_total", "counter", help, errors);
-    let cksum = member(&|m| m.checksum_errors as f64);
-    let help = "Blocks of each member that failed their checksum (and were rebuilt from parity).";
-    e.metric("member_checksum_errors_total", "counter", help, cksum);
+    type MemberCounter = fn(&lamina_core::MemberStatus) -> u64;
+    let member_counters: [(&str, &str, MemberCounter); 4] = [
+        (
+            "member_bytes_written_total",
+            "Bytes written to each member device.",
+            |m| m.bytes_written,
+        ),
+        (
+            "member_bytes_read_total",
+            "Bytes read from each member device (striped layouts; since the array was opened).",
+            |m| m.bytes_read,
+        ),
+        (
+            "member_read_errors_total",
+            "Reads of each member that failed (and were rebuilt from parity).",
+            |m| m.read_errors,
+        ),
+        (
+            "member_checksum_errors_total",
+            "Blocks of each member that failed their checksum (and were rebuilt from parity).",
+            |m| m.checksum_errors,
+        ),
+    ];
+    for (name, help, f) in member_counters {
+        e.metric(name, "counter", help, member(&|m| f(m) as f64));
+    }
     let progress = member(&|m| match m.state.as_str() {
         "failed" => 0.0,
         "rebuilding" => m.rebuild_progress.unwrap_or(0.0),
@@ -580,7 +594,7 @@ pub fn scrub_line(v: &Value) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let ago = now.saturating_sub(n("finished_unix"));
-    let left = n("unrecoverable") + n("unresolved") + n("damaged_unit_headers");
+    let left = n("damage_left");
     format!(
         "  scrub: {} blocks checked in {:.1}s, {} ago: {} checksum errors, {} parity \
          mismatches, {} repaired, {}\n",

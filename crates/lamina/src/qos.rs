@@ -147,7 +147,8 @@ fn now_ns() -> u64 {
 pub struct QosTable(Mutex<HashMap<String, Arc<Limiter>>>);
 
 impl QosTable {
-    /// Sets `name`'s limits (live: its open connections follow at once).
+    /// Sets `name`'s limits (live: its open connections follow at once), and
+    /// logs them.
     pub fn set(&self, name: &str, l: Limits) {
         self.0
             .lock()
@@ -155,6 +156,11 @@ impl QosTable {
             .entry(name.to_string())
             .or_default()
             .set(l);
+        if l.is_none() {
+            tracing::info!("volume {name:?}: limits lifted");
+        } else {
+            tracing::info!("volume {name:?} limited to {}", describe(l));
+        }
     }
 
     /// The limiter a new connection to `name` uses: made if the volume has none

@@ -5,9 +5,6 @@ use crate::runtime::{LaminaBackend, Runtime};
 use crate::size::{human, parse_size};
 use crate::{absolute, create_array, default_dir, open_array};
 use anyhow::{bail, Context, Result};
-
-/// Where the embedded default array listens on TCP.
-const DEFAULT_TCP: &str = "127.0.0.1:10809";
 use lamina_core::{FormatParams, OpenMode, Request};
 use lamina_nbd::{Listener, TlsPolicy};
 use std::io::{Read, Write};
@@ -17,6 +14,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+/// Where the embedded default array listens on TCP.
+const DEFAULT_TCP: &str = "127.0.0.1:10809";
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -343,7 +343,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let status = engine.status();
     let rt = Runtime::start(engine, cfg.serve.io_threads, io_nice);
     for (name, l) in limits.into_iter().filter(|(_, l)| !l.is_none()) {
-        tracing::info!("volume {name:?} limited to {}", crate::qos::describe(l));
         rt.qos.set(&name, l);
     }
     let rebuild_rate = cfg
