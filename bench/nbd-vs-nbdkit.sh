@@ -21,6 +21,7 @@
 #
 # Usage: bench/nbd-vs-nbdkit.sh [--quick] [--shm] [--cold] [--no-steady] [--no-fresh]
 #   env: ROUNDS (default 3), RUNTIME seconds per run (default 10), REGION (default 1g),
+#   WORKLOADS: only these rows of the first part (randread randwrite randrw cold),
 #   LAMINA_ENGINE: lines added to the [engine] section of every array made here,
 #   e.g. LAMINA_ENGINE='direct_io = "on"' or LAMINA_ENGINE='io_engine = "sync"';
 #   LAMINA_SERVE: lines added to the [serve] section, e.g. LAMINA_SERVE='io_nice = 0'.
@@ -133,6 +134,15 @@ echo "# cpu: the server's CPU time (user + system) per request, microseconds"
 printf '%-22s %12s %12s %8s %10s %10s\n' workload lamina nbdkit ratio "cpu lamina" "cpu nbdkit"
 specs=("randread" "randwrite" "randrw --rwmixread=70")
 [ $cold = 1 ] && specs+=("randread(cold)")
+if [ -n "${WORKLOADS:-}" ]; then
+  # Only the rows named (randread randwrite randrw cold).
+  keep=()
+  for spec in "${specs[@]}"; do
+    name=${spec%% *}; [ "$name" = "randread(cold)" ] && name=cold
+    [[ " $WORKLOADS " == *" $name "* ]] && keep+=("$spec")
+  done
+  specs=("${keep[@]}")
+fi
 for spec in "${specs[@]}"; do
   c=0
   [ "$spec" = "randread(cold)" ] && { c=1; spec=randread; }

@@ -1951,8 +1951,18 @@ impl Engine {
         // is written next. (If the whole window is being discarded, which takes a
         // free queue of at most `MAX_DISCARDS`, the stream waits for a discard to
         // end; `discard_idle` leaves the head of the queue alone.)
-        let window = (0..self.segments.free.len().min(ALLOC_WINDOW))
-            .filter(|&i| !self.segments.segs[self.segments.free[i] as usize].discarding);
+        //
+        // Nor is one a reader still reads (a pin that outlived the segment's
+        // release): the wait below would last as long as that read, and a
+        // connection that reads through its own ring may be the very thread running
+        // this engine, with the read in flight until it reaps it. Pins taken after
+        // this look are a reader's check that finds the map moved on (a free
+        // segment holds nothing mapped), and end at once.
+        let window = (0..self.segments.free.len().min(ALLOC_WINDOW)).filter(|&i| {
+            let seg = self.segments.free[i];
+            !self.segments.segs[seg as usize].discarding
+                && !self.shared.segment_pinned(SegmentId(seg))
+        });
         // Segments of the kind the stream does not want come last.
         let miss = |i: usize| {
             want.conventional

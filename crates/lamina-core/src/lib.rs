@@ -37,7 +37,7 @@ pub use recovery::{
     call_inline, format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,
     RECOVERY_TOKEN,
 };
-pub use shared::{ReadError, Shared, VolumeShared};
+pub use shared::{DeviceRead, ReadError, ReadStart, Shared, VolumeShared};
 pub use space::{check_overcommit, check_thresholds};
 pub use status::{ClassStatus, MemberStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

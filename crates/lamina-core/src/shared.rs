@@ -18,6 +18,7 @@ use crate::pins::Pins;
 use crate::types::{Pba, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
 use lamina_format::summary::SummaryHeader;
+use lamina_format::superblock::Layout;
 use lamina_format::unit::{kind, pack_volume_lba, record_at, UnitHeader};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -86,6 +87,29 @@ pub enum ReadError {
     },
 }
 
+/// A device read [`Shared::read_start`] handed out: `buf.len()` bytes of
+/// descriptor `fd` at `offset`. It holds a pin on its segment: hand it back to
+/// [`Shared::read_finish`] exactly once.
+#[derive(Debug)]
+pub struct DeviceRead {
+    pub fd: std::os::unix::io::RawFd,
+    pub offset: u64,
+    pub seg: SegmentId,
+    pub seg_off: u32,
+    pub first_lba: u64,
+}
+
+/// How [`Shared::read_start`] started a read.
+#[derive(Debug)]
+pub enum ReadStart {
+    /// Served, or failed.
+    Done(Result<(), ReadError>),
+    /// For the caller to read from a device.
+    Device(DeviceRead),
+    /// To be read with [`Shared::read`], which may wait.
+    Wait,
+}
+
 /// Read-side counters (written by client threads).
 #[derive(Default)]
 pub struct ReadStats {
@@ -95,6 +119,8 @@ pub struct ReadStats {
     pub rebuilt_from_parity: AtomicU64,
     pub device_read_errors: AtomicU64,
     pub crc_cache_misses: AtomicU64,
+    /// Device reads carried out by their connection ([`Shared::read_start`]).
+    pub device_reads_async: AtomicU64,
 }
 
 /// Decoded data records of one unit: the owner (`volume << 48 | lba`) and CRC of
@@ -508,6 +534,124 @@ impl Shared {
             Ok(false) => None,
             Err(e) => Some(Err(e)),
         }
+    }
+
+    /// Whether [`Shared::read_start`] can hand out device reads: the devices that
+    /// hold segments (the members of a JBOD, the striped device of the other
+    /// layouts, which is not one) are driven through io_uring.
+    pub fn device_reads(&self) -> bool {
+        let holders = match self.geo.layout {
+            Layout::Jbod => &self.devices[..self.geo.members],
+            _ => &self.devices[self.geo.members..],
+        };
+        holders.iter().any(|d| d.uring_target().is_some())
+    }
+
+    /// Starts a read for a caller that carries out device reads itself (a
+    /// connection's io_uring): [`ReadStart::Device`] when the whole request is one
+    /// run of blocks on a device driven by io_uring whose unit checksums are in
+    /// memory, pinned until [`Shared::read_finish`]; else [`ReadStart::Done`] when
+    /// it needed no wait (as [`Shared::read_nowait`]); else [`ReadStart::Wait`]
+    /// (the caller reads with [`Shared::read`] where it may wait).
+    ///
+    /// A device read is handed out without first trying the page cache
+    /// (`RWF_NOWAIT`): io_uring serves a cached read at submission anyway, and the
+    /// extra system call was a tenth of a cold read's cost.
+    pub fn read_start(&self, vol: &VolumeShared, offset: u64, buf: &mut [u8]) -> ReadStart {
+        if let Some(d) = self.device_read(vol, offset, buf) {
+            return ReadStart::Device(d);
+        }
+        match self.read_nowait(vol, offset, buf) {
+            Some(r) => ReadStart::Done(r),
+            None => ReadStart::Wait,
+        }
+    }
+
+    /// The device read of [`Shared::read_start`], pinned, if the request is one.
+    fn device_read(&self, vol: &VolumeShared, offset: u64, buf: &[u8]) -> Option<DeviceRead> {
+        let bs = BLOCK_SIZE as u64;
+        let n = (buf.len() / BLOCK_SIZE) as u64;
+        if !offset.is_multiple_of(bs) || !buf.len().is_multiple_of(BLOCK_SIZE) {
+            return None;
+        }
+        if n == 0 || n > MAX_READ_RUN {
+            return None;
+        }
+        let first = offset / bs;
+        let e = vol.map.load(first);
+        let Entry::Device(pba) = decode(e) else {
+            return None;
+        };
+        let (seg, seg_off) = self.geo.split(pba);
+        if seg_off as u64 + n > self.geo.segment_blocks as u64
+            || (1..n).any(|k| vol.map.load(first + k) != e + k as u32)
+        {
+            return None;
+        }
+        let (dev, byte_off) = self.geo.locate(seg, seg_off);
+        let target = self.devices[dev].uring_target()?;
+        if target.direct && !(buf.as_ptr() as usize).is_multiple_of(BLOCK_SIZE) {
+            return None;
+        }
+        // Verifying must not wait for a device either (the caller's thread serves
+        // the connection): the unit's checksums must be at hand. Looked up again,
+        // under the pin, when the read finishes; a miss then reads the header.
+        if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
+            return None;
+        }
+        let unit_start = self.unit_start_of(pba)?;
+        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
+        self.crc_cache.get(&(seg.0, incarnation, unit_start))?;
+        let valid = self.seg_pins.pin_run(seg.0, &vol.map, first, e, n);
+        if valid < n {
+            if valid > 0 {
+                self.seg_pins.unpin(seg.0);
+            }
+            return None;
+        }
+        Some(DeviceRead {
+            fd: target.fd,
+            offset: byte_off,
+            seg,
+            seg_off,
+            first_lba: first,
+        })
+    }
+
+    /// Finishes a read [`Shared::read_start`] started: `result` is what reading
+    /// `read` into `buf` returned (bytes read). Releases the read's pin. A read
+    /// that failed, came back short or does not verify is read again the way that
+    /// waits ([`Shared::read_blocks`]: parity rebuild, error reports).
+    pub fn read_finish(
+        &self,
+        vol: &VolumeShared,
+        read: DeviceRead,
+        buf: &mut [u8],
+        result: std::io::Result<usize>,
+    ) -> Result<(), ReadError> {
+        let DeviceRead {
+            seg,
+            seg_off,
+            first_lba,
+            ..
+        } = read;
+        let ok = matches!(result, Ok(n) if n == buf.len())
+            && self
+                .verify_run(vol, first_lba, seg, seg_off, buf, None)
+                .is_ok();
+        self.seg_pins.unpin(seg.0);
+        if !ok {
+            return self.read_blocks(vol, first_lba, buf);
+        }
+        let n = (buf.len() / BLOCK_SIZE) as u64;
+        self.read_stats.blocks_read.fetch_add(n, Ordering::Relaxed);
+        self.read_stats
+            .device_reads_async
+            .fetch_add(1, Ordering::Relaxed);
+        if self.track_reads.load(Ordering::Relaxed) {
+            vol.map.mark_read(first_lba, n);
+        }
+        Ok(())
     }
 
     /// Reads whole blocks starting at `first` into `out` (a multiple of 4 KiB).

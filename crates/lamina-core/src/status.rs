@@ -119,6 +119,9 @@ pub struct StatusReport {
     pub checkpoint_generation: u64,
     pub corrupt_blocks: u64,
     pub read_checksum_errors: u64,
+    /// Device reads carried out by the client's connection (io_uring), without a
+    /// read thread.
+    pub reads_by_connection: u64,
     pub blocks_read_from_devices: u64,
     pub durable_version: u64,
     pub failed: Option<String>,
@@ -314,6 +317,7 @@ impl Engine {
             checkpoint_generation: self.ckpt.last_gen,
             corrupt_blocks: c.corrupt_blocks,
             read_checksum_errors: rs.checksum_errors.load(Relaxed),
+            reads_by_connection: rs.device_reads_async.load(Relaxed),
             blocks_read_from_devices: rs.blocks_read.load(Relaxed),
             durable_version: self.durable_version,
             failed: self.failed.clone(),

@@ -3,12 +3,13 @@
 
 pub mod client;
 pub mod proto;
+mod ring;
 pub mod server;
 pub mod stats;
 pub mod tls;
 
 pub use server::{
-    serve, serve_connection, Backend, Command, Completion, Conn, ExportInfo, Extent, Listener,
-    ReadPool, MAX_EXTENTS,
+    serve, serve_connection, Backend, Command, Completion, Conn, DeviceRead, ExportInfo, Extent,
+    Listener, ReadPool, ReadStart, MAX_EXTENTS,
 };
 pub use tls::TlsPolicy;

@@ -180,6 +180,12 @@ pub struct ReplyHead {
 }
 
 impl ReplyHead {
+    /// No reply: a placeholder for arrays of heads.
+    pub const EMPTY: ReplyHead = ReplyHead {
+        bytes: [0; HEAD_MAX],
+        len: 0,
+    };
+
     /// The head of a read reply of `data_len` bytes at `offset`: `error` 0 means
     /// the data follows.
     pub fn read(structured: bool, handle: u64, offset: u64, data_len: usize, error: u32) -> Self {

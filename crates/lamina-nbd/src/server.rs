@@ -15,9 +15,11 @@
 //! (out of range, bad flags, too long) get an error reply and the connection goes on.
 
 use crate::proto::*;
+use crate::ring::ConnRing;
 use crate::stats::{ConnStats, Op};
 use crate::tls::TlsPolicy;
 use crossbeam_channel::{bounded, Receiver, Sender};
+use std::cell::RefCell;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -110,6 +112,28 @@ pub struct Completion {
     pub buf: Option<Vec<u8>>,
 }
 
+/// Where a read's data lies: `len` bytes (the request's) of descriptor `fd` at
+/// `offset`, read by the connection with io_uring (see [`Backend::start_read`]).
+/// `tag` is the backend's own: what it needs to verify the data and release what
+/// the read holds.
+#[derive(Debug)]
+pub struct DeviceRead {
+    pub fd: std::os::unix::io::RawFd,
+    pub offset: u64,
+    pub tag: [u64; 2],
+}
+
+/// How [`Backend::start_read`] started a read.
+#[derive(Debug)]
+pub enum ReadStart {
+    /// Served: the buffer holds the data, or the read failed.
+    Done(Result<(), u32>),
+    /// To be read from a device by the connection.
+    Device(DeviceRead),
+    /// To be read on a read thread, where waiting is fine.
+    Wait,
+}
+
 /// What serves the data.
 pub trait Backend: Send + Sync + 'static {
     type Export: Send + Sync + 'static;
@@ -130,6 +154,38 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Option<Result<(), u32>> {
         let _ = (export, offset, buf);
         None
+    }
+    /// Whether this backend hands out [`DeviceRead`]s ([`Backend::start_read`]):
+    /// then each connection gets an io_uring of its own for them. By default false.
+    fn device_reads(&self) -> bool {
+        false
+    }
+    /// Starts a read on the connection's reader thread: served at once if that
+    /// needs no wait ([`ReadStart::Done`], as [`Backend::try_read`]); or where the
+    /// data lies on a device, for the connection to read with io_uring and hand
+    /// back to [`Backend::finish_read`] ([`ReadStart::Device`]); or
+    /// [`ReadStart::Wait`], and the read goes to a read thread. Called only when
+    /// [`Backend::device_reads`] is true. By default what `try_read` says.
+    fn start_read(&self, export: &Self::Export, offset: u64, buf: &mut [u8]) -> ReadStart {
+        match self.try_read(export, offset, buf) {
+            Some(r) => ReadStart::Done(r),
+            None => ReadStart::Wait,
+        }
+    }
+    /// Finishes a read [`Backend::start_read`] started: `result` is what the
+    /// device read of `read` into `buf` returned (bytes read). Called exactly once
+    /// for every [`ReadStart::Device`], on the reader thread: whatever the read
+    /// held (a pin) is released here, and a read that failed or does not verify is
+    /// dealt with here (read again, rebuilt, reported), waiting if it must.
+    fn finish_read(
+        &self,
+        export: &Self::Export,
+        read: DeviceRead,
+        buf: &mut [u8],
+        result: io::Result<usize>,
+    ) -> Result<(), u32> {
+        let _ = (export, read, buf, result);
+        Err(EIO)
     }
     /// The allocation status of the export from `offset` on (the `base:allocation`
     /// metadata context: [`STATE_HOLE`], [`STATE_ZERO`]), appended to `out` as at
@@ -360,16 +416,17 @@ impl ConnWriter {
         Ok(())
     }
 
-    /// Sends `parts` after `pending` (which must be empty) as far as the socket takes
-    /// them without blocking; what it does not take is appended to `pending`.
+    /// Sends `parts` (at most `2 * REPLY_BATCH`) after `pending` (which must be
+    /// empty) as far as the socket takes them without blocking; what it does not
+    /// take is appended to `pending`.
     fn send_nonblocking(&mut self, parts: &[&[u8]]) -> io::Result<()> {
         debug_assert!(self.pending.is_empty());
         let fd = self.stream.raw_fd();
         let total: usize = parts.iter().map(|p| p.len()).sum();
-        let mut iov: [libc::iovec; 2] = [libc::iovec {
+        let mut iov: [libc::iovec; 2 * REPLY_BATCH] = [libc::iovec {
             iov_base: std::ptr::null_mut(),
             iov_len: 0,
-        }; 2];
+        }; 2 * REPLY_BATCH];
         assert!(parts.len() <= iov.len());
         for (v, p) in iov.iter_mut().zip(parts) {
             v.iov_base = p.as_ptr() as *mut libc::c_void;
@@ -721,6 +778,77 @@ impl ReplySink {
         });
     }
 
+    /// Completes reads the connection's reader finished (its ring's), as
+    /// [`ReplySink::complete_read`] does, but with one system call for up to
+    /// [`REPLY_BATCH`] replies when the socket is free: a burst of completions
+    /// costs the client one wake-up, not one per read.
+    pub(crate) fn complete_reads(&self, done: &mut Vec<ReadDone>) {
+        if done.is_empty() {
+            return;
+        }
+        let Some(mut w) = self.writer.try_lock().ok().filter(|w| w.pending.is_empty()) else {
+            for d in done.drain(..) {
+                self.complete_read(d.slot, d.offset, d.result, d.buf);
+            }
+            return;
+        };
+        let mut broken = false;
+        let mut sent = 0;
+        while sent < done.len() && w.pending.is_empty() && !broken {
+            // A batch: up to REPLY_BATCH replies and REPLY_BATCH_BYTES of data (at
+            // least one reply), so that what a short send leaves in `pending` (a
+            // copy whose read has already given its credit back) stays small.
+            let mut end = sent + 1;
+            let mut bytes = done[sent].buf.len();
+            while end < done.len()
+                && end - sent < REPLY_BATCH
+                && bytes + done[end].buf.len() <= REPLY_BATCH_BYTES
+            {
+                bytes += done[end].buf.len();
+                end += 1;
+            }
+            let batch = &done[sent..end];
+            sent = end;
+            let mut heads = [ReplyHead::EMPTY; REPLY_BATCH];
+            for (h, d) in heads.iter_mut().zip(batch) {
+                let error = d.result.err().unwrap_or(0);
+                let handle = self.finish(d.slot as u64, error != 0);
+                *h = ReplyHead::read(self.structured, handle, d.offset, d.buf.len(), error);
+            }
+            let mut parts: [&[u8]; 2 * REPLY_BATCH] = [&[]; 2 * REPLY_BATCH];
+            let mut n = 0;
+            for (h, d) in heads.iter().zip(batch) {
+                parts[n] = h.as_bytes();
+                n += 1;
+                if d.result.is_ok() {
+                    parts[n] = &d.buf;
+                    n += 1;
+                }
+            }
+            broken = w.send_nonblocking(&parts[..n]).is_err();
+        }
+        // The socket is full (or gone): the rest go to the replier, which holds
+        // their buffers and credits until they are written.
+        for d in done.drain(sent..) {
+            let error = d.result.err().unwrap_or(0);
+            let handle = self.finish(d.slot as u64, error != 0);
+            let _ = self.replier.send(ReplierMsg::Read {
+                slot: d.slot,
+                handle,
+                offset: d.offset,
+                error,
+                buf: d.buf,
+            });
+        }
+        if !broken && !w.pending.is_empty() && !self.kicked.swap(true, Ordering::SeqCst) {
+            let _ = self.replier.send(ReplierMsg::Kick);
+        }
+        drop(w);
+        for d in done.drain(..) {
+            self.read_done(d.slot, d.buf);
+        }
+    }
+
     /// Whether `b` goes back to a pool: small enough, and the connection's pools
     /// under their byte cap (counted until the buffer is taken out again).
     fn keep(&self, b: &Vec<u8>) -> bool {
@@ -753,6 +881,20 @@ impl ReplySink {
         let _ = self.credits.send(slot);
     }
 }
+
+/// A read finished on the connection's reader (from its ring), its reply not yet
+/// written.
+pub(crate) struct ReadDone {
+    slot: u16,
+    offset: u64,
+    result: Result<(), u32>,
+    buf: Vec<u8>,
+}
+
+/// Replies [`ReplySink::complete_reads`] writes with one system call at most.
+const REPLY_BATCH: usize = 32;
+/// Data bytes of one such batch at most (one reply may be longer).
+const REPLY_BATCH_BYTES: usize = 1 << 20;
 
 /// Threads that run the backend's reads for the connections of one listener, so
 /// that a connection's reads are in flight together (the device sees the client's
@@ -1347,28 +1489,87 @@ fn transmission<B: Backend>(
     // Block status: the backend's extents, and the reply built from them.
     let mut extents: Vec<Extent> = Vec::new();
     let mut status_reply: Vec<u8> = Vec::new();
+    // The connection's device reads (see ring.rs), completed on this thread: the
+    // reader never waits for anything without reaping them, or it could wait for a
+    // credit or budget that only their completions give back.
+    let ring: RefCell<Option<ConnRing>> = RefCell::new(match reads {
+        Some(_) if backend.device_reads() => ConnRing::new(r.get_ref().raw_fd(), MAX_INFLIGHT),
+        _ => None,
+    });
+    // Finished reads wait here to be answered together (`reply`).
+    let done = RefCell::new(Vec::<ReadDone>::with_capacity(MAX_INFLIGHT));
+    let finished = |slot: u16, offset: u64, read: DeviceRead, mut buf: Vec<u8>, res| {
+        let result = backend.finish_read(export, read, &mut buf, res);
+        done.borrow_mut().push(ReadDone {
+            slot,
+            offset,
+            result,
+            buf,
+        });
+    };
+    let reply = || sink.complete_reads(&mut done.borrow_mut());
+    // Waits for one of the ring's reads if any is in flight (true), after starting
+    // held commands.
+    let wait_ring = || match ring.borrow_mut().as_mut().filter(|g| g.inflight() > 0) {
+        Some(g) => {
+            backend.kick();
+            g.wait(false, &mut &finished);
+            reply();
+            true
+        }
+        None => false,
+    };
     // Waits that a held (deferred) command may be what ends: start the held ones
     // first, or the wait could last until the backend's own timer.
-    let take_credit = || match credit_rx.try_recv() {
-        Ok(slot) => slot,
-        Err(_) => {
+    let take_credit = || loop {
+        if let Ok(slot) = credit_rx.try_recv() {
+            return slot;
+        }
+        if !wait_ring() {
             backend.kick();
-            credit_rx.recv().unwrap()
+            return credit_rx.recv().unwrap();
         }
     };
     let acquire = |budget: &Budget, n: u64| {
-        if !budget.try_acquire(n) {
-            backend.kick();
-            budget.acquire(n);
+        while !budget.try_acquire(n) {
+            if !wait_ring() {
+                backend.kick();
+                budget.acquire(n);
+                return;
+            }
         }
     };
     let result = (|| -> io::Result<()> {
         let mut hdr = [0u8; RequestHeader::SIZE];
         loop {
+            if let Some(g) = ring.borrow_mut().as_mut() {
+                g.reap(&mut &finished);
+                reply();
+                if r.buffer().len() < RequestHeader::SIZE && g.inflight() > 0 {
+                    // Nothing left to parse: sleep until the socket has more or a
+                    // read completes. (With no read in flight the socket read below
+                    // waits, as it does without a ring.)
+                    g.submit();
+                    while g.inflight() > 0 {
+                        let socket = g.wait(true, &mut &finished);
+                        reply();
+                        if socket {
+                            break;
+                        }
+                    }
+                }
+            }
             r.read_exact(&mut hdr)?;
             let started = Instant::now();
             let req = RequestHeader::decode(&hdr)
                 .map_err(|m| protocol(format!("bad request magic {m:#x}")))?;
+            if req.kind != CMD_READ {
+                // Queued reads go in before anything that may wait (a payload, a
+                // blocking reply, the engine): they are in flight meanwhile.
+                if let Some(g) = ring.borrow_mut().as_mut() {
+                    g.submit();
+                }
+            }
             let (offset, len) = (req.offset, req.length as u64);
             // What the request counts as (`None`: disconnect, unknown commands).
             let op = match req.kind {
@@ -1399,7 +1600,12 @@ fn transmission<B: Backend>(
                 if !wait.is_zero() {
                     // Held commands go first: the wait may be long. It is slept in
                     // slices, and ends early when the backend says it no longer
-                    // holds (the limits changed, the export went away).
+                    // holds (the limits changed, the export went away). Reads in
+                    // flight are answered before it.
+                    if let Some(g) = ring.borrow_mut().as_mut() {
+                        g.drain(&mut &finished);
+                        reply();
+                    }
                     backend.kick();
                     let from = Instant::now();
                     while let Some(left) = wait.checked_sub(from.elapsed()).filter(|l| !l.is_zero())
@@ -1425,6 +1631,9 @@ fn transmission<B: Backend>(
             // not be answered with a simple reply at all).
             let error_reply = |e: u32, why: &str| {
                 count(0, true);
+                if let Some(g) = ring.borrow_mut().as_mut() {
+                    g.submit();
+                }
                 if session.structured {
                     send(writer, &error_chunk(req.handle, e, why))
                 } else {
@@ -1478,11 +1687,35 @@ fn transmission<B: Backend>(
                             .unwrap_or_default();
                         buf.clear();
                         buf.resize(req.length as usize, 0);
-                        // What needs no wait is served here, without a hand-off.
-                        if let Some(r) = backend.try_read(export, offset, &mut buf) {
-                            sink.complete_read(slot, offset, r, buf);
-                            continue;
+                        // What needs no wait is served here, without a hand-off;
+                        // with a ring, reads from a device are too.
+                        let mut g = ring.borrow_mut();
+                        let how = match g.as_mut() {
+                            Some(_) => backend.start_read(export, offset, &mut buf),
+                            None => match backend.try_read(export, offset, &mut buf) {
+                                Some(res) => ReadStart::Done(res),
+                                None => ReadStart::Wait,
+                            },
+                        };
+                        match (how, g.as_mut()) {
+                            (ReadStart::Done(res), _) => {
+                                drop(g);
+                                sink.complete_read(slot, offset, res, buf);
+                                continue;
+                            }
+                            (ReadStart::Device(read), Some(g)) => {
+                                g.push(slot, offset, read, buf);
+                                if r.buffer().len() < RequestHeader::SIZE {
+                                    g.submit();
+                                }
+                                continue;
+                            }
+                            (ReadStart::Device(read), None) => {
+                                unreachable!("device read {read:?} without a ring")
+                            }
+                            (ReadStart::Wait, _) => {}
                         }
+                        drop(g);
                         let job = ReadJob {
                             export: export.clone(),
                             offset,
@@ -1544,7 +1777,11 @@ fn transmission<B: Backend>(
                         .unwrap_or_default();
                     data.resize(req.length as usize, 0);
                     if r.buffer().len() < data.len() {
-                        backend.kick(); // the payload may take a while to arrive
+                        // The payload may take a while to arrive.
+                        backend.kick();
+                        if let Some(g) = ring.borrow_mut().as_mut() {
+                            g.submit();
+                        }
                     }
                     if let Err(e) = r.read_exact(&mut data) {
                         sink.budget.release(len);
@@ -1648,6 +1885,10 @@ fn transmission<B: Backend>(
     // Wait for every outstanding command so its reply is sent (or at least its
     // completion consumed) before the connection goes away; commands held back in a
     // burst start now rather than at the backend's next tick.
+    if let Some(g) = ring.borrow_mut().as_mut() {
+        g.drain(&mut &finished);
+        reply();
+    }
     backend.kick();
     for _ in 0..MAX_INFLIGHT {
         let _ = credit_rx.recv();

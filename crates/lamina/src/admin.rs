@@ -343,6 +343,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         checkpoint_generation: u("checkpoint_generation"),
         corrupt_blocks: u("corrupt_blocks"),
         read_checksum_errors: u("read_checksum_errors"),
+        reads_by_connection: u("reads_by_connection"),
         failed: s["failed"].as_str().map(String::from),
         members: a["members"]
             .as_array()

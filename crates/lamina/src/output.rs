@@ -59,6 +59,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "checkpoint_generation": s.checkpoint_generation,
         "corrupt_blocks": s.corrupt_blocks,
         "read_checksum_errors": s.read_checksum_errors,
+        "reads_by_connection": s.reads_by_connection,
         "failed": s.failed,
         "volumes": s.volumes.iter().map(|v| json!({
             "id": v.id,
@@ -379,7 +380,7 @@ pub fn metrics_text(s: &StatusReport) -> String {
     );
     let help = "Segments in the free queue.";
     e.one("free_segments", "gauge", help, s.free_segments as f64);
-    let counters: [(&str, &str, u64); 11] = [
+    let counters: [(&str, &str, u64); 12] = [
         (
             "user_bytes_written_total",
             "Bytes written by clients.",
@@ -417,6 +418,11 @@ pub fn metrics_text(s: &StatusReport) -> String {
             "read_checksum_errors_total",
             "Reads that failed verification.",
             s.read_checksum_errors,
+        ),
+        (
+            "reads_by_connection_total",
+            "Device reads carried out by the client's connection through io_uring.",
+            s.reads_by_connection,
         ),
         (
             "pad_bytes_written_total",

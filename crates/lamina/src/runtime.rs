@@ -30,7 +30,7 @@ use lamina_core::io::{execute, IoCompletion, IoKind, IoOp};
 use lamina_core::{Engine, EngineError, Request, Shared, StatusReport, Token, VolumeShared};
 use lamina_nbd::proto::{STATE_HOLE, STATE_ZERO};
 use lamina_nbd::server::ReplySink;
-use lamina_nbd::{Backend, Command, Completion, ExportInfo, Extent};
+use lamina_nbd::{Backend, Command, Completion, DeviceRead, ExportInfo, Extent, ReadStart};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -523,6 +523,52 @@ impl Backend for LaminaBackend {
         }
         let r = self.rt.shared.read_nowait(export, offset, buf)?;
         Some(r.map_err(|e| read_failed(export, offset, buf.len(), e)))
+    }
+
+    /// When a device is driven through io_uring: the connections then read from it
+    /// themselves (`start_read`), without the read pool's hand-off.
+    fn device_reads(&self) -> bool {
+        self.rt.shared.device_reads()
+    }
+
+    fn start_read(&self, export: &Self::Export, offset: u64, buf: &mut [u8]) -> ReadStart {
+        let vol = &export.vol;
+        if vol.deleted.load(Ordering::Relaxed) {
+            return ReadStart::Done(Err(lamina_nbd::proto::EIO));
+        }
+        match self.rt.shared.read_start(vol, offset, buf) {
+            lamina_core::ReadStart::Done(r) => {
+                ReadStart::Done(r.map_err(|e| read_failed(vol, offset, buf.len(), e)))
+            }
+            lamina_core::ReadStart::Device(d) => ReadStart::Device(DeviceRead {
+                fd: d.fd,
+                offset: d.offset,
+                tag: [(d.seg.0 as u64) << 32 | d.seg_off as u64, d.first_lba],
+            }),
+            lamina_core::ReadStart::Wait => ReadStart::Wait,
+        }
+    }
+
+    fn finish_read(
+        &self,
+        export: &Self::Export,
+        read: DeviceRead,
+        buf: &mut [u8],
+        result: std::io::Result<usize>,
+    ) -> Result<(), u32> {
+        let vol = &export.vol;
+        let d = lamina_core::DeviceRead {
+            fd: read.fd,
+            offset: read.offset,
+            seg: lamina_core::SegmentId((read.tag[0] >> 32) as u32),
+            seg_off: read.tag[0] as u32,
+            first_lba: read.tag[1],
+        };
+        let offset = d.first_lba * lamina_core::BLOCK_SIZE as u64;
+        self.rt
+            .shared
+            .read_finish(vol, d, buf, result)
+            .map_err(|e| read_failed(vol, offset, buf.len(), e))
     }
 
     fn read_only(&self, export: &Self::Export) -> bool {

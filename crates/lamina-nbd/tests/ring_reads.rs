@@ -1,0 +1,147 @@
+//! Device reads carried out by the connection itself (its io_uring): a backend
+//! that hands out [`DeviceRead`]s gets them read, many at once, completed on the
+//! reader and handed back to `finish_read` exactly once each, also when the client
+//! goes away with reads in flight.
+//!
+//! The "device" is the read end of a pipe, which holds every read until the test
+//! feeds it: so the test sees how many reads one connection keeps in flight
+//! before any completes.
+
+mod common;
+
+use lamina_nbd::client::Client;
+use lamina_nbd::proto::{CMD_READ, EIO};
+use lamina_nbd::server::ReplySink;
+use lamina_nbd::{Backend, Command, Completion, DeviceRead, ExportInfo, ReadStart};
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::io::{AsRawFd, FromRawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const FILL: u8 = 0xab;
+
+struct Piped {
+    /// The pipe's read end: every read names it.
+    rx: File,
+    started: AtomicUsize,
+    finished: AtomicUsize,
+}
+
+impl Backend for Piped {
+    type Export = ();
+    fn exports(&self) -> Vec<ExportInfo> {
+        common::one_export("piped", 1 << 30)
+    }
+    fn open_export(&self, _: &str) -> Option<((), ExportInfo)> {
+        Some(((), self.exports().remove(0)))
+    }
+    fn read(&self, _: &(), _: u64, _: &mut [u8]) -> Result<(), u32> {
+        panic!("every read is a device read here")
+    }
+    fn device_reads(&self) -> bool {
+        true
+    }
+    fn start_read(&self, _: &(), offset: u64, _: &mut [u8]) -> ReadStart {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        ReadStart::Device(DeviceRead {
+            fd: self.rx.as_raw_fd(),
+            offset: 0, // a pipe has no offsets
+            tag: [offset, 7],
+        })
+    }
+    fn finish_read(
+        &self,
+        _: &(),
+        read: DeviceRead,
+        buf: &mut [u8],
+        result: std::io::Result<usize>,
+    ) -> Result<(), u32> {
+        assert_eq!(read.tag[1], 7, "the tag comes back as it was given");
+        self.finished.fetch_add(1, Ordering::SeqCst);
+        match result {
+            Ok(n) if n == buf.len() => Ok(()),
+            _ => Err(EIO),
+        }
+    }
+    fn submit(&self, _: &(), handle: u64, _: Command, reply: &Arc<ReplySink>) {
+        reply.complete(&mut vec![Completion {
+            handle,
+            error: 0,
+            buf: None,
+        }]);
+    }
+}
+
+fn pipe() -> (File, File) {
+    let mut fds = [0; 2];
+    // SAFETY: pipe fills the two descriptors, which the Files then own.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) }
+}
+
+fn wait_for(what: &str, f: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Feeds `n` reads' worth (4 KiB each, at most PIPE_BUF so each write is whole).
+fn feed(tx: &mut File, n: usize) {
+    for _ in 0..n {
+        tx.write_all(&[FILL; 4096]).unwrap();
+    }
+}
+
+#[test]
+fn one_connection_keeps_its_device_reads_in_flight() {
+    let (rx, mut tx) = pipe();
+    let backend = Arc::new(Piped {
+        rx,
+        started: AtomicUsize::new(0),
+        finished: AtomicUsize::new(0),
+    });
+    let (sock, _stop) = common::serve_unix(backend.clone(), "ring-reads");
+    let mut c = Client::connect_unix(&sock, "v").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    const N: usize = 32;
+    for i in 0..N {
+        c.send(CMD_READ, 0, i as u64 * 4096, 4096, &[]).unwrap();
+    }
+    c.push().unwrap();
+    wait_for("every read started", || {
+        backend.started.load(Ordering::SeqCst) == N
+    });
+    // All of them are in flight on the device at once: none can have completed.
+    assert_eq!(backend.finished.load(Ordering::SeqCst), 0);
+    let feeder = std::thread::spawn(move || {
+        feed(&mut tx, N);
+        tx
+    });
+    for _ in 0..N {
+        let r = c.recv().unwrap();
+        assert_eq!(r.error, 0);
+        assert!(r.data.len() == 4096 && r.data.iter().all(|&b| b == FILL));
+    }
+    let mut tx = feeder.join().unwrap();
+    assert_eq!(backend.finished.load(Ordering::SeqCst), N);
+
+    // The client goes away with reads in flight: the connection still finishes
+    // each (a backend releases what they hold there) before it ends.
+    for i in 0..8u64 {
+        c.send(CMD_READ, 0, i * 4096, 4096, &[]).unwrap();
+    }
+    c.push().unwrap();
+    wait_for("the second reads started", || {
+        backend.started.load(Ordering::SeqCst) == N + 8
+    });
+    drop(c);
+    std::thread::sleep(Duration::from_millis(50));
+    feed(&mut tx, 8);
+    wait_for("every read finished", || {
+        backend.finished.load(Ordering::SeqCst) == N + 8
+    });
+}
