@@ -34,7 +34,6 @@ use lamina_format::unit::{
     kind, put_record, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT,
 };
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// How far ahead of the persisted lease versions may run before the lease is renewed.
@@ -178,6 +177,13 @@ pub enum Request {
     CreateVolume { name: String, size_bytes: u64 },
     /// Delete a volume and release its space.
     DeleteVolume { name: String },
+    /// Grow or shrink a volume (replies once a checkpoint records the new size).
+    /// Growing: the new blocks are unmapped; clients see the size on their next
+    /// connection, once the checkpoint has committed. Shrinking: refused while
+    /// blocks beyond the new end are mapped (trim them first: `Zero`, which is
+    /// what `lamina volume resize --force` does) or requests of the volume are in
+    /// progress; the new size holds at once.
+    ResizeVolume { name: String, size_bytes: u64 },
     /// Write a checkpoint now (replies when committed).
     Checkpoint,
     /// Report counters.
@@ -339,6 +345,47 @@ pub(crate) struct Vol {
     /// them alone) until the checkpoint of this generation, which no longer lists the
     /// volume, commits; then its blocks are unmapped and its space released.
     pub deleting: Option<u64>,
+    /// Growing: (checkpoint generation, new size in bytes). The map is already
+    /// that long; clients see (and may write) the new size only once a checkpoint
+    /// that records it has committed, so no acknowledged write lies beyond the
+    /// size recovery would find.
+    pub growing: Option<(u64, u64)>,
+}
+
+impl Vol {
+    /// The size the next checkpoint records: a growth in progress counts.
+    pub(crate) fn recorded_size(&self) -> u64 {
+        self.growing
+            .map_or_else(|| self.shared.size_bytes(), |(_, bytes)| bytes)
+    }
+}
+
+/// The trim that empties volume `volume` from byte `from` to `to` (its end), what
+/// a forced shrink sends before [`Request::ResizeVolume`].
+pub fn trim_tail(volume: VolumeId, from: u64, to: u64) -> Request {
+    Request::Zero {
+        volume,
+        offset: from,
+        length: to.saturating_sub(from),
+        fua: false,
+        allocate: false,
+    }
+}
+
+/// A volume size must be a positive multiple of 4 KiB the map can hold.
+fn check_volume_size(size_bytes: u64) -> Result<(), EngineError> {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
+        return Err(EngineError::Invalid(format!(
+            "volume size {size_bytes} must be a positive multiple of 4096 bytes"
+        )));
+    }
+    if size_bytes / BLOCK_SIZE_U64 > crate::map::MAX_BLOCKS {
+        return Err(EngineError::Invalid(format!(
+            "volume size {size_bytes} is too large: at most {} (16 PiB)",
+            crate::map::MAX_BLOCKS * BLOCK_SIZE_U64
+        )));
+    }
+    Ok(())
 }
 
 /// What kind of free segment a stream would like.
@@ -923,6 +970,12 @@ impl Engine {
                     Err(e) => self.reply(token, Err(e), None),
                 }
             }
+            Request::ResizeVolume { name, size_bytes } => {
+                match self.resize_volume(&name, size_bytes) {
+                    Ok(()) => self.start_checkpoint(Some(token)),
+                    Err(e) => self.reply(token, Err(e), None),
+                }
+            }
             Request::DeleteVolume { name } => match self.delete_volume(&name) {
                 Ok(()) => self.start_checkpoint(Some(token)),
                 Err(e) => self.reply(token, Err(e), None),
@@ -1037,7 +1090,7 @@ impl Engine {
             .ok_or_else(|| {
                 EngineError::Invalid(format!("no {volume} (or it is being created or deleted)"))
             })?;
-        let size = vol.shared.size_bytes;
+        let size = vol.shared.size_bytes();
         if offset.checked_add(length).is_none_or(|end| end > size) {
             return Err(EngineError::Invalid(format!(
                 "range {offset}+{length} is past the end of volume {:?} ({size} bytes)",
@@ -1199,7 +1252,7 @@ impl Engine {
             .iter()
             .flatten()
             .filter(|v| v.deleting.is_none())
-            .fold(0u64, |a, v| a.saturating_add(v.shared.size_bytes))
+            .fold(0u64, |a, v| a.saturating_add(v.recorded_size()))
     }
 
     /// Discards free segments that stayed free for `discard_delay_ms` (TRIM on an
@@ -1633,15 +1686,22 @@ impl Engine {
             if self.ensure_unit(ms, 0, 2 * chunks).is_err() {
                 return Ok(false);
             }
-            for lba in full_first..full_end {
-                let old = vol_shared.map.load(lba);
-                if old != UNMAPPED {
-                    vol_shared.map.store(lba, UNMAPPED);
-                    vol_shared.map.take_read(lba);
-                    self.unref(old);
-                    self.space.unmapped(1);
-                    self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
+            // Run by run: pages never made are stepped over whole, so trimming
+            // the unwritten part of a thin volume costs nothing per block.
+            let mut at = full_first;
+            while at < full_end {
+                let (mapped, end) = vol_shared.map.allocation_run(at, full_end);
+                for lba in (at..end).filter(|_| mapped) {
+                    let old = vol_shared.map.load(lba);
+                    if old != UNMAPPED {
+                        vol_shared.map.store(lba, UNMAPPED);
+                        vol_shared.map.take_read(lba);
+                        self.unref(old);
+                        self.space.unmapped(1);
+                        self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
+                    }
                 }
+                at = end;
             }
             let mut lba = full_first;
             while lba < full_end {
@@ -2841,17 +2901,7 @@ impl Engine {
                  starting with a letter or digit"
             )));
         }
-        if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
-            return Err(EngineError::Invalid(format!(
-                "volume size {size_bytes} must be a positive multiple of 4096 bytes"
-            )));
-        }
-        if size_bytes / BLOCK_SIZE_U64 > crate::map::MAX_BLOCKS {
-            return Err(EngineError::Invalid(format!(
-                "volume size {size_bytes} is too large: at most {} (16 PiB)",
-                crate::map::MAX_BLOCKS * BLOCK_SIZE_U64
-            )));
-        }
+        check_volume_size(size_bytes)?;
         if self
             .volumes
             .iter()
@@ -2862,16 +2912,7 @@ impl Engine {
                 "volume {name:?} already exists"
             )));
         }
-        if let Some(limit) = self.cfg.max_overcommit {
-            let usable = self.space.usable * BLOCK_SIZE_U64;
-            let promised = self.promised_bytes().saturating_add(size_bytes);
-            if promised as f64 > limit * usable as f64 {
-                return Err(EngineError::Invalid(format!(
-                    "volume {name:?} would make the volumes promise {:.2}x the usable capacity of {usable} bytes, above max_overcommit = {limit}",
-                    promised as f64 / usable.max(1) as f64
-                )));
-            }
-        }
+        self.check_promise(name, size_bytes)?;
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
         if next >= u16::MAX as u64 {
             return Err(EngineError::Invalid(
@@ -2895,13 +2936,12 @@ impl Engine {
         self.counters.next_volume_id = next + 1;
         let created = self.take_version();
         let publish_at = self.ckpt.target_generation();
-        let shared = Arc::new(VolumeShared {
-            id: VolumeId(next as u16),
-            name: name.to_string(),
+        let shared = Arc::new(VolumeShared::new(
+            VolumeId(next as u16),
+            name.to_string(),
             size_bytes,
-            map: self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
-            deleted: AtomicBool::new(false),
-        });
+            self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
+        ));
         let vol = self.attach_volume_with(shared, created, false, placement);
         vol.publish_at = publish_at;
         self.update_class_caps();
@@ -2995,6 +3035,7 @@ impl Engine {
             live_blocks: 0,
             published: publish,
             publish_at: 0,
+            growing: None,
             deleting: None,
         });
         self.refresh_gc_classes();
@@ -3155,6 +3196,79 @@ impl Engine {
         Ok(())
     }
 
+    /// Refuses `more` bytes of volume `name` beyond what the volumes promise when
+    /// that would pass `max_overcommit`.
+    fn check_promise(&self, name: &str, more: u64) -> Result<(), EngineError> {
+        if let Some(limit) = self.cfg.max_overcommit {
+            let usable = self.space.usable * BLOCK_SIZE_U64;
+            let promised = self.promised_bytes().saturating_add(more);
+            if promised as f64 > limit * usable as f64 {
+                return Err(EngineError::Invalid(format!(
+                    "volume {name:?} would make the volumes promise {:.2}x the usable capacity of {usable} bytes, above max_overcommit = {limit}",
+                    promised as f64 / usable.max(1) as f64
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// See [`Request::ResizeVolume`].
+    fn resize_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
+        check_volume_size(size_bytes)?;
+        let i = self
+            .volumes
+            .iter()
+            .position(|v| {
+                v.as_ref()
+                    .is_some_and(|v| v.shared.name == name && v.deleting.is_none())
+            })
+            .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
+        let vol = self.volumes[i].as_ref().unwrap();
+        if !vol.published || vol.growing.is_some() {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} is being created or resized: try again in a moment"
+            )));
+        }
+        let old = vol.shared.size_bytes();
+        let (old_blocks, new_blocks) = (old / BLOCK_SIZE_U64, size_bytes / BLOCK_SIZE_U64);
+        if size_bytes > old {
+            self.check_promise(name, size_bytes - old)?;
+            let gen = self.ckpt.target_generation();
+            let vol = self.volumes[i].as_mut().unwrap();
+            vol.shared.map.grow(new_blocks);
+            vol.growing = Some((gen, size_bytes));
+            tracing::info!(
+                "volume {name:?} grows from {old} to {size_bytes} bytes (clients see it once checkpoint {gen} commits)"
+            );
+        } else if size_bytes < old {
+            let id = vol.shared.id.0;
+            if self.pending.iter().any(|p| match p {
+                Pending::Write { volume, .. }
+                | Pending::Zero { volume, .. }
+                | Pending::Blocks { volume, .. } => *volume == id,
+            }) {
+                return Err(EngineError::Invalid(format!(
+                    "volume {name:?} has requests in progress"
+                )));
+            }
+            let map = &vol.shared.map;
+            let (mapped, end) = map.allocation_run(new_blocks, old_blocks);
+            if mapped || end < old_blocks {
+                let at = if mapped { new_blocks } else { end };
+                return Err(EngineError::Invalid(format!(
+                    "volume {name:?} holds data beyond {size_bytes} bytes (at byte {}); --force discards it",
+                    at * BLOCK_SIZE_U64
+                )));
+            }
+            // Clients stop addressing the tail, then the map lets it go. Nothing
+            // there is mapped, so nothing else changes.
+            vol.shared.set_size_bytes(size_bytes);
+            map.shrink(new_blocks);
+            tracing::info!("volume {name:?} shrinks from {old} to {size_bytes} bytes");
+        }
+        Ok(())
+    }
+
     fn delete_volume(&mut self, name: &str) -> Result<(), EngineError> {
         let id = self
             .volumes
@@ -3190,19 +3304,26 @@ impl Engine {
                 v.published = true;
                 self.shared.set_volume(v.shared.clone());
             }
+            if let Some((at, bytes)) = v.growing.filter(|&(at, _)| at <= gen) {
+                v.growing = None;
+                v.shared.set_size_bytes(bytes);
+                tracing::info!(
+                    "volume {:?} is {bytes} bytes now (checkpoint {at} recorded it)",
+                    v.shared.name
+                );
+            }
             if v.deleting.is_some_and(|d| d <= gen) {
                 let (streams, map) = (v.streams.clone(), v.shared.clone());
                 for s in streams {
                     self.close_segment(s);
                 }
-                for lba in 0..map.blocks() {
-                    let old = map.map.load(lba);
-                    if old != UNMAPPED {
-                        map.map.store(lba, UNMAPPED);
-                        self.unref(old);
-                        self.space.unmapped(1);
-                    }
-                }
+                // Only the pages that were made: a thin volume of petabytes with
+                // a few blocks written is a few pages, not a loop over its size.
+                map.map.for_each_mapped(|lba, old| {
+                    map.map.store(lba, UNMAPPED);
+                    self.unref(old);
+                    self.space.unmapped(1);
+                });
                 self.volumes[i] = None;
                 self.refresh_gc_classes();
             }

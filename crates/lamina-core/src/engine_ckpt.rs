@@ -150,7 +150,7 @@ impl Engine {
             volumes.push(VolumeRecord {
                 id: v.shared.id.0,
                 name: v.shared.name.clone(),
-                size_bytes: v.shared.size_bytes,
+                size_bytes: v.recorded_size(),
                 created_version: v.created_version,
                 user_blocks_written: v.user_blocks,
                 gc_blocks_relocated: v.gc_blocks,

@@ -90,18 +90,46 @@ pub const MAX_BLOCKS: u64 = (u32::MAX as u64 + 1) * PAGE_ENTRIES as u64;
 /// when the counter was odd or changed while it read. Writes are rare enough per page
 /// that readers practically never retry.
 pub struct Map {
-    root: Box<[AtomicPtr<AtomicU64>]>,
-    /// Pointer levels from the root to the pages (1: the root holds pages).
-    height: u32,
+    /// The top of the tree; replaced whole when the volume grows past what it can
+    /// address ([`Map::grow`]).
+    root: AtomicPtr<Root>,
+    /// Roots [`Map::grow`] replaced. They name the same nodes and pages as the
+    /// current root, and a reader may still be walking one, so they live as long
+    /// as the map (one per growth past the root's reach: a few at most). Boxed:
+    /// a reader holds a reference to the `Root` itself, which must not move.
+    #[allow(clippy::vec_box)]
+    old_roots: std::sync::Mutex<Vec<Box<Root>>>,
     /// Words of one page: head, then the packed entries and a spare word so that a
     /// straddling read of the last entry stays in bounds.
     page_words: usize,
-    len: u64,
+    /// Entries: the volume's blocks. Changes only by [`Map::grow`] and
+    /// [`Map::shrink`] (the engine).
+    len: AtomicU64,
     width: u32,
     mask: u64,
     /// Largest device code: the array's block count (codes 1..=pba_codes are PBA+1).
     pba_codes: u32,
     buffer_slots: u32,
+}
+
+/// The top of the page tree: its children, and the pointer levels from it to the
+/// pages (1: the children are pages).
+struct Root {
+    children: Box<[AtomicPtr<AtomicU64>]>,
+    height: u32,
+}
+
+/// Root children and height for a map of `blocks` entries: one level while the
+/// pages fit [`ROOT_MAX`] children, another for every FAN-fold beyond.
+fn shape(blocks: u64) -> (usize, u32) {
+    let pages = blocks.div_ceil(PAGE_ENTRIES as u64).max(1);
+    let mut height = 1;
+    let mut span = 1u64; // pages under one root child
+    while pages.div_ceil(span) > ROOT_MAX {
+        span <<= FAN_BITS;
+        height += 1;
+    }
+    (pages.div_ceil(span) as usize, height)
 }
 
 /// A zeroed array of `n` words or pointers, leaked: the tree owns it until `Drop`.
@@ -146,21 +174,18 @@ impl Map {
         );
         let largest = array_blocks as u64 + buffer_slots as u64 + 1;
         let width = 64 - largest.leading_zeros();
-        let pages = blocks.div_ceil(PAGE_ENTRIES as u64).max(1);
-        let mut height = 1;
-        let mut span = 1u64; // pages under one root child
-        while pages.div_ceil(span) > ROOT_MAX {
-            span <<= FAN_BITS;
-            height += 1;
-        }
-        let root = (0..pages.div_ceil(span))
-            .map(|_| AtomicPtr::new(std::ptr::null_mut()))
-            .collect();
-        Map {
-            root,
+        let (children, height) = shape(blocks);
+        let root = Root {
+            children: (0..children)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
             height,
+        };
+        Map {
+            root: AtomicPtr::new(Box::into_raw(Box::new(root))),
+            old_roots: Default::default(),
             page_words: HEAD_WORDS + PAGE_ENTRIES * width as usize / 64 + 1,
-            len: blocks,
+            len: AtomicU64::new(blocks),
             width,
             mask: (1u64 << width) - 1,
             pba_codes: array_blocks,
@@ -168,12 +193,89 @@ impl Map {
         }
     }
 
+    /// The current root.
+    #[inline]
+    fn root(&self) -> &Root {
+        // SAFETY: roots are made by `new` and `grow`, published with Release, and
+        // freed only when the map is dropped (replaced ones wait in `old_roots`).
+        unsafe { &*self.root.load(Ordering::Acquire) }
+    }
+
+    /// Makes the map `blocks` entries long, `blocks` at least its length: the new
+    /// entries are unmapped. The engine thread only. Pages and nodes stay where they
+    /// are; when the tree must reach further, a new root names them (under new inner
+    /// nodes if it must be higher), and readers still walking the old root see
+    /// what they would have seen a moment earlier.
+    pub fn grow(&self, blocks: u64) {
+        assert!(
+            blocks >= self.len() && blocks <= MAX_BLOCKS,
+            "map growth to {blocks} entries"
+        );
+        let cur = self.root();
+        let (children, height) = shape(blocks);
+        if height == cur.height && children <= cur.children.len() {
+            self.len.store(blocks, Ordering::Release);
+            return;
+        }
+        let mut level: Vec<*mut AtomicU64> = cur
+            .children
+            .iter()
+            .map(|c| c.load(Ordering::Acquire))
+            .collect();
+        // Each level added groups FAN of the level below under one new node.
+        for _ in cur.height..height {
+            level = level
+                .chunks(FAN)
+                .map(|group| {
+                    if group.iter().all(|c| c.is_null()) {
+                        return std::ptr::null_mut();
+                    }
+                    let node = zeroed_block::<AtomicU64>(FAN);
+                    let slots = node as *const AtomicPtr<AtomicU64>;
+                    for (i, &c) in group.iter().enumerate() {
+                        // SAFETY: `node` holds FAN pointers; unpublished yet.
+                        unsafe { &*slots.add(i) }.store(c, Ordering::Relaxed);
+                    }
+                    node
+                })
+                .collect();
+        }
+        debug_assert!(level.len() <= children);
+        let root = Root {
+            children: (0..children)
+                .map(|i| AtomicPtr::new(level.get(i).copied().unwrap_or(std::ptr::null_mut())))
+                .collect(),
+            height,
+        };
+        let old = self
+            .root
+            .swap(Box::into_raw(Box::new(root)), Ordering::AcqRel);
+        // SAFETY: `old` came from Box::into_raw and is no longer the root.
+        self.old_roots
+            .lock()
+            .unwrap()
+            .push(unsafe { Box::from_raw(old) });
+        self.len.store(blocks, Ordering::Release);
+    }
+
+    /// Makes the map `blocks` entries long, at most its length. The engine thread
+    /// only, once the entries beyond were unmapped; their pages stay until the
+    /// next start (readers hold no lock).
+    pub fn shrink(&self, blocks: u64) {
+        assert!(blocks <= self.len(), "map shrink to {blocks} entries");
+        self.len.store(blocks, Ordering::Release);
+    }
+
     /// The page holding `lba`, if one was made.
     #[inline]
     fn page_of(&self, lba: u64) -> Option<&[AtomicU64]> {
         let page = lba >> PAGE_SHIFT;
-        let mut level = self.height - 1;
-        let mut p = self.root[(page >> (FAN_BITS * level)) as usize].load(Ordering::Acquire);
+        let root = self.root();
+        let mut level = root.height - 1;
+        let mut p = root
+            .children
+            .get((page >> (FAN_BITS * level)) as usize)?
+            .load(Ordering::Acquire);
         while level > 0 {
             if p.is_null() {
                 return None;
@@ -193,8 +295,9 @@ impl Map {
     /// The page holding `lba`, made if missing (the engine thread, or recovery).
     fn page_mut(&self, lba: u64) -> &[AtomicU64] {
         let page = lba >> PAGE_SHIFT;
-        let mut level = self.height - 1;
-        let mut slot = &self.root[(page >> (FAN_BITS * level)) as usize];
+        let root = self.root();
+        let mut level = root.height - 1;
+        let mut slot = &root.children[(page >> (FAN_BITS * level)) as usize];
         loop {
             let n = if level == 0 { self.page_words } else { FAN };
             let mut p = slot.load(Ordering::Acquire);
@@ -257,8 +360,9 @@ impl Map {
                 );
             }
         }
-        let level = self.height - 1;
-        for (i, c) in self.root.iter().enumerate() {
+        let root = self.root();
+        let level = root.height - 1;
+        for (i, c) in root.children.iter().enumerate() {
             let first = (i as u64) << (FAN_BITS * level);
             walk(self, c.load(Ordering::Acquire), level, first, &mut f);
         }
@@ -267,7 +371,7 @@ impl Map {
     /// Notes that blocks `lba..lba + n` were read from the device.
     pub fn mark_read(&self, lba: u64, n: u64) {
         let mut l = lba;
-        let end = (lba + n).min(self.len);
+        let end = (lba + n).min(self.len());
         while l < end {
             let hi = end.min((l / 64 + 1) * 64);
             let bits = if hi - l == 64 {
@@ -287,7 +391,7 @@ impl Map {
     }
 
     fn read_word(&self, lba: u64) -> Option<&AtomicU64> {
-        if lba >= self.len {
+        if lba >= self.len() {
             return None;
         }
         self.page_of(lba)
@@ -315,12 +419,12 @@ impl Map {
 
     #[inline]
     pub fn len(&self) -> u64 {
-        self.len
+        self.len.load(Ordering::Acquire)
     }
 
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     #[inline]
@@ -366,11 +470,14 @@ impl Map {
         v & self.mask
     }
 
-    /// The entry of `lba`. A reader that then pins what it names re-reads it
-    /// through [`crate::pins::Pins::pin_run`].
+    /// The entry of `lba`; unmapped beyond the end (blocks a unit header names
+    /// there, or a reader racing a shrink, find nothing). A reader that then pins
+    /// what it names re-reads it through [`crate::pins::Pins::pin_run`].
     #[inline]
     pub fn load(&self, lba: u64) -> u32 {
-        assert!(lba < self.len, "map index {lba} out of range");
+        if lba >= self.len() {
+            return UNMAPPED;
+        }
         let Some(page) = self.page_of(lba) else {
             return UNMAPPED;
         };
@@ -394,11 +501,14 @@ impl Map {
     /// starts there ends (exclusive, at most `end`). Pages never made are stepped
     /// over whole, so a thin range costs one lookup per page, not per block. Any
     /// thread: like [`Map::load`], a store racing the walk may or may not be seen.
+    /// Blocks beyond the map's end (a reader racing a shrink) are one unmapped run.
     pub fn allocation_run(&self, lba: u64, end: u64) -> (bool, u64) {
-        assert!(
-            lba < end && end <= self.len,
-            "run {lba}..{end} out of range"
-        );
+        assert!(lba < end, "run {lba}..{end} is empty");
+        let len = self.len();
+        if lba >= len {
+            return (false, end);
+        }
+        let end = end.min(len);
         let mapped = self.load(lba) != UNMAPPED;
         let mut at = lba + 1;
         while at < end {
@@ -445,7 +555,7 @@ impl Map {
     /// Stores an entry. Only the engine thread (or recovery, before serving) writes.
     #[inline]
     pub fn store(&self, lba: u64, e: u32) {
-        assert!(lba < self.len, "map index {lba} out of range");
+        assert!(lba < self.len(), "map index {lba} out of range");
         let page = if e == UNMAPPED {
             // Unmapping where nothing was mapped makes no page.
             match self.page_of(lba) {
@@ -482,7 +592,7 @@ impl Map {
         let p = self.page_of(start);
         for (i, o) in out.iter_mut().enumerate() {
             *o = match p {
-                Some(p) if start + (i as u64) < self.len => self.decode_code(self.raw(p, i)),
+                Some(p) if start + (i as u64) < self.len() => self.decode_code(self.raw(p, i)),
                 _ => UNMAPPED,
             };
         }
@@ -502,9 +612,13 @@ impl Map {
     /// Calls `f(lba, entry)` for every mapped entry, in LBA order, walking only the
     /// pages that exist (engine thread or recovery; `f` may store into the map).
     pub fn for_each_mapped(&self, mut f: impl FnMut(u64, u32)) {
+        let len = self.len();
         self.for_each_page(|page, p| {
             let first = page * PAGE_ENTRIES as u64;
-            for i in 0..PAGE_ENTRIES.min((self.len - first) as usize) {
+            if first >= len {
+                return; // a page beyond a shrunk end
+            }
+            for i in 0..PAGE_ENTRIES.min((len - first) as usize) {
                 let c = self.raw(p, i);
                 if c != 0 {
                     f(first + i as u64, self.decode_code(c));
@@ -549,9 +663,12 @@ impl Drop for Map {
                 unsafe { free_block(p, map.page_words) };
             }
         }
-        for c in self.root.iter() {
-            free(self, c.load(Ordering::Relaxed), self.height - 1);
+        // SAFETY: the current root, from Box::into_raw; nobody else holds the map.
+        let root = unsafe { Box::from_raw(self.root.load(Ordering::Relaxed)) };
+        for c in root.children.iter() {
+            free(self, c.load(Ordering::Relaxed), root.height - 1);
         }
+        // The old roots name the same nodes: only their own arrays go with them.
     }
 }
 
@@ -767,5 +884,98 @@ mod tests {
                     .is_ok());
             }
         }
+    }
+
+    /// Growing keeps every entry, past each change of height (one level up to
+    /// 4 Mi entries, two up to 4 Gi, three beyond), and makes the new ones
+    /// unmapped; shrinking hides the tail, and growing again shows it unmapped.
+    #[test]
+    fn growing_keeps_entries_across_heights() {
+        let m = Map::new(3000, 1 << 20, 16);
+        let lbas = [0u64, 1, 1023, 1024, 2999];
+        for &l in &lbas {
+            m.store(l, encode_device(Pba(l as u32 + 7)));
+        }
+        let mut far = Vec::new();
+        for (i, blocks) in [
+            3001u64,
+            4 << 20,
+            (4 << 20) + 1,
+            5 << 30,
+            1 << 40,
+            MAX_BLOCKS,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            m.grow(blocks);
+            assert_eq!(m.len(), blocks);
+            for &l in &lbas {
+                assert_eq!(
+                    m.load(l),
+                    encode_device(Pba(l as u32 + 7)),
+                    "{l} at {blocks}"
+                );
+            }
+            for &(l, e) in &far {
+                assert_eq!(m.load(l), e, "{l} at {blocks}");
+            }
+            assert_eq!(m.load(blocks - 1), UNMAPPED);
+            let l = blocks - 1 - 10 * i as u64;
+            let e = encode_device(Pba(100 + i as u32));
+            m.store(l, e);
+            far.push((l, e));
+        }
+        let mut mapped = Vec::new();
+        m.for_each_mapped(|l, _| mapped.push(l));
+        assert_eq!(mapped.len(), lbas.len() + far.len());
+        assert!(mapped.windows(2).all(|w| w[0] < w[1]), "in LBA order");
+        // Shrink below the far entries (after unmapping them, as the engine does).
+        for &(l, _) in &far {
+            m.store(l, UNMAPPED);
+        }
+        m.shrink(3000);
+        assert_eq!(m.load(5000), UNMAPPED, "beyond the end reads unmapped");
+        assert_eq!(m.allocation_run(2999, 9000), (true, 3000));
+        assert_eq!(m.allocation_run(4000, 9000), (false, 9000));
+        m.grow(1 << 20);
+        assert_eq!(m.allocation_run(3000, 1 << 20), (false, 1 << 20));
+    }
+
+    /// Readers walking the tree while it grows (and gets new roots) always find
+    /// the entries stored before.
+    #[test]
+    fn readers_find_entries_while_the_map_grows() {
+        use std::sync::Arc;
+        let m = Arc::new(Map::new(2048, 1 << 20, 16));
+        for l in 0..2048u64 {
+            m.store(l, encode_device(Pba(l as u32)));
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let passes = Arc::new(AtomicU64::new(0));
+        let reader = {
+            let (m, stop, passes) = (m.clone(), stop.clone(), passes.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    for l in 0..2048u64 {
+                        assert_eq!(m.load(l), encode_device(Pba(l as u32)));
+                    }
+                    passes.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        let mut blocks = 2048u64;
+        while blocks < MAX_BLOCKS / 2 {
+            blocks = blocks * 3 / 2 + 4096;
+            m.grow(blocks);
+            m.store(blocks - 1, encode_device(Pba(5)));
+            // Let the reader walk this tree before the next growth.
+            let seen = passes.load(Ordering::Relaxed);
+            while passes.load(Ordering::Relaxed) < seen + 2 && !reader.is_finished() {
+                std::thread::yield_now();
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        reader.join().expect("the reader found every entry");
     }
 }

@@ -33,15 +33,40 @@ const CRC_CACHE_SHARDS: usize = 16;
 pub struct VolumeShared {
     pub id: VolumeId,
     pub name: String,
-    pub size_bytes: u64,
+    /// Bytes clients may address: at most the map's length (a volume grows by
+    /// its map first, then this; shrinks by this first, then its map).
+    size: AtomicU64,
     pub map: Map,
     /// Set when the volume is deleted; connections drop it.
     pub deleted: AtomicBool,
 }
 
 impl VolumeShared {
+    pub fn new(id: VolumeId, name: String, size_bytes: u64, map: Map) -> Self {
+        assert!(size_bytes / BLOCK_SIZE as u64 <= map.len());
+        VolumeShared {
+            id,
+            name,
+            size: AtomicU64::new(size_bytes),
+            map,
+            deleted: AtomicBool::new(false),
+        }
+    }
+
+    /// The volume's size in bytes.
+    #[inline]
+    pub fn size_bytes(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    /// Sets the size clients see (the engine, resizing; see `size`).
+    pub(crate) fn set_size_bytes(&self, bytes: u64) {
+        assert!(bytes / BLOCK_SIZE as u64 <= self.map.len());
+        self.size.store(bytes, Ordering::Release);
+    }
+
     pub fn blocks(&self) -> u64 {
-        self.size_bytes / BLOCK_SIZE as u64
+        self.size_bytes() / BLOCK_SIZE as u64
     }
 
     /// The allocation of `length` bytes from `offset` as consecutive extents, each
@@ -58,7 +83,7 @@ impl VolumeShared {
         mut f: impl FnMut(u64, bool),
     ) {
         let bs = BLOCK_SIZE as u64;
-        let end = offset.saturating_add(length).min(self.size_bytes);
+        let end = offset.saturating_add(length).min(self.size_bytes());
         let end_block = end.div_ceil(bs);
         let mut pos = offset;
         let mut n = 0;
@@ -84,6 +109,15 @@ pub enum ReadError {
         volume: u16,
         lba: u64,
         detail: String,
+    },
+    /// Blocks beyond the volume's end: a client that connected before the volume
+    /// shrank.
+    #[error("volume {volume}: blocks {first}..{end} lie beyond its end (block {len})")]
+    Beyond {
+        volume: u16,
+        first: u64,
+        end: u64,
+        len: u64,
     },
 }
 
@@ -578,6 +612,9 @@ impl Shared {
             return None;
         }
         let first = offset / bs;
+        if first + n > vol.map.len() {
+            return None; // the waiting path reports it
+        }
         let e = vol.map.load(first);
         let Entry::Device(pba) = decode(e) else {
             return None;
@@ -674,6 +711,15 @@ impl Shared {
         nowait: bool,
     ) -> Result<bool, ReadError> {
         let nblocks = (out.len() / BLOCK_SIZE) as u64;
+        let len = vol.map.len();
+        if first.saturating_add(nblocks) > len {
+            return Err(ReadError::Beyond {
+                volume: vol.id.0,
+                first,
+                end: first.saturating_add(nblocks),
+                len,
+            });
+        }
         let mut i = 0u64;
         while i < nblocks {
             let lba = first + i;
@@ -1118,13 +1164,12 @@ mod tests {
     fn allocation_extents_follow_the_map() {
         let bs = BLOCK_SIZE as u64;
         let blocks = 3 * crate::map::PAGE_ENTRIES as u64;
-        let vol = VolumeShared {
-            id: VolumeId(0),
-            name: "v".into(),
-            size_bytes: blocks * bs,
-            map: Map::new(blocks, 1 << 20, 16),
-            deleted: AtomicBool::new(false),
-        };
+        let vol = VolumeShared::new(
+            VolumeId(0),
+            "v".into(),
+            blocks * bs,
+            Map::new(blocks, 1 << 20, 16),
+        );
         let mapped = |lba: u64| (4..10).contains(&lba) || (1500..2100).contains(&lba);
         for lba in (0..blocks).filter(|&l| mapped(l)) {
             vol.map.store(lba, encode_device(Pba(lba as u32)));
@@ -1134,7 +1179,7 @@ mod tests {
             vol.allocation(offset, length, max, max_extent, |l, m| v.push((l, m)));
             v
         };
-        let size = vol.size_bytes;
+        let size = vol.size_bytes();
         for offset in [0, 1, 4095, 4 * bs + 17, 9 * bs, 1499 * bs + 100, size - 1] {
             for length in [1, 100, bs, 7 * bs + 3, 2000 * bs, size] {
                 let length = length.min(size - offset);

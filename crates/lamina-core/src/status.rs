@@ -185,7 +185,7 @@ impl Engine {
             volumes.push(VolumeStatus {
                 id: v.shared.id.0,
                 name: v.shared.name.clone(),
-                size_bytes: v.shared.size_bytes,
+                size_bytes: v.shared.size_bytes(),
                 live_bytes: v.live_blocks * bs,
                 segments,
                 user_bytes_written: v.user_blocks * bs,

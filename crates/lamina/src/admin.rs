@@ -66,6 +66,15 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
                 _ => Err("volume-create needs \"name\" and \"size\"".into()),
             }
         }
+        "volume-resize" => {
+            let name = req.get("name").and_then(|v| v.as_str());
+            let size = req.get("size").and_then(|v| v.as_u64());
+            let force = req.get("force").and_then(|v| v.as_bool()) == Some(true);
+            match (name, size) {
+                (Some(name), Some(size)) => resize_volume(rt, name, size, force),
+                _ => Err("volume-resize needs \"name\" and \"size\"".into()),
+            }
+        }
         "volume-delete" => match req.get("name").and_then(|v| v.as_str()) {
             Some(name) => {
                 let force = req.get("force").and_then(|v| v.as_bool()) == Some(true);
@@ -414,6 +423,26 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
 
 /// Deletes a volume; one with clients connected only with `force`, which first
 /// disconnects them (as `lvremove` and `zfs destroy` refuse a busy volume).
+/// Resizes a volume of the running server; with `force`, a shrink first trims
+/// what lies beyond the new end (the engine refuses to drop mapped blocks).
+fn resize_volume(rt: &Runtime, name: &str, size: u64, force: bool) -> Result<Value, String> {
+    let v = rt
+        .shared
+        .volume(name)
+        .ok_or_else(|| format!("no volume named {name:?}"))?;
+    let old = v.size_bytes();
+    if force && size < old {
+        rt.call(lamina_core::trim_tail(v.id, size, old))
+            .map_err(|e| format!("trimming beyond {size} bytes: {e}"))?;
+    }
+    rt.call(Request::ResizeVolume {
+        name: name.to_string(),
+        size_bytes: size,
+    })
+    .map(|_| json!({"ok": true, "old_size": old, "size": size}))
+    .map_err(|e| e.to_string())
+}
+
 fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String> {
     if let Some(v) = rt.shared.volume(name) {
         let n = rt.clients.count(v.id);

@@ -405,6 +405,29 @@ enum VolumeCmd {
         #[arg(long, value_name = "SIZE|none")]
         bandwidth: Option<String>,
     },
+    /// Grow or shrink a volume, online.
+    ///
+    /// Growing takes effect at once for new connections (the blocks added are
+    /// unmapped, so it costs nothing until written); clients connected before keep
+    /// the size they were told. Shrinking is refused while blocks beyond the new end
+    /// hold data, unless --force is given, which discards them (they are trimmed
+    /// first). Clients connected before a shrink get EIO beyond the new end.
+    #[command(
+        after_help = "Examples:\n  lamina volume resize /srv/tank vm1 --size 80G\n  lamina volume resize /srv/tank vm1 --size +20G\n  lamina volume resize /srv/tank vm1 --size -10G --force"
+    )]
+    Resize {
+        /// [DIR] NAME: the array directory (default ./lamina-data) and the
+        /// volume's name.
+        #[arg(required = true, num_args = 1..=2, value_name = "[DIR] NAME")]
+        args: Vec<String>,
+        /// The new size (K, M, G, T suffixes; a multiple of 4 KiB), or +SIZE / -SIZE
+        /// relative to the current one.
+        #[arg(long, value_name = "[+|-]SIZE", allow_hyphen_values = true)]
+        size: String,
+        /// Shrink even when the blocks cut off hold data (they are discarded).
+        #[arg(long)]
+        force: bool,
+    },
     /// List volumes.
     List {
         /// Array directory (default ./lamina-data).
@@ -1023,15 +1046,33 @@ fn array_fail(dir: &Path, device: &str) -> Result<()> {
 }
 
 /// Runs a request against a stopped array (opened read-write, then closed cleanly).
+/// The id of volume `name` in a status report.
+fn engine_volume_id(st: &lamina_core::StatusReport, name: &str) -> Result<lamina_core::VolumeId> {
+    st.volumes
+        .iter()
+        .find(|v| v.name == name)
+        .map(|v| lamina_core::VolumeId(v.id))
+        .ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))
+}
+
 fn offline(dir: &Path, req: Request) -> Result<()> {
+    offline_all(dir, [req])
+}
+
+/// Opens a stopped array and runs `reqs` on it, one after the other, stopping at
+/// the first that fails.
+fn offline_all(dir: &Path, reqs: impl IntoIterator<Item = Request>) -> Result<()> {
     let (mut engine, _) = open_array(dir, OpenMode::ReadWrite).context(
         "cannot open the array (if `lamina serve` is running, its admin socket did not answer)",
     )?;
-    let token = lamina_core::Token { conn: 0, handle: 1 };
-    match lamina_core::call_inline(&mut engine, token, req, 1) {
-        Some(r) => r.result.map_err(Into::into),
-        None => bail!("request did not complete"),
+    for req in reqs {
+        let token = lamina_core::Token { conn: 0, handle: 1 };
+        match lamina_core::call_inline(&mut engine, token, req, 1) {
+            Some(r) => r.result?,
+            None => bail!("request did not complete"),
+        }
     }
+    Ok(())
 }
 
 fn volume(cmd: VolumeCmd) -> Result<()> {
@@ -1064,6 +1105,49 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                     );
                 }
             }
+        }
+        VolumeCmd::Resize { args, size, force } => {
+            let (dir, name) = dir_and_name(args)?;
+            let (st, _) = get_status(&dir)?;
+            let old = st
+                .volumes
+                .iter()
+                .find(|v| v.name == name)
+                .map(|v| v.size_bytes)
+                .ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))?;
+            let new = match (size.strip_prefix('+'), size.strip_prefix('-')) {
+                (Some(d), _) => old.checked_add(size_arg("--size", d)?),
+                (_, Some(d)) => old.checked_sub(size_arg("--size", d)?),
+                _ => Some(size_arg("--size", &size)?),
+            }
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--size {size}: the volume of {} cannot take that",
+                    human(old)
+                )
+            })?;
+            let req = json!({"op": "volume-resize", "name": name, "size": new, "force": force});
+            if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
+                let mut reqs = Vec::new();
+                if force && new < old {
+                    reqs.push(lamina_core::trim_tail(
+                        engine_volume_id(&st, &name)?,
+                        new,
+                        old,
+                    ));
+                }
+                reqs.push(Request::ResizeVolume {
+                    name: name.clone(),
+                    size_bytes: new,
+                });
+                offline_all(&dir, reqs)?;
+            }
+            println!(
+                "resized volume {name:?} from {} to {}",
+                human(old),
+                human(new)
+            );
         }
         VolumeCmd::Delete { args, force } => {
             let (dir, name) = dir_and_name(args)?;

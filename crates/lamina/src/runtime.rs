@@ -474,7 +474,7 @@ impl Backend for LaminaBackend {
             .map(|v| ExportInfo {
                 name: v.name.clone(),
                 description: format!("Lamina volume {}", v.name),
-                size: v.size_bytes,
+                size: v.size_bytes(),
             })
             .collect()
     }
@@ -484,7 +484,7 @@ impl Backend for LaminaBackend {
         let info = ExportInfo {
             name: v.name.clone(),
             description: format!("Lamina volume {}", v.name),
-            size: v.size_bytes,
+            size: v.size_bytes(),
         };
         let qos = self.rt.qos.get(&v.name);
         Some((self.rt.clients.open(v, qos), info))

@@ -17,7 +17,6 @@ use lamina_format::checkpoint::{
 use lamina_format::superblock::CheckpointRef;
 use lamina_format::unit::{kind, record_at, StreamKind, NO_SEGMENT};
 use std::collections::{HashSet, VecDeque};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// The state recorded by the checkpoint.
@@ -106,13 +105,12 @@ pub(super) fn load(
                 v.name, v.size_bytes
             )));
         }
-        let vs = Arc::new(VolumeShared {
-            id: VolumeId(v.id),
-            name: v.name.clone(),
-            size_bytes: v.size_bytes,
-            map: shared.new_map(v.size_bytes / BLOCK_SIZE_U64),
-            deleted: AtomicBool::new(false),
-        });
+        let vs = Arc::new(VolumeShared::new(
+            VolumeId(v.id),
+            v.name.clone(),
+            v.size_bytes,
+            shared.new_map(v.size_bytes / BLOCK_SIZE_U64),
+        ));
         for &page in &v.pages {
             let block = rd.next_block(report)?;
             for i in 0..MAP_ENTRIES_PER_PAGE {
@@ -326,7 +324,7 @@ mod tests {
         assert_eq!(ckpt.volumes.len(), 1);
         let (vs, rec) = &ckpt.volumes[0];
         assert_eq!(
-            (rec.name.as_str(), vs.size_bytes),
+            (rec.name.as_str(), vs.size_bytes()),
             ("v", 512 * BLOCK_SIZE as u64)
         );
         assert_eq!(entries(&vs.map), at_checkpoint);

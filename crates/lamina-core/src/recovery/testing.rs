@@ -11,7 +11,6 @@ use lamina_device::mem::MemDevice;
 use lamina_device::BlockDevice;
 use lamina_format::checkpoint::{CheckpointMeta, VolumeRecord};
 use lamina_format::unit::{RawRecord, StreamKind};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// Segments of 64 blocks, units of 8 (1 header + 7 data blocks at most).
@@ -159,13 +158,12 @@ pub fn walk_of(found: Vec<Found>, released: &[(u32, u64)]) -> Walk {
 /// A checkpoint at version `c` holding volume 1 of `blocks` blocks (empty map) on
 /// the array `shared` describes.
 pub fn checkpoint_with_volume(shared: &Shared, c: u64, blocks: u64) -> Checkpoint {
-    let vs = Arc::new(VolumeShared {
-        id: VolumeId(1),
-        name: "v".into(),
-        size_bytes: blocks * BLOCK_SIZE as u64,
-        map: shared.new_map(blocks),
-        deleted: AtomicBool::new(false),
-    });
+    let vs = Arc::new(VolumeShared::new(
+        VolumeId(1),
+        "v".into(),
+        blocks * BLOCK_SIZE as u64,
+        shared.new_map(blocks),
+    ));
     let rec = VolumeRecord {
         id: 1,
         name: "v".into(),

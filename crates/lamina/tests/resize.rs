@@ -1,0 +1,156 @@
+//! `lamina volume resize` (issue 15): a volume grows online (new connections see
+//! the new size, connections made before keep theirs), refuses to shrink over data
+//! without --force, shrinks with it (the tail is discarded, old connections get an
+//! error there), and every size survives kill -9 once the command has returned.
+//! Offline resizes work too, and a thin volume can grow to petabytes and be deleted
+//! at once.
+
+mod common;
+use common::*;
+use lamina_nbd::client::{Client, ClientError};
+use lamina_nbd::proto::{EINVAL, EIO};
+use lamina_testkit::{pattern, BS};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+fn resize(dir: &Path, size: &str, extra: &[&str]) -> std::process::Output {
+    let mut a = vec![
+        "volume",
+        "resize",
+        dir.to_str().unwrap(),
+        "v",
+        "--size",
+        size,
+    ];
+    a.extend_from_slice(extra);
+    lamina_output(&a)
+}
+
+fn volume_size(dir: &Path) -> u64 {
+    status_json(dir)["volumes"][0]["size_bytes"]
+        .as_u64()
+        .unwrap()
+}
+
+fn block(lba: u64) -> u64 {
+    lba * BS as u64
+}
+
+#[test]
+fn volumes_grow_and_shrink_online_and_keep_their_size() {
+    let t = TempDir::new("resize");
+    let dir = small_array(&t, "16M");
+    let s = Server::start(&dir);
+    let mut old = Client::connect_unix(&s.sock, "v").unwrap();
+    assert_eq!(old.size, 16 * MIB);
+    for lba in (0..64).chain([4095]) {
+        old.write(block(lba), &pattern(lba, 1), false).unwrap();
+    }
+    old.flush().unwrap();
+
+    // Grow: a new connection sees 32 MiB and can write beyond the old end.
+    let out = resize(&dir, "+16M", &[]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(volume_size(&dir), 32 * MIB);
+    let mut new = Client::connect_unix(&s.sock, "v").unwrap();
+    assert_eq!(new.size, 32 * MIB);
+    assert!(new.read(block(5000), BS as u32).unwrap() == vec![0u8; BS]);
+    for lba in [4096, 6200, 8191] {
+        new.write(block(lba), &pattern(lba, 2), false).unwrap();
+    }
+    new.flush().unwrap();
+    // The old connection keeps the size it was told, and keeps working.
+    assert!(old.read(block(4095), BS as u32).unwrap() == pattern(4095, 1));
+
+    // Shrinking over data is refused without --force, and changes nothing.
+    let out = resize(&dir, "24M", &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("holds data beyond") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(volume_size(&dir), 32 * MIB);
+    assert!(new.read(block(6200), BS as u32).unwrap() == pattern(6200, 2));
+
+    // With --force the tail goes: the connection that saw 32 MiB gets errors
+    // beyond the new end, and fine answers before it.
+    let out = resize(&dir, "-8M", &["--force"]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(volume_size(&dir), 24 * MIB);
+    let w = new.write(block(6300), &pattern(6300, 3), false);
+    assert!(matches!(w, Err(ClientError::Nbd(EINVAL))), "{w:?}");
+    assert!(matches!(
+        new.read(block(6200), BS as u32),
+        Err(ClientError::Nbd(EIO))
+    ));
+    assert!(new.read(block(4096), BS as u32).unwrap() == pattern(4096, 2));
+    drop((old, new));
+
+    // What the command returned is durable: kill -9 and start again.
+    s.kill9();
+    let s = Server::start(&dir);
+    let mut c = Client::connect_unix(&s.sock, "v").unwrap();
+    assert_eq!(c.size, 24 * MIB);
+    for lba in (0..64).chain([4095]) {
+        assert!(c.read(block(lba), BS as u32).unwrap() == pattern(lba, 1));
+    }
+    assert!(c.read(block(4096), BS as u32).unwrap() == pattern(4096, 2));
+    drop(c);
+    // Growing again: what was cut off reads as zeros.
+    assert!(resize(&dir, "32M", &[]).status.success());
+    let mut c = Client::connect_unix(&s.sock, "v").unwrap();
+    assert_eq!(c.size, 32 * MIB);
+    assert!(c.read(block(6200), BS as u32).unwrap() == vec![0u8; BS]);
+    assert!(c.read(block(8191), BS as u32).unwrap() == vec![0u8; BS]);
+    drop(c);
+    s.stop();
+
+    // Bad sizes are refused with a clear error, not a crash.
+    for bad in ["0", "4097", "-64M", "+17E", "lots"] {
+        let out = resize(&dir, bad, &[]);
+        assert!(!out.status.success(), "--size {bad} was taken");
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+    }
+    assert_eq!(volume_size(&dir), 32 * MIB);
+}
+
+#[test]
+fn offline_resize_to_petabytes_and_a_quick_delete() {
+    let t = TempDir::new("resize-thin");
+    let dir = small_array(&t, "16M");
+    // Offline (no server): grow to 1 PiB, then write at its far end.
+    let out = resize(&dir, "1P", &[]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(volume_size(&dir), 1 << 50);
+    let s = Server::start(&dir);
+    let mut c = Client::connect_unix(&s.sock, "v").unwrap();
+    assert_eq!(c.size, 1 << 50);
+    let far = (1u64 << 50) / BS as u64 - 1;
+    c.write(block(far), &pattern(far, 1), false).unwrap();
+    c.write(block(7), &pattern(7, 1), false).unwrap();
+    c.flush().unwrap();
+    drop(c);
+    s.stop();
+    let s = Server::start(&dir);
+    let mut c = Client::connect_unix(&s.sock, "v").unwrap();
+    assert!(c.read(block(far), BS as u32).unwrap() == pattern(far, 1));
+    // Trimming the whole unwritten petabyte is a walk over the pages that exist.
+    let t0 = Instant::now();
+    c.trim(block(8), (1u32 << 31) - BS as u32).unwrap();
+    assert!(c.read(block(7), BS as u32).unwrap() == pattern(7, 1));
+    drop(c);
+    // A forced shrink back to 16 MiB discards the far block in one trim.
+    let out = resize(&dir, "16M", &["--force"]);
+    assert!(out.status.success(), "{out:?}");
+    let out = lamina_output(&["volume", "delete", dir.to_str().unwrap(), "v"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "trim, shrink and delete of a thin petabyte took {:?}",
+        t0.elapsed()
+    );
+    s.stop();
+}
