@@ -184,6 +184,9 @@ pub enum Request {
     /// what `lamina volume resize --force` does) or requests of the volume are in
     /// progress; the new size holds at once.
     ResizeVolume { name: String, size_bytes: u64 },
+    /// Rename a volume (replies once a checkpoint records the new name). New
+    /// connections use the new name at once; open ones go on.
+    RenameVolume { name: String, new_name: String },
     /// Write a checkpoint now (replies when committed).
     Checkpoint,
     /// Report counters.
@@ -373,7 +376,7 @@ pub fn trim_tail(volume: VolumeId, from: u64, to: u64) -> Request {
 }
 
 /// A volume size must be a positive multiple of 4 KiB the map can hold.
-fn check_volume_size(size_bytes: u64) -> Result<(), EngineError> {
+pub fn check_volume_size(size_bytes: u64) -> Result<(), EngineError> {
     if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
         return Err(EngineError::Invalid(format!(
             "volume size {size_bytes} must be a positive multiple of 4096 bytes"
@@ -976,6 +979,12 @@ impl Engine {
                     Err(e) => self.reply(token, Err(e), None),
                 }
             }
+            Request::RenameVolume { name, new_name } => {
+                match self.rename_volume(&name, &new_name) {
+                    Ok(()) => self.start_checkpoint(Some(token)),
+                    Err(e) => self.reply(token, Err(e), None),
+                }
+            }
             Request::DeleteVolume { name } => match self.delete_volume(&name) {
                 Ok(()) => self.start_checkpoint(Some(token)),
                 Err(e) => self.reply(token, Err(e), None),
@@ -1094,7 +1103,7 @@ impl Engine {
         if offset.checked_add(length).is_none_or(|end| end > size) {
             return Err(EngineError::Invalid(format!(
                 "range {offset}+{length} is past the end of volume {:?} ({size} bytes)",
-                vol.shared.name
+                vol.shared.name()
             )));
         }
         Ok(())
@@ -2887,31 +2896,8 @@ impl Engine {
     // ---------------------------------------------------------------- volumes
 
     fn create_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
-        // Names go into NBD URIs (`nbd+unix:///NAME?socket=...`), qemu's
-        // `nbd:unix:SOCK:exportname=NAME` and command lines: '?', '#', '%', ':',
-        // spaces and a leading '-' would break one of them.
-        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-        let starts_well = name
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphanumeric());
-        if name.len() > 64 || !starts_well || !name.chars().all(ok) {
-            return Err(EngineError::Invalid(format!(
-                "volume name {name:?} must be 1 to 64 letters, digits, '.', '_' or '-', \
-                 starting with a letter or digit"
-            )));
-        }
+        self.check_new_name(name)?;
         check_volume_size(size_bytes)?;
-        if self
-            .volumes
-            .iter()
-            .flatten()
-            .any(|v| v.shared.name == name && v.deleting.is_none())
-        {
-            return Err(EngineError::Invalid(format!(
-                "volume {name:?} already exists"
-            )));
-        }
         self.check_promise(name, size_bytes)?;
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
         if next >= u16::MAX as u64 {
@@ -2959,7 +2945,7 @@ impl Engine {
         publish: bool,
         recorded: Option<&str>,
     ) -> &mut Vol {
-        let placement = self.placement_for(&shared.name, shared.blocks(), recorded);
+        let placement = self.placement_for(&shared.name(), shared.blocks(), recorded);
         self.attach_volume_with(shared, created_version, publish, placement)
     }
 
@@ -3196,6 +3182,53 @@ impl Engine {
         Ok(())
     }
 
+    /// A name a volume may take: well formed, and no other volume's.
+    fn check_new_name(&self, name: &str) -> Result<(), EngineError> {
+        // Names go into NBD URIs (`nbd+unix:///NAME?socket=...`), qemu's
+        // `nbd:unix:SOCK:exportname=NAME` and command lines: '?', '#', '%', ':',
+        // spaces and a leading '-' would break one of them.
+        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        let starts_well = name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric());
+        if name.len() > 64 || !starts_well || !name.chars().all(ok) {
+            return Err(EngineError::Invalid(format!(
+                "volume name {name:?} must be 1 to 64 letters, digits, '.', '_' or '-', \
+                 starting with a letter or digit"
+            )));
+        }
+        if self
+            .volumes
+            .iter()
+            .flatten()
+            .any(|v| *v.shared.name() == *name && v.deleting.is_none())
+        {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} already exists"
+            )));
+        }
+        Ok(())
+    }
+
+    /// See [`Request::RenameVolume`].
+    fn rename_volume(&mut self, name: &str, new_name: &str) -> Result<(), EngineError> {
+        self.check_new_name(new_name)?;
+        let vol = self
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| *v.shared.name() == *name && v.deleting.is_none())
+            .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
+        vol.shared.set_name(new_name);
+        // Per-volume choices follow the volume (they apply when it is opened).
+        for o in self.cfg.volume_overrides.iter_mut().filter(|o| o.0 == name) {
+            o.0 = new_name.to_string();
+        }
+        tracing::info!("volume {name:?} is named {new_name:?} now");
+        Ok(())
+    }
+
     /// Refuses `more` bytes of volume `name` beyond what the volumes promise when
     /// that would pass `max_overcommit`.
     fn check_promise(&self, name: &str, more: u64) -> Result<(), EngineError> {
@@ -3220,7 +3253,7 @@ impl Engine {
             .iter()
             .position(|v| {
                 v.as_ref()
-                    .is_some_and(|v| v.shared.name == name && v.deleting.is_none())
+                    .is_some_and(|v| *v.shared.name() == *name && v.deleting.is_none())
             })
             .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
         let vol = self.volumes[i].as_ref().unwrap();
@@ -3241,14 +3274,30 @@ impl Engine {
                 "volume {name:?} grows from {old} to {size_bytes} bytes (clients see it once checkpoint {gen} commits)"
             );
         } else if size_bytes < old {
+            // Requests accepted before but not yet applied must not land in the
+            // tail (the map would no longer have room for them); elsewhere they
+            // may go on.
             let id = vol.shared.id.0;
+            let bs = BLOCK_SIZE_U64;
             if self.pending.iter().any(|p| match p {
-                Pending::Write { volume, .. }
-                | Pending::Zero { volume, .. }
-                | Pending::Blocks { volume, .. } => *volume == id,
+                Pending::Write {
+                    volume,
+                    offset,
+                    data,
+                    ..
+                } => *volume == id && offset + data.len() as u64 > size_bytes,
+                Pending::Zero {
+                    volume,
+                    offset,
+                    length,
+                    ..
+                } => *volume == id && offset + length > size_bytes,
+                Pending::Blocks {
+                    volume, lba, count, ..
+                } => *volume == id && (lba + count) * bs > size_bytes,
             }) {
                 return Err(EngineError::Invalid(format!(
-                    "volume {name:?} has requests in progress"
+                    "volume {name:?} has requests in progress beyond {size_bytes} bytes"
                 )));
             }
             let map = &vol.shared.map;
@@ -3274,7 +3323,7 @@ impl Engine {
             .volumes
             .iter()
             .flatten()
-            .find(|v| v.shared.name == name && v.deleting.is_none())
+            .find(|v| *v.shared.name() == *name && v.deleting.is_none())
             .map(|v| v.shared.id)
             .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
         if self.pending.iter().any(|p| match p {
@@ -3309,7 +3358,7 @@ impl Engine {
                 v.shared.set_size_bytes(bytes);
                 tracing::info!(
                     "volume {:?} is {bytes} bytes now (checkpoint {at} recorded it)",
-                    v.shared.name
+                    v.shared.name()
                 );
             }
             if v.deleting.is_some_and(|d| d <= gen) {

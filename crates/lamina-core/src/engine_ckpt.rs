@@ -149,7 +149,7 @@ impl Engine {
             vols.push(v.shared.clone());
             volumes.push(VolumeRecord {
                 id: v.shared.id.0,
-                name: v.shared.name.clone(),
+                name: v.shared.name().to_string(),
                 size_bytes: v.recorded_size(),
                 created_version: v.created_version,
                 user_blocks_written: v.user_blocks,

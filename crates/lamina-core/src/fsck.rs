@@ -101,11 +101,11 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
             match decode(e) {
                 Entry::Bad => report.find(
                     false,
-                    format!("volume {:?} block {lba}: damaged, with no good copy", vs.name),
+                    format!("volume {:?} block {lba}: damaged, with no good copy", vs.name()),
                 ),
                 Entry::Buffer(_) | Entry::Unmapped => report.find(
                     false,
-                    format!("volume {:?} block {lba}: map entry {e:#x} offline", vs.name),
+                    format!("volume {:?} block {lba}: map entry {e:#x} offline", vs.name()),
                 ),
                 Entry::Device(pba) => {
                     let (seg, _) = geo.split(pba);
@@ -113,7 +113,7 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
                     if s >= live.len() {
                         return report.find(
                             false,
-                            format!("volume {:?} block {lba}: beyond the array", vs.name),
+                            format!("volume {:?} block {lba}: beyond the array", vs.name()),
                         );
                     }
                     live[s] += 1;
@@ -123,18 +123,18 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
                             false,
                             format!(
                                 "volume {:?} block {lba}: in segment {s}, which holds no data ({st:?})",
-                                vs.name
+                                vs.name()
                             ),
                         );
                     }
                     if let Err(e) = shared.check_owner(vs, lba, pba) {
-                        report.find(false, format!("volume {:?} block {lba}: {e}", vs.name));
+                        report.find(false, format!("volume {:?} block {lba}: {e}", vs.name()));
                     } else if data {
                         let before = shared.read_stats.rebuilt_from_parity.load(Ordering::SeqCst);
                         match shared.read_blocks(vs, lba, &mut block) {
                             Err(e) => report.find(
                                 false,
-                                format!("volume {:?} block {lba}: {e}", vs.name),
+                                format!("volume {:?} block {lba}: {e}", vs.name()),
                             ),
                             Ok(())
                                 if shared.read_stats.rebuilt_from_parity.load(Ordering::SeqCst)
@@ -144,7 +144,7 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
                                     true,
                                     format!(
                                         "volume {:?} block {lba}: damaged on a member, rebuilt from parity",
-                                        vs.name
+                                        vs.name()
                                     ),
                                 )
                             }

@@ -31,7 +31,9 @@ mod sync;
 pub mod types;
 mod zones;
 
-pub use engine::{trim_tail, Engine, EngineConfig, NewDevice, Reply, Request, Token};
+pub use engine::{
+    check_volume_size, trim_tail, Engine, EngineConfig, NewDevice, Reply, Request, Token,
+};
 pub use error::EngineError;
 pub use recovery::{
     call_inline, format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,

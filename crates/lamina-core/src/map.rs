@@ -95,10 +95,9 @@ pub struct Map {
     root: AtomicPtr<Root>,
     /// Roots [`Map::grow`] replaced. They name the same nodes and pages as the
     /// current root, and a reader may still be walking one, so they live as long
-    /// as the map (one per growth past the root's reach: a few at most). Boxed:
-    /// a reader holds a reference to the `Root` itself, which must not move.
-    #[allow(clippy::vec_box)]
-    old_roots: std::sync::Mutex<Vec<Box<Root>>>,
+    /// as the map (one per growth past the root's reach: a few at most). Kept as
+    /// raw pointers: readers hold references to them.
+    old_roots: std::sync::Mutex<Vec<OldRoot>>,
     /// Words of one page: head, then the packed entries and a spare word so that a
     /// straddling read of the last entry stays in bounds.
     page_words: usize,
@@ -119,18 +118,23 @@ struct Root {
     height: u32,
 }
 
-/// Root children and height for a map of `blocks` entries: one level while the
-/// pages fit [`ROOT_MAX`] children, another for every FAN-fold beyond.
-fn shape(blocks: u64) -> (usize, u32) {
+/// Root children and height for a map of `blocks` entries, at least `height`
+/// levels high: one level while the pages fit [`ROOT_MAX`] children, another for
+/// every FAN-fold beyond.
+fn shape(blocks: u64, mut height: u32) -> (usize, u32) {
     let pages = blocks.div_ceil(PAGE_ENTRIES as u64).max(1);
-    let mut height = 1;
-    let mut span = 1u64; // pages under one root child
+    let mut span = 1u64 << (FAN_BITS * (height - 1)); // pages under one root child
     while pages.div_ceil(span) > ROOT_MAX {
         span <<= FAN_BITS;
         height += 1;
     }
     (pages.div_ceil(span) as usize, height)
 }
+
+/// A root [`Map::grow`] replaced (freed when the map is dropped).
+struct OldRoot(*mut Root);
+// SAFETY: a root is plain atomics; the pointer is only freed by the map's drop.
+unsafe impl Send for OldRoot {}
 
 /// A zeroed array of `n` words or pointers, leaked: the tree owns it until `Drop`.
 #[cfg(not(lamina_loom))]
@@ -174,7 +178,7 @@ impl Map {
         );
         let largest = array_blocks as u64 + buffer_slots as u64 + 1;
         let width = 64 - largest.leading_zeros();
-        let (children, height) = shape(blocks);
+        let (children, height) = shape(blocks, 1);
         let root = Root {
             children: (0..children)
                 .map(|_| AtomicPtr::new(std::ptr::null_mut()))
@@ -212,7 +216,9 @@ impl Map {
             "map growth to {blocks} entries"
         );
         let cur = self.root();
-        let (children, height) = shape(blocks);
+        // Never lower: after a shrink the tree may be taller than the size needs,
+        // and its nodes stay what they are.
+        let (children, height) = shape(blocks, cur.height);
         if height == cur.height && children <= cur.children.len() {
             self.len.store(blocks, Ordering::Release);
             return;
@@ -240,7 +246,7 @@ impl Map {
                 })
                 .collect();
         }
-        debug_assert!(level.len() <= children);
+        assert!(level.len() <= children, "a new root too small for the old");
         let root = Root {
             children: (0..children)
                 .map(|i| AtomicPtr::new(level.get(i).copied().unwrap_or(std::ptr::null_mut())))
@@ -250,11 +256,7 @@ impl Map {
         let old = self
             .root
             .swap(Box::into_raw(Box::new(root)), Ordering::AcqRel);
-        // SAFETY: `old` came from Box::into_raw and is no longer the root.
-        self.old_roots
-            .lock()
-            .unwrap()
-            .push(unsafe { Box::from_raw(old) });
+        self.old_roots.lock().unwrap().push(OldRoot(old));
         self.len.store(blocks, Ordering::Release);
     }
 
@@ -669,6 +671,10 @@ impl Drop for Map {
             free(self, c.load(Ordering::Relaxed), root.height - 1);
         }
         // The old roots name the same nodes: only their own arrays go with them.
+        for OldRoot(p) in self.old_roots.get_mut().unwrap().drain(..) {
+            // SAFETY: from Box::into_raw in `new` or `grow`, freed once, here.
+            drop(unsafe { Box::from_raw(p) });
+        }
     }
 }
 
@@ -938,8 +944,25 @@ mod tests {
         assert_eq!(m.load(5000), UNMAPPED, "beyond the end reads unmapped");
         assert_eq!(m.allocation_run(2999, 9000), (true, 3000));
         assert_eq!(m.allocation_run(4000, 9000), (false, 9000));
-        m.grow(1 << 20);
-        assert_eq!(m.allocation_run(3000, 1 << 20), (false, 1 << 20));
+        // Growing after a shrink to a size a lower tree would do keeps the tree
+        // as tall as it is (its nodes stay nodes) and finds every entry.
+        for blocks in [1 << 20, 5 << 20, 5 << 30] {
+            m.grow(blocks);
+            for &l in &lbas {
+                assert_eq!(
+                    m.load(l),
+                    encode_device(Pba(l as u32 + 7)),
+                    "{l} at {blocks}"
+                );
+            }
+            assert_eq!(m.allocation_run(3000, blocks), (false, blocks));
+            m.store(blocks - 1, encode_device(Pba(9)));
+            assert_eq!(m.load(blocks - 1), encode_device(Pba(9)));
+            m.store(blocks - 1, UNMAPPED);
+        }
+        let mut n = 0;
+        m.for_each_mapped(|_, _| n += 1);
+        assert_eq!(n, lbas.len());
     }
 
     /// Readers walking the tree while it grows (and gets new roots) always find

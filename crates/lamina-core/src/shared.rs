@@ -32,7 +32,9 @@ const CRC_CACHE_SHARDS: usize = 16;
 /// A volume as client threads see it.
 pub struct VolumeShared {
     pub id: VolumeId,
-    pub name: String,
+    /// The export's name; changed only by a rename (the engine), so read it with
+    /// [`VolumeShared::name`].
+    name: RwLock<Arc<str>>,
     /// Bytes clients may address: at most the map's length (a volume grows by
     /// its map first, then this; shrinks by this first, then its map).
     size: AtomicU64,
@@ -46,11 +48,21 @@ impl VolumeShared {
         assert!(size_bytes / BLOCK_SIZE as u64 <= map.len());
         VolumeShared {
             id,
-            name,
+            name: RwLock::new(name.into()),
             size: AtomicU64::new(size_bytes),
             map,
             deleted: AtomicBool::new(false),
         }
+    }
+
+    /// The volume's name (its export's).
+    pub fn name(&self) -> Arc<str> {
+        self.name.read().unwrap().clone()
+    }
+
+    /// Renames the volume (the engine; see `Shared::rename_volume`).
+    pub(crate) fn set_name(&self, name: &str) {
+        *self.name.write().unwrap() = name.into();
     }
 
     /// The volume's size in bytes.
@@ -304,7 +316,7 @@ impl Shared {
         if name.is_empty() {
             live.next().cloned()
         } else {
-            live.find(|v| v.name == name).cloned()
+            live.find(|v| *v.name() == *name).cloned()
         }
     }
 

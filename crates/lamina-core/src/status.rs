@@ -184,7 +184,7 @@ impl Engine {
             classes.retain(|c| c.kind != "unused" || c.segments > 0 || c.bytes_written > 0);
             volumes.push(VolumeStatus {
                 id: v.shared.id.0,
-                name: v.shared.name.clone(),
+                name: v.shared.name().to_string(),
                 size_bytes: v.shared.size_bytes(),
                 live_bytes: v.live_blocks * bs,
                 segments,

@@ -75,6 +75,23 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
                 _ => Err("volume-resize needs \"name\" and \"size\"".into()),
             }
         }
+        "volume-rename" => {
+            let name = req.get("name").and_then(|v| v.as_str());
+            let new_name = req.get("new_name").and_then(|v| v.as_str());
+            match (name, new_name) {
+                (Some(name), Some(new_name)) => rt
+                    .call(Request::RenameVolume {
+                        name: name.to_string(),
+                        new_name: new_name.to_string(),
+                    })
+                    .map(|_| {
+                        rt.qos.rename(name, new_name);
+                        json!({"ok": true})
+                    })
+                    .map_err(|e| e.to_string()),
+                _ => Err("volume-rename needs \"name\" and \"new_name\"".into()),
+            }
+        }
         "volume-delete" => match req.get("name").and_then(|v| v.as_str()) {
             Some(name) => {
                 let force = req.get("force").and_then(|v| v.as_bool()) == Some(true);
@@ -421,16 +438,16 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
     Ok(r)
 }
 
-/// Deletes a volume; one with clients connected only with `force`, which first
-/// disconnects them (as `lvremove` and `zfs destroy` refuse a busy volume).
 /// Resizes a volume of the running server; with `force`, a shrink first trims
-/// what lies beyond the new end (the engine refuses to drop mapped blocks).
+/// what lies beyond the new end (the engine refuses to drop mapped blocks). The
+/// size is checked before anything is trimmed.
 fn resize_volume(rt: &Runtime, name: &str, size: u64, force: bool) -> Result<Value, String> {
     let v = rt
         .shared
         .volume(name)
         .ok_or_else(|| format!("no volume named {name:?}"))?;
     let old = v.size_bytes();
+    lamina_core::check_volume_size(size).map_err(|e| e.to_string())?;
     if force && size < old {
         rt.call(lamina_core::trim_tail(v.id, size, old))
             .map_err(|e| format!("trimming beyond {size} bytes: {e}"))?;
@@ -443,6 +460,8 @@ fn resize_volume(rt: &Runtime, name: &str, size: u64, force: bool) -> Result<Val
     .map_err(|e| e.to_string())
 }
 
+/// Deletes a volume; one with clients connected only with `force`, which first
+/// disconnects them (as `lvremove` and `zfs destroy` refuse a busy volume).
 fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String> {
     if let Some(v) = rt.shared.volume(name) {
         let n = rt.clients.count(v.id);

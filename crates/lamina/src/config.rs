@@ -194,6 +194,45 @@ impl VolumeEngine {
     }
 }
 
+/// Renames the section of volume `name` (`[engine.volumes.NAME]`) in the
+/// configuration file at `path` to `new_name`, leaving every other line as it is
+/// (comments included). True when there was such a section.
+pub fn rename_volume_section(path: &std::path::Path, name: &str, new_name: &str) -> Result<bool> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let header = |n: &str| {
+        // A '.' in a bare key would split it: such names are quoted.
+        if n.contains('.') {
+            format!("[engine.volumes.\"{n}\"]")
+        } else {
+            format!("[engine.volumes.{n}]")
+        }
+    };
+    let olds = [
+        format!("[engine.volumes.{name}]"),
+        format!("[engine.volumes.\"{name}\"]"),
+    ];
+    let mut changed = false;
+    let mut out = String::with_capacity(text.len());
+    for line in text.split_inclusive('\n') {
+        let body = line.trim_end_matches(['\n', '\r']);
+        if olds.iter().any(|o| body.trim() == o) {
+            out.push_str(&header(new_name));
+            out.push_str(&line[body.len()..]);
+            changed = true;
+        } else {
+            out.push_str(line);
+        }
+    }
+    if changed {
+        let tmp = path.with_extension("toml.tmp");
+        std::fs::write(&tmp, out).with_context(|| format!("cannot write {}", tmp.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("cannot replace {}", path.display()))?;
+    }
+    Ok(changed)
+}
+
 fn default_admin() -> PathBuf {
     "admin.sock".into()
 }

@@ -428,6 +428,17 @@ enum VolumeCmd {
         #[arg(long)]
         force: bool,
     },
+    /// Rename a volume, online: new connections use the new name; open ones go on.
+    ///
+    /// The volume's section in lamina.toml (`[engine.volumes.NAME]`) is renamed with
+    /// it, and limits set with `lamina volume qos` follow it.
+    #[command(after_help = "Example:\n  lamina volume rename /srv/tank vm1 web1")]
+    Rename {
+        /// [DIR] NAME NEW_NAME: the array directory (default ./lamina-data), the
+        /// volume's name and the one it takes.
+        #[arg(required = true, num_args = 2..=3, value_name = "[DIR] NAME NEW_NAME")]
+        args: Vec<String>,
+    },
     /// List volumes.
     List {
         /// Array directory (default ./lamina-data).
@@ -1045,7 +1056,6 @@ fn array_fail(dir: &Path, device: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs a request against a stopped array (opened read-write, then closed cleanly).
 /// The id of volume `name` in a status report.
 fn engine_volume_id(st: &lamina_core::StatusReport, name: &str) -> Result<lamina_core::VolumeId> {
     st.volumes
@@ -1055,6 +1065,7 @@ fn engine_volume_id(st: &lamina_core::StatusReport, name: &str) -> Result<lamina
         .ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))
 }
 
+/// Runs a request against a stopped array (opened read-write, then closed cleanly).
 fn offline(dir: &Path, req: Request) -> Result<()> {
     offline_all(dir, [req])
 }
@@ -1127,6 +1138,8 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                     human(old)
                 )
             })?;
+            // Checked before a forced shrink trims anything.
+            lamina_core::check_volume_size(new)?;
             let req = json!({"op": "volume-resize", "name": name, "size": new, "force": force});
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
                 let mut reqs = Vec::new();
@@ -1147,6 +1160,30 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                 "resized volume {name:?} from {} to {}",
                 human(old),
                 human(new)
+            );
+        }
+        VolumeCmd::Rename { mut args } => {
+            let new_name = args.pop().expect("clap asks for two or three");
+            let (dir, name) = dir_and_name(args)?;
+            let req = json!({"op": "volume-rename", "name": name, "new_name": new_name});
+            if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
+                offline(
+                    &dir,
+                    Request::RenameVolume {
+                        name: name.clone(),
+                        new_name: new_name.clone(),
+                    },
+                )?;
+            }
+            let section = config::rename_volume_section(&dir.join("lamina.toml"), &name, &new_name)
+                .context("the volume is renamed, but its section in lamina.toml is not")?;
+            println!(
+                "renamed volume {name:?} to {new_name:?}{}",
+                if section {
+                    " (and its section in lamina.toml)"
+                } else {
+                    ""
+                }
             );
         }
         VolumeCmd::Delete { args, force } => {

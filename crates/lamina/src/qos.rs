@@ -184,6 +184,14 @@ impl QosTable {
             .map_or(Limits::default(), |l| l.limits())
     }
 
+    /// A renamed volume keeps its limiter (its open connections share it).
+    pub fn rename(&self, name: &str, new_name: &str) {
+        let mut t = self.0.lock().unwrap();
+        if let Some(l) = t.remove(name) {
+            t.insert(new_name.to_string(), l);
+        }
+    }
+
     /// A deleted volume's limits go with it (a new volume of the name starts free).
     pub fn remove(&self, name: &str) {
         if let Some(l) = self.0.lock().unwrap().remove(name) {

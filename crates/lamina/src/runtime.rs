@@ -430,7 +430,7 @@ fn read_failed(
 ) -> u32 {
     tracing::error!(
         "read of {len} bytes at {offset} on {:?} failed: {e}",
-        export.name
+        export.name()
     );
     lamina_nbd::proto::EIO
 }
@@ -472,8 +472,8 @@ impl Backend for LaminaBackend {
             .list_volumes()
             .iter()
             .map(|v| ExportInfo {
-                name: v.name.clone(),
-                description: format!("Lamina volume {}", v.name),
+                name: v.name().to_string(),
+                description: format!("Lamina volume {}", v.name()),
                 size: v.size_bytes(),
             })
             .collect()
@@ -482,11 +482,11 @@ impl Backend for LaminaBackend {
     fn open_export(&self, name: &str) -> Option<(Self::Export, ExportInfo)> {
         let v = self.rt.shared.volume(name)?;
         let info = ExportInfo {
-            name: v.name.clone(),
-            description: format!("Lamina volume {}", v.name),
+            name: v.name().to_string(),
+            description: format!("Lamina volume {}", v.name()),
             size: v.size_bytes(),
         };
-        let qos = self.rt.qos.get(&v.name);
+        let qos = self.rt.qos.get(&v.name());
         Some((self.rt.clients.open(v, qos), info))
     }
 
@@ -572,7 +572,7 @@ impl Backend for LaminaBackend {
     }
 
     fn read_only(&self, export: &Self::Export) -> bool {
-        self.read_only.all || self.read_only.volumes.contains(&export.vol.name)
+        self.read_only.all || self.read_only.volumes.contains(&*export.vol.name())
     }
 
     fn pace(&self, export: &Self::Export, bytes: u64) -> Duration {

@@ -30,11 +30,7 @@ fn volume_limits_hold_requests_to_their_rate() {
     create_volume(&dir, "w", "16M");
     let cfg = dir.join("lamina.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(
-        &cfg,
-        format!("{text}\n[engine.volumes.v]\niops_limit = 200\n"),
-    )
-    .unwrap();
+    append_config(&dir, "[engine.volumes.v]\niops_limit = 200\n");
     let srv = Server::start(&dir);
     let mut v = Client::connect_unix(&srv.sock, "v").unwrap();
     let mut w = Client::connect_unix(&srv.sock, "w").unwrap();

@@ -1,9 +1,11 @@
-//! `lamina volume resize` (issue 15): a volume grows online (new connections see
+//! `lamina volume resize` and `rename` (issue 15). Resize: a volume grows online (new connections see
 //! the new size, connections made before keep theirs), refuses to shrink over data
 //! without --force, shrinks with it (the tail is discarded, old connections get an
 //! error there), and every size survives kill -9 once the command has returned.
 //! Offline resizes work too, and a thin volume can grow to petabytes and be deleted
-//! at once.
+//! at once. Rename: online, the old connections go on, the new name is served,
+//! the volume's section in lamina.toml and its limits follow, and all of it holds
+//! after kill -9.
 
 mod common;
 use common::*;
@@ -152,5 +154,78 @@ fn offline_resize_to_petabytes_and_a_quick_delete() {
         "trim, shrink and delete of a thin petabyte took {:?}",
         t0.elapsed()
     );
+    s.stop();
+}
+
+#[test]
+fn volumes_are_renamed_online_with_their_settings() {
+    let t = TempDir::new("rename");
+    let dir = small_array(&t, "16M");
+    let d = dir.to_str().unwrap();
+    create_volume(&dir, "w", "16M");
+    append_config(
+        &dir,
+        "# the web volume\n[engine.volumes.v]\niops_limit = 100000\n",
+    );
+    let cfg = dir.join("lamina.toml");
+    let s = Server::start(&dir);
+    let mut old = Client::connect_unix(&s.sock, "v").unwrap();
+    old.write(0, &pattern(0, 1), false).unwrap();
+
+    let out = lamina(&["volume", "rename", d, "v", "web.1"]);
+    assert!(out.contains("lamina.toml"), "{out}");
+    // The old connection goes on; new ones use the new name only.
+    old.write(block(1), &pattern(1, 1), false).unwrap();
+    old.flush().unwrap();
+    assert!(Client::connect_unix(&s.sock, "v").is_err());
+    let mut c = Client::connect_unix(&s.sock, "web.1").unwrap();
+    assert!(c.read(block(1), BS as u32).unwrap() == pattern(1, 1));
+    drop(c);
+    // The section follows, quoted (a '.' would split a bare key), comment kept.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    assert!(
+        text.contains("# the web volume\n[engine.volumes.\"web.1\"]\niops_limit = 100000"),
+        "{text}"
+    );
+    assert!(!text.contains("[engine.volumes.v]"), "{text}");
+    let shown = lamina(&["volume", "qos", d, "web.1"]);
+    assert!(shown.contains("requests 100000/s"), "{shown}");
+    let names: Vec<String> = status_json(&dir)["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["web.1", "w"]);
+
+    // Refused: a name taken, a malformed name, a volume that is not there.
+    for (args, why) in [
+        (["web.1", "w"], "already exists"),
+        (["web.1", "x?y"], "must be 1 to 64"),
+        (["nope", "x"], "no volume named"),
+    ] {
+        let out = lamina_output(&["volume", "rename", d, args[0], args[1]]);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+    drop(old);
+
+    // Durable once the command returned; the renamed section applies at start.
+    s.kill9();
+    let s = Server::start(&dir);
+    let mut c = Client::connect_unix(&s.sock, "web.1").unwrap();
+    assert!(c.read(0, BS as u32).unwrap() == pattern(0, 1));
+    drop(c);
+    let shown = lamina(&["volume", "qos", d, "web.1"]);
+    assert!(shown.contains("requests 100000/s"), "{shown}");
+    s.stop();
+    // Offline, and back.
+    lamina(&["volume", "rename", d, "web.1", "v"]);
+    assert!(std::fs::read_to_string(&cfg)
+        .unwrap()
+        .contains("[engine.volumes.v]\n"));
+    let s = Server::start(&dir);
+    assert!(Client::connect_unix(&s.sock, "v").is_ok());
     s.stop();
 }

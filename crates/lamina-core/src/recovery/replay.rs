@@ -117,9 +117,16 @@ pub(super) fn replay(
                 count,
             } => {
                 if let Some(v) = vol_of(volume) {
-                    let end = (start + count).min(v.map.len());
-                    for lba in start..end {
-                        v.map.store(lba, UNMAPPED);
+                    // Run by run, as the engine trims: a trim of a thin volume's
+                    // unwritten petabytes costs its pages, not its blocks.
+                    let end = start.saturating_add(count).min(v.map.len());
+                    let mut at = start;
+                    while at < end {
+                        let (mapped, run_end) = v.map.allocation_run(at, end);
+                        for lba in (at..run_end).filter(|_| mapped) {
+                            v.map.store(lba, UNMAPPED);
+                        }
+                        at = run_end;
                     }
                 }
             }
@@ -272,7 +279,7 @@ pub(super) fn count_live(
             } else {
                 report.warnings.push(format!(
                     "volume {:?} block {lba} pointed into an unused segment; marked bad",
-                    v.name
+                    v.name()
                 ));
                 v.map.store(lba, BAD);
             }

@@ -140,6 +140,13 @@ pub fn create_volume(dir: &Path, name: &str, size: &str) {
     ]);
 }
 
+/// Appends `text` to the array's lamina.toml.
+pub fn append_config(dir: &Path, text: &str) {
+    let cfg = dir.join("lamina.toml");
+    let old = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("{old}\n{text}")).unwrap();
+}
+
 pub fn status_json(dir: &Path) -> serde_json::Value {
     let out = lamina(&["status", dir.to_str().unwrap(), "--json"]);
     serde_json::from_str(&out).expect("status --json is JSON")
