@@ -12,10 +12,17 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 pub const CONFIG_FILE: &str = "lamina.toml";
+/// What `lamina array export` leaves of CONFIG_FILE.
+pub const EXPORTED_FILE: &str = "lamina.toml.exported";
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// The array these devices hold (32 hex digits, as `lamina status` shows it):
+    /// a configuration pointed at another array's devices is refused. Arrays made
+    /// before it was written have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub array_uuid: Option<String>,
     /// Backing files or block devices, in any order (superblocks give the order).
     pub devices: Vec<PathBuf>,
     /// Unix socket of the admin interface (`lamina status`, `lamina volume create`).
@@ -264,6 +271,7 @@ impl ServeConfig {
 impl Config {
     pub fn new(devices: Vec<PathBuf>) -> Self {
         Config {
+            array_uuid: None,
             devices,
             admin_socket: default_admin(),
             log_file: default_log(),
@@ -283,11 +291,19 @@ impl Config {
     pub fn load(dir: &Path) -> Result<Self> {
         let p = Self::path(dir);
         let text = std::fs::read_to_string(&p).with_context(|| {
-            format!(
-                "{} holds no Lamina array (cannot read {})",
-                dir.display(),
-                p.display()
-            )
+            if dir.join(EXPORTED_FILE).exists() {
+                format!(
+                    "the array in {} was exported (`lamina array import {}` brings it back)",
+                    dir.display(),
+                    dir.display()
+                )
+            } else {
+                format!(
+                    "{} holds no Lamina array (cannot read {})",
+                    dir.display(),
+                    p.display()
+                )
+            }
         })?;
         let cfg: Config = toml::from_str(&text)
             .with_context(|| format!("{} is not a valid configuration", p.display()))?;

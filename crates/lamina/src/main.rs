@@ -4,6 +4,7 @@
 #![recursion_limit = "256"]
 
 mod admin;
+mod arrays;
 mod bench;
 mod combine;
 mod config;
@@ -11,6 +12,7 @@ mod devices;
 mod emulate;
 mod fsck;
 mod iops;
+mod labels;
 mod notify;
 mod output;
 mod qos;
@@ -240,6 +242,51 @@ enum ArrayCmd {
     /// the server runs).
     #[command(long_about = ARRAY_REPLACE_ABOUT)]
     Replace(ArrayReplaceArgs),
+    /// List the arrays that devices hold (as `mdadm --examine --scan`).
+    ///
+    /// PATHs are devices, or directories whose files and block devices are looked
+    /// at; without any, every block device the kernel lists. For each array: its
+    /// name, UUID, layout, members found and whether it can be served (complete,
+    /// degraded, incomplete).
+    List {
+        /// Devices or directories of them.
+        paths: Vec<PathBuf>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Serve an array found on devices from DIR (as `zpool import`).
+    ///
+    /// Looks for the array's members among PATHs (devices or directories of them;
+    /// without any: the devices an exported DIR names, else every block device) and
+    /// writes DIR/lamina.toml for it, with the settings an export kept. Several
+    /// arrays found: say which with --name or --uuid. Members missing that the
+    /// layout's parity covers are imported as absent (the array serves degraded);
+    /// more missing is refused.
+    Import {
+        dir: PathBuf,
+        /// Devices or directories of them.
+        paths: Vec<PathBuf>,
+        /// The array's name (as `array list` shows it).
+        #[arg(long)]
+        name: Option<String>,
+        /// The array's UUID.
+        #[arg(long, conflicts_with = "name")]
+        uuid: Option<String>,
+    },
+    /// Let go of the array in DIR (as `zpool export`): the server must be stopped;
+    /// the devices keep everything, and `array import` serves them again, here or
+    /// elsewhere.
+    Export { dir: PathBuf },
+    /// Wipe the superblocks of the array in DIR's devices (as `mdadm
+    /// --zero-superblock` on each member) and remove its lamina.toml. Every volume
+    /// becomes unreachable; the files and devices stay. Needs --force.
+    Destroy {
+        dir: PathBuf,
+        /// Yes, destroy it.
+        #[arg(long)]
+        force: bool,
+    },
     /// Verify checksums and parity of every live stripe and repair what can be.
     #[command(long_about = ARRAY_SCRUB_ABOUT)]
     Scrub {
@@ -473,11 +520,36 @@ struct StatusArgs {
 
 fn main() {
     let cli = Cli::parse();
+    // A reader of standard output that goes away early (`lamina volume list |
+    // head -1`) is no error, as `to_stdout` has it: `println!` panics on the broken
+    // pipe (Rust ignores SIGPIPE, which the servers rely on), so that one panic
+    // ends the command quietly and successfully; every other panic is reported.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        report(info)
+    }));
     let result = match cli.cmd {
         Cmd::Array(ArrayCmd::Create(a)) => array_create(a),
         Cmd::Array(ArrayCmd::Fail { dir, device }) => array_fail(&dir, &device),
         Cmd::Array(ArrayCmd::Replace(a)) => array_replace(a),
         Cmd::Array(ArrayCmd::Scrub { dir, json, quiet }) => array_scrub(&dir, json, quiet),
+        Cmd::Array(ArrayCmd::List { paths, json }) => arrays::list(&paths, json),
+        Cmd::Array(ArrayCmd::Import {
+            dir,
+            paths,
+            name,
+            uuid,
+        }) => arrays::import(&dir, &paths, name.as_deref(), uuid.as_deref()),
+        Cmd::Array(ArrayCmd::Export { dir }) => arrays::export(&dir),
+        Cmd::Array(ArrayCmd::Destroy { dir, force }) => arrays::destroy(&dir, force),
         Cmd::Volume(v) => volume(v),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Status(a) => status(a),
@@ -900,11 +972,13 @@ pub fn create_array(
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    lamina_core::format(&devices, &params, random_uuid(), &uuids, now)?;
+    let array_uuid = random_uuid();
+    lamina_core::format(&devices, &params, array_uuid, &uuids, now)?;
     // Opening writes the first checkpoint.
     let (engine, _) = lamina_core::open(devices, EngineConfig::default(), OpenMode::ReadWrite)?;
     drop(engine);
     let mut config = Config::new(paths);
+    config.array_uuid = Some(labels::uuid_hex(&array_uuid));
     config.serve.tcp = tcp;
     created.files.push(Config::path(dir));
     config.save(dir)?;
@@ -1000,6 +1074,12 @@ pub fn open_array(
     mode: OpenMode,
 ) -> Result<(lamina_core::Engine, lamina_core::RecoveryReport)> {
     let cfg = Config::load(dir)?;
+    let paths: Vec<PathBuf> = cfg
+        .devices
+        .iter()
+        .map(|p| Config::resolve(dir, p))
+        .collect();
+    labels::check_config_devices(dir, cfg.array_uuid.as_deref(), &paths)?;
     let dm = match mode {
         OpenMode::ReadWrite => DevMode::ReadWrite,
         OpenMode::ReadOnly => DevMode::ReadOnly,

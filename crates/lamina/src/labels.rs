@@ -1,0 +1,203 @@
+//! Finding arrays by their devices' superblocks, as `mdadm --examine --scan` and
+//! `zpool import` do: `lamina array list`, `array import`, and the check that a
+//! directory's lamina.toml and its devices name the same array.
+//!
+//! A device's label is the newer valid copy of its two superblocks. Devices are
+//! grouped by array UUID; in each group the label of the highest generation is
+//! the reference, and a device takes the member slot its own label names
+//! (`device_index`) only if the reference still lists that member with the same
+//! device UUID: a member replaced since (its old device still carrying the old
+//! label) is not taken for the current one.
+
+use anyhow::{bail, Context, Result};
+use lamina_core::recovery::MEMBER_FAILED;
+use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::{Path, PathBuf};
+
+/// An array UUID as lamina.toml and `lamina status` write it (32 hex digits).
+pub fn uuid_hex(u: &[u8; 16]) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The label on `path`: its newest valid superblock, `None` if it has none.
+/// Reads with plain `pread`s (no lock, no O_DIRECT), so it may look at devices
+/// an array holds open.
+pub fn read_label(path: &Path) -> Result<Option<Superblock>> {
+    let f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut best: Option<Superblock> = None;
+    let mut b = vec![0u8; 4096];
+    for off in SUPERBLOCK_OFFSETS {
+        if f.read_exact_at(&mut b, off).is_err() {
+            continue;
+        }
+        if let Ok(sb) = Superblock::decode(&b) {
+            if best.as_ref().is_none_or(|s| sb.generation > s.generation) {
+                best = Some(sb);
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// An array found on devices.
+pub struct Found {
+    pub uuid: [u8; 16],
+    /// The label of the highest generation.
+    pub reference: Superblock,
+    /// By member index: the device found for it, if any.
+    pub members: Vec<Option<PathBuf>>,
+}
+
+impl Found {
+    pub fn missing(&self) -> usize {
+        self.members.iter().filter(|m| m.is_none()).count()
+    }
+
+    /// Members the array can do without: those its layout tolerates, minus those
+    /// already failed.
+    pub fn tolerates(&self) -> usize {
+        let parity: usize = match self.reference.layout {
+            lamina_format::superblock::Layout::Said5 => 1,
+            lamina_format::superblock::Layout::Said6 => 2,
+            _ => 0,
+        };
+        let failed = self
+            .reference
+            .devices
+            .iter()
+            .filter(|d| d.state == MEMBER_FAILED)
+            .count();
+        parity.saturating_sub(failed)
+    }
+
+    /// "complete", "degraded" (members missing that parity covers) or
+    /// "incomplete" (the array cannot be served from what was found).
+    pub fn state(&self) -> &'static str {
+        match self.missing() {
+            0 => "complete",
+            n if n <= self.tolerates() => "degraded",
+            _ => "incomplete",
+        }
+    }
+}
+
+/// The devices to look at: `paths` as given (a directory stands for the files
+/// and block devices in it, not below), or without any, every block device the
+/// kernel lists in /proc/partitions.
+pub fn candidates(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    if paths.is_empty() {
+        let parts = std::fs::read_to_string("/proc/partitions").unwrap_or_default();
+        for line in parts.lines().skip(2) {
+            if let Some(name) = line.split_whitespace().nth(3) {
+                out.push(Path::new("/dev").join(name));
+            }
+        }
+        return Ok(out);
+    }
+    for p in paths {
+        let meta =
+            std::fs::metadata(p).with_context(|| format!("cannot look at {}", p.display()))?;
+        if meta.is_dir() {
+            let mut entries: Vec<PathBuf> = std::fs::read_dir(p)
+                .with_context(|| format!("cannot list {}", p.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|e| {
+                    std::fs::metadata(e)
+                        .is_ok_and(|m| m.is_file() || m.file_type().is_block_device())
+                })
+                .collect();
+            entries.sort();
+            out.extend(entries);
+        } else {
+            out.push(p.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// The arrays on `devices`, in the order their first device was found.
+pub fn scan(devices: &[PathBuf]) -> Vec<Found> {
+    let mut labelled: Vec<(PathBuf, Superblock)> = Vec::new();
+    for d in devices {
+        // Unreadable and unlabelled devices are simply not members of anything.
+        if let Ok(Some(sb)) = read_label(d) {
+            let canon = d.canonicalize().unwrap_or_else(|_| d.clone());
+            if !labelled.iter().any(|(p, _)| *p == canon) {
+                labelled.push((canon, sb));
+            }
+        }
+    }
+    let mut found: Vec<Found> = Vec::new();
+    for (_, sb) in &labelled {
+        match found.iter_mut().find(|f| f.uuid == sb.array_uuid) {
+            Some(f) if sb.generation > f.reference.generation => f.reference = sb.clone(),
+            Some(_) => {}
+            None => found.push(Found {
+                uuid: sb.array_uuid,
+                reference: sb.clone(),
+                members: Vec::new(),
+            }),
+        }
+    }
+    for f in &mut found {
+        f.members = vec![None; f.reference.devices.len()];
+        for (path, sb) in labelled.iter().filter(|(_, sb)| sb.array_uuid == f.uuid) {
+            let i = sb.device_index as usize;
+            let current = match (sb.devices.get(i), f.reference.devices.get(i)) {
+                (Some(own), Some(want)) => own.uuid == want.uuid,
+                _ => false,
+            };
+            if current && f.members[i].is_none() {
+                f.members[i] = Some(path.clone());
+            }
+        }
+    }
+    found
+}
+
+/// Checks that the devices of a directory's configuration carry the array its
+/// lamina.toml names (`array_uuid`; nothing to check when it names none): a
+/// configuration copied or edited to point at another array's devices says so,
+/// before anything is written to them.
+pub fn check_config_devices(dir: &Path, uuid: Option<&str>, devices: &[PathBuf]) -> Result<()> {
+    let Some(want) = uuid else {
+        return Ok(());
+    };
+    for d in devices {
+        // A device that cannot be read or holds no label is for the open to report.
+        if let Ok(Some(sb)) = read_label(d) {
+            let have = uuid_hex(&sb.array_uuid);
+            if !have.eq_ignore_ascii_case(want) {
+                bail!(
+                    "{} holds array {:?} ({have}), but {}/lamina.toml is for array {want}: \
+                     the configuration does not belong to these devices (`lamina array list {}` \
+                     shows what they hold)",
+                    d.display(),
+                    sb.array_name,
+                    dir.display(),
+                    d.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Wipes both superblock copies of `path` (the device stops being a member of
+/// anything; its data stays where it is, unreachable): `mdadm --zero-superblock`.
+pub fn wipe_label(path: &Path) -> Result<()> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .with_context(|| format!("cannot open {} to wipe its superblocks", path.display()))?;
+    let zero = vec![0u8; 4096];
+    for off in SUPERBLOCK_OFFSETS {
+        f.write_all_at(&zero, off)
+            .with_context(|| format!("cannot wipe the superblock of {}", path.display()))?;
+    }
+    f.sync_all()
+        .with_context(|| format!("cannot sync {}", path.display()))?;
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! Arrays managed like mdadm and zpool (issue 15): `array list` finds arrays on
+//! devices, `export` lets go of one (refused while served), `import` serves it
+//! from another directory (choosing among several, whole or degraded when parity
+//! covers a missing member), a configuration pointed at another array's devices is
+//! refused before anything is written, and `destroy` wipes the superblocks.
+
+mod common;
+use common::*;
+use lamina_nbd::client::Client;
+use lamina_testkit::{pattern, BS};
+use std::path::Path;
+
+const BLOCKS: u64 = 512;
+
+fn write_blocks(sock: &Path) {
+    let mut c = Client::connect_unix(sock, "v").unwrap();
+    for lba in 0..BLOCKS {
+        c.write(lba * BS as u64, &pattern(lba, 1), false).unwrap();
+    }
+    c.flush().unwrap();
+}
+
+fn check_blocks(dir: &Path) {
+    let s = Server::start(dir);
+    let mut c = Client::connect_unix(&s.sock, "v").unwrap();
+    for lba in 0..BLOCKS {
+        assert!(
+            c.read(lba * BS as u64, BS as u32).unwrap() == pattern(lba, 1),
+            "block {lba} in {}",
+            dir.display()
+        );
+    }
+    drop(c);
+    s.stop();
+}
+
+fn fails(args: &[&str], why: &str) {
+    let out = lamina_output(args);
+    assert_eq!(out.status.code(), Some(1), "{args:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(why), "{args:?}: {err}");
+}
+
+fn list(disks: &Path) -> Vec<serde_json::Value> {
+    let out = lamina(&["array", "list", disks.to_str().unwrap(), "--json"]);
+    serde_json::from_str::<serde_json::Value>(&out)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn arrays_are_listed_exported_imported_and_destroyed() {
+    let t = TempDir::new("import");
+    let disks = t.join("disks");
+    let (a, b, c) = (t.join("a"), t.join("b"), t.join("c"));
+    let dev = |n: &str| format!("{}:32M", disks.join(n).display());
+    let (d0, d1, d2, d3, j) = (
+        dev("d0.img"),
+        dev("d1.img"),
+        dev("d2.img"),
+        dev("d3.img"),
+        dev("j.img"),
+    );
+    let geometry = ["--segment-size", "1M", "--write-unit", "128K"];
+    let mut args = vec!["array", "create", a.to_str().unwrap(), "--layout", "said5"];
+    for d in [&d0, &d1, &d2, &d3] {
+        args.extend(["--device", d.as_str()]);
+    }
+    args.extend(geometry);
+    lamina(&args);
+    let mut args = vec![
+        "array",
+        "create",
+        b.to_str().unwrap(),
+        "--device",
+        j.as_str(),
+    ];
+    args.extend(geometry);
+    lamina(&args);
+    create_volume(&a, "v", "16M");
+    let s = Server::start(&a);
+    write_blocks(&s.sock);
+
+    let found = list(&disks);
+    assert_eq!(found.len(), 2, "{found:?}");
+    let fa = found.iter().find(|f| f["name"] == "a").unwrap();
+    assert_eq!(
+        (fa["layout"].as_str(), fa["state"].as_str()),
+        (Some("said5"), Some("complete"))
+    );
+    let uuid_a = fa["uuid"].as_str().unwrap().to_string();
+    assert_eq!(status_json(&a)["array"]["uuid"], uuid_a.as_str());
+    for (i, m) in fa["members"].as_array().unwrap().iter().enumerate() {
+        assert!(m["path"].as_str().unwrap().ends_with(&format!("d{i}.img")));
+    }
+
+    let (ad, cd) = (a.to_str().unwrap(), c.to_str().unwrap());
+    fails(&["array", "export", ad], "is being served");
+    s.stop();
+    lamina(&["array", "export", ad]);
+    fails(&["status", ad], "was exported");
+    let dd = disks.to_str().unwrap();
+    fails(&["array", "import", cd, dd], "2 arrays found");
+    fails(
+        &["array", "import", cd, dd, "--name", "nope"],
+        "no Lamina array named",
+    );
+    lamina(&["array", "import", cd, dd, "--name", "a"]);
+    fails(
+        &["array", "import", cd, dd, "--name", "a"],
+        "already holds an array",
+    );
+    check_blocks(&c);
+
+    // b's configuration pointed at a's device: refused, and nothing written to it.
+    let generation = |d: &Path| {
+        list(d)
+            .iter()
+            .find(|f| f["name"] == "a")
+            .map(|f| f["generation"].as_u64().unwrap())
+    };
+    let before = generation(&disks);
+    let cfg = b.join("lamina.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("j.img", "d0.img")).unwrap();
+    fails(&["serve", b.to_str().unwrap()], "holds array \"a\"");
+    assert_eq!(generation(&disks), before);
+    std::fs::write(&cfg, text).unwrap();
+
+    // A member lost: the export remembers where the others are; the import is
+    // degraded, and parity serves every block.
+    lamina(&["array", "export", cd]);
+    std::fs::remove_file(disks.join("d2.img")).unwrap();
+    let out = lamina(&["array", "import", cd]);
+    assert!(
+        out.contains("3 of 4 members") && out.contains("degraded"),
+        "{out}"
+    );
+    check_blocks(&c);
+    // Two lost is more than SAID5 covers.
+    lamina(&["array", "export", cd]);
+    std::fs::remove_file(disks.join("d3.img")).unwrap();
+    fails(&["array", "import", cd], "incomplete");
+
+    // Destroy: only with --force; afterwards the devices hold no array.
+    let e = t.join("e");
+    let mut args = vec!["array", "create", e.to_str().unwrap()];
+    let de = dev("e.img");
+    args.extend(["--device", de.as_str()]);
+    args.extend(geometry);
+    lamina(&args);
+    let ed = e.to_str().unwrap();
+    fails(&["array", "destroy", ed], "--force");
+    lamina(&["array", "destroy", ed, "--force"]);
+    assert!(!e.join("lamina.toml").exists());
+    assert!(disks.join("e.img").exists(), "the file itself stays");
+    let names: Vec<String> = list(&disks)
+        .iter()
+        .map(|f| f["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!names.contains(&"e".to_string()), "{names:?}");
+}
