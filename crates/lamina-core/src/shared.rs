@@ -582,6 +582,46 @@ impl Shared {
         }
     }
 
+    /// Starts bringing the blocks of `vol` in `[offset, offset + length)` that lie
+    /// on devices into memory ([`BlockDevice::prefetch`], NBD_CMD_CACHE), run by run
+    /// of consecutive blocks; unmapped and buffered blocks need nothing. A hint: it
+    /// pins nothing (a segment reused meanwhile only wastes the hint) and never
+    /// waits. Returns the blocks hinted.
+    pub fn prefetch(&self, vol: &VolumeShared, offset: u64, length: u64) -> u64 {
+        let bs = BLOCK_SIZE as u64;
+        let end = offset
+            .saturating_add(length)
+            .div_ceil(bs)
+            .min(vol.map.len());
+        let mut at = offset / bs;
+        let mut hinted = 0;
+        while at < end {
+            let (mapped, run_end) = vol.map.allocation_run(at, end);
+            let mut lba = at;
+            while mapped && lba < run_end {
+                let e = vol.map.load(lba);
+                let Entry::Device(pba) = decode(e) else {
+                    lba += 1;
+                    continue;
+                };
+                let (seg, seg_off) = self.geo.split(pba);
+                let mut n = 1u64;
+                while lba + n < run_end
+                    && seg_off as u64 + n < self.geo.segment_blocks as u64
+                    && vol.map.load(lba + n) == e + n as u32
+                {
+                    n += 1;
+                }
+                let (dev, byte_off) = self.geo.locate(seg, seg_off);
+                self.devices[dev].prefetch(byte_off, n * bs);
+                hinted += n;
+                lba += n;
+            }
+            at = run_end;
+        }
+        hinted
+    }
+
     /// Whether [`Shared::read_start`] can hand out device reads: the devices that
     /// hold segments (the members of a JBOD, the striped device of the other
     /// layouts, which is not one) are driven through io_uring.

@@ -95,6 +95,12 @@ pub trait BlockDevice: Send + Sync + 'static {
         let _ = (buf, offset);
         Ok(false)
     }
+    /// Starts bringing `[offset, offset + len)` into memory for reads soon to come
+    /// (NBD_CMD_CACHE): a hint that never waits and never fails. The default does
+    /// nothing.
+    fn prefetch(&self, offset: u64, len: u64) {
+        let _ = (offset, len);
+    }
     /// Writes all of `buf` at `offset`. Not durable until [`BlockDevice::sync`] returns.
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError>;
     /// Makes every completed write durable.

@@ -6,18 +6,26 @@ use crate::config::{Config, EXPORTED_FILE};
 use crate::labels::{self, Found};
 use crate::{absolute, admin, admin_socket, open_array};
 use anyhow::{bail, Context, Result};
+use lamina_core::recovery::MEMBER_FAILED;
 use lamina_core::OpenMode;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
 /// `lamina array list [PATH...]`.
 pub fn list(paths: &[PathBuf], as_json: bool) -> Result<()> {
-    let found = labels::scan(&labels::candidates(paths)?);
+    let scan = labels::scan(&labels::candidates(paths)?);
+    let found = &scan.arrays;
     if as_json {
-        let v: Vec<_> = found.iter().map(found_json).collect();
+        let v = json!({
+            "arrays": found.iter().map(found_json).collect::<Vec<_>>(),
+            "unreadable": scan.unreadable.iter().map(|(p, e)| json!({
+                "path": p.display().to_string(), "error": e,
+            })).collect::<Vec<_>>(),
+        });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
+    report_unreadable(&scan);
     if found.is_empty() {
         println!("no Lamina array found");
         return Ok(());
@@ -26,7 +34,7 @@ pub fn list(paths: &[PathBuf], as_json: bool) -> Result<()> {
         "{:<20} {:<32} {:<7} {:>7}  {:<10} {:>10}",
         "NAME", "UUID", "LAYOUT", "MEMBERS", "STATE", "GENERATION"
     );
-    for f in &found {
+    for f in found {
         let sb = &f.reference;
         println!(
             "{:<20} {:<32} {:<7} {:>3} / {:<2} {:<10} {:>10}",
@@ -39,13 +47,38 @@ pub fn list(paths: &[PathBuf], as_json: bool) -> Result<()> {
             sb.generation
         );
         for (i, m) in f.members.iter().enumerate() {
-            match m {
-                Some(p) => println!("  member {i:<3} {}", p.display()),
-                None => println!("  member {i:<3} (not found)"),
+            let failed = sb.devices.get(i).is_some_and(|d| d.state == MEMBER_FAILED);
+            match (m, failed) {
+                (Some(p), false) => println!("  member {i:<3} {}", p.display()),
+                (Some(p), true) => println!("  member {i:<3} {} (failed)", p.display()),
+                (None, _) => println!("  member {i:<3} (not found)"),
             }
+        }
+        for why in &f.passed_over {
+            println!("  passed over: {why}");
         }
     }
     Ok(())
+}
+
+/// Says on standard error which devices could not be read (as a user without
+/// the rights to read /dev would otherwise see "no array found").
+fn report_unreadable(scan: &labels::Scan) {
+    if let Some((p, e)) = scan.unreadable.first() {
+        eprintln!(
+            "lamina: {} device(s) could not be read, e.g. {}: {e}",
+            scan.unreadable.len(),
+            p.display()
+        );
+    }
+}
+
+/// A UUID as given (with or without dashes, any case) in the form labels use.
+fn normal_uuid(u: &str) -> String {
+    u.chars()
+        .filter(|c| *c != '-')
+        .collect::<String>()
+        .to_ascii_lowercase()
 }
 
 fn found_json(f: &Found) -> serde_json::Value {
@@ -58,18 +91,27 @@ fn found_json(f: &Found) -> serde_json::Value {
         "members": f.members.iter().enumerate().map(|(i, m)| json!({
             "index": i,
             "path": m.as_ref().map(|p| p.display().to_string()),
+            "failed": f.reference.devices.get(i).is_some_and(|d| d.state == MEMBER_FAILED),
         })).collect::<Vec<_>>(),
+        "passed_over": f.passed_over,
     })
 }
 
 /// The placeholder written for a member not found: opening it fails, and the
 /// array runs degraded without it (as for any member that cannot be opened).
-fn missing_member(i: usize) -> PathBuf {
+/// `array replace` swaps it for the new device.
+pub fn missing_member(i: usize) -> PathBuf {
     PathBuf::from(format!("/nonexistent/lamina-missing-member-{i}"))
 }
 
-/// `lamina array import DIR [PATH...] [--name N | --uuid U]`.
-pub fn import(dir: &Path, paths: &[PathBuf], name: Option<&str>, uuid: Option<&str>) -> Result<()> {
+/// `lamina array import DIR [PATH...] [--name N | --uuid U] [--degraded]`.
+pub fn import(
+    dir: &Path,
+    paths: &[PathBuf],
+    name: Option<&str>,
+    uuid: Option<&str>,
+    degraded: bool,
+) -> Result<()> {
     let dir = absolute(dir)?;
     if Config::exists(&dir) {
         bail!(
@@ -97,12 +139,31 @@ pub fn import(dir: &Path, paths: &[PathBuf], name: Option<&str>, uuid: Option<&s
             .collect(),
         _ => paths.to_vec(),
     };
-    let want_uuid = uuid.or(previous.as_ref().and_then(|p| p.array_uuid.as_deref()));
-    let mut found: Vec<Found> = labels::scan(&labels::candidates(&search)?)
-        .into_iter()
-        .filter(|f| name.is_none_or(|n| f.reference.array_name == n))
-        .filter(|f| want_uuid.is_none_or(|u| labels::uuid_hex(&f.uuid).eq_ignore_ascii_case(u)))
-        .collect();
+    let want_uuid = uuid
+        .or(previous.as_ref().and_then(|p| p.array_uuid.as_deref()))
+        .map(normal_uuid);
+    let select = |scan: labels::Scan| -> (Vec<Found>, labels::Scan) {
+        let (keep, other): (Vec<Found>, Vec<Found>) = scan.arrays.into_iter().partition(|f| {
+            name.is_none_or(|n| f.reference.array_name == n)
+                && want_uuid
+                    .as_deref()
+                    .is_none_or(|u| labels::uuid_hex(&f.uuid) == u)
+        });
+        let rest = labels::Scan {
+            arrays: other,
+            unreadable: scan.unreadable,
+        };
+        (keep, rest)
+    };
+    let (mut found, mut rest) = select(labels::scan(&labels::candidates(&search)?));
+    // Devices renamed since the export (sdb is sdc now): what is not where it was
+    // is looked for on every block device.
+    if previous.is_some() && paths.is_empty() && found.iter().any(|f| f.missing() > 0) {
+        let mut all = search.clone();
+        all.extend(labels::candidates(&[])?);
+        (found, rest) = select(labels::scan(&all));
+    }
+    report_unreadable(&rest);
     let where_ = if search.is_empty() {
         "the block devices".to_string()
     } else {
@@ -114,12 +175,11 @@ pub fn import(dir: &Path, paths: &[PathBuf], name: Option<&str>, uuid: Option<&s
     };
     let f = match found.len() {
         0 => bail!(
-            "no Lamina array{} found on {where_}",
-            match (name, want_uuid) {
-                (Some(n), _) => format!(" named {n:?}"),
-                (None, Some(u)) => format!(" {u}"),
-                _ => String::new(),
-            }
+            "no Lamina array{}{} found on {where_}",
+            name.map(|n| format!(" named {n:?}")).unwrap_or_default(),
+            want_uuid
+                .map(|u| format!(" of UUID {u}"))
+                .unwrap_or_default()
         ),
         1 => found.remove(0),
         _ => bail!(
@@ -137,23 +197,38 @@ pub fn import(dir: &Path, paths: &[PathBuf], name: Option<&str>, uuid: Option<&s
         ),
     };
     let sb = &f.reference;
-    if f.state() == "incomplete" {
-        let missing: Vec<String> = f
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.is_none())
-            .map(|(i, _)| i.to_string())
-            .collect();
-        bail!(
+    let missing: Vec<String> = f
+        .members
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.is_none())
+        .map(|(i, _)| i.to_string())
+        .collect();
+    let passed = if f.passed_over.is_empty() {
+        String::new()
+    } else {
+        format!("; passed over: {}", f.passed_over.join("; "))
+    };
+    match f.state() {
+        "incomplete" => bail!(
             "array {:?} ({}) is incomplete: member(s) {} not found on {where_}, and its {} layout \
-             can do without {} (give the paths that hold them)",
+             can do without {} member(s) in all, failed ones included (give the paths that hold \
+             them){passed}",
             sb.array_name,
             labels::uuid_hex(&f.uuid),
             missing.join(", "),
             sb.layout.name(),
-            f.tolerates()
-        );
+            f.parity()
+        ),
+        "degraded" if !missing.is_empty() && !degraded => bail!(
+            "array {:?} ({}) would be imported degraded: member(s) {} not found on {where_}; \
+             give the paths that hold them, or --degraded to serve it without them (then \
+             `lamina array replace` rebuilds onto a new device){passed}",
+            sb.array_name,
+            labels::uuid_hex(&f.uuid),
+            missing.join(", ")
+        ),
+        _ => {}
     }
     let devices: Vec<PathBuf> = f
         .members
@@ -217,7 +292,8 @@ pub fn export(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `lamina array destroy DIR --force`.
+/// `lamina array destroy DIR --force`: every device is looked at before any is
+/// wiped, and one that cannot be read stops it.
 pub fn destroy(dir: &Path, force: bool) -> Result<()> {
     let dir = absolute(dir)?;
     let cfg = Config::load(&dir)?;
@@ -242,24 +318,32 @@ pub fn destroy(dir: &Path, force: bool) -> Result<()> {
             .map(|sb| labels::uuid_hex(&sb.array_uuid))
             .context("no device of the array holds a superblock: nothing to destroy")?,
     };
-    let mut wiped = 0;
+    let mut ours = Vec::new();
     for p in &paths {
         match labels::read_label(p) {
             Ok(Some(sb)) if labels::uuid_hex(&sb.array_uuid).eq_ignore_ascii_case(&uuid) => {
-                labels::wipe_label(p)?;
-                wiped += 1;
+                ours.push(p)
             }
             Ok(Some(sb)) => eprintln!(
                 "lamina: {} holds another array ({:?}): left alone",
                 p.display(),
                 sb.array_name
             ),
-            _ => eprintln!(
+            Ok(None) => eprintln!(
                 "lamina: {} holds no superblock of the array: left alone",
                 p.display()
             ),
+            // A member missing since an import (its placeholder) has nothing to wipe.
+            Err(_) if !p.exists() => {
+                eprintln!("lamina: {} is not there: nothing to wipe", p.display())
+            }
+            Err(e) => return Err(e.context("nothing was wiped")),
         }
     }
+    for p in &ours {
+        labels::wipe_label(p)?;
+    }
+    let wiped = ours.len();
     std::fs::remove_file(Config::path(&dir))
         .with_context(|| format!("cannot remove {}", Config::path(&dir).display()))?;
     tracing::info!("array {uuid} destroyed");

@@ -201,30 +201,101 @@ impl VolumeEngine {
     }
 }
 
+/// The header lines `[engine.volumes.NAME]` may be written as.
+fn volume_headers(name: &str) -> [String; 2] {
+    [
+        format!("[engine.volumes.{name}]"),
+        format!("[engine.volumes.\"{name}\"]"),
+    ]
+}
+
+/// The header to write for volume `name`: a '.' in a bare key would split it, so
+/// such names are quoted.
+fn volume_header(name: &str) -> String {
+    let [bare, quoted] = volume_headers(name);
+    if name.contains('.') {
+        quoted
+    } else {
+        bare
+    }
+}
+
+/// Sets keys of volume `name`'s section (`[engine.volumes.NAME]`) in the
+/// configuration file at `path`: each `(key, Some(value))` replaces the key's line
+/// or adds one (value as TOML, e.g. `5000` or `"100M"`), each `(key, None)`
+/// removes it. The section is added at the end when missing. Every other line
+/// stays as it is, comments included; the result must parse as a configuration
+/// before it replaces the file.
+pub fn set_volume_keys(
+    path: &std::path::Path,
+    name: &str,
+    keys: &[(&str, Option<String>)],
+) -> Result<()> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let headers = volume_headers(name);
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let key_of = |l: &str| {
+        let t = l.trim_start();
+        t.split_once('=')
+            .map(|(k, _)| k.trim().to_string())
+            .filter(|_| !t.starts_with('#') && !t.starts_with('['))
+    };
+    let start = lines
+        .iter()
+        .position(|l| headers.iter().any(|h| l.trim() == h));
+    let start = match start {
+        Some(s) => s,
+        None if keys.iter().all(|(_, v)| v.is_none()) => return Ok(()),
+        None => {
+            if lines.last().is_some_and(|l| !l.trim().is_empty()) {
+                lines.push(String::new());
+            }
+            lines.push(volume_header(name));
+            lines.len() - 1
+        }
+    };
+    for (key, value) in keys {
+        let end = (start + 1..lines.len())
+            .find(|&i| lines[i].trim_start().starts_with('['))
+            .unwrap_or(lines.len());
+        let at = (start + 1..end).find(|&i| key_of(&lines[i]).as_deref() == Some(key));
+        match (at, value) {
+            (Some(i), Some(v)) => lines[i] = format!("{key} = {v}"),
+            (Some(i), None) => {
+                lines.remove(i);
+            }
+            (None, Some(v)) => lines.insert(start + 1, format!("{key} = {v}")),
+            (None, None) => {}
+        }
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    toml::from_str::<Config>(&out).with_context(|| {
+        format!(
+            "the edited {} would not parse; left as it was",
+            path.display()
+        )
+    })?;
+    let tmp = path.with_extension("toml.tmp");
+    std::fs::write(&tmp, out).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
+    Ok(())
+}
+
 /// Renames the section of volume `name` (`[engine.volumes.NAME]`) in the
 /// configuration file at `path` to `new_name`, leaving every other line as it is
 /// (comments included). True when there was such a section.
 pub fn rename_volume_section(path: &std::path::Path, name: &str, new_name: &str) -> Result<bool> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let header = |n: &str| {
-        // A '.' in a bare key would split it: such names are quoted.
-        if n.contains('.') {
-            format!("[engine.volumes.\"{n}\"]")
-        } else {
-            format!("[engine.volumes.{n}]")
-        }
-    };
-    let olds = [
-        format!("[engine.volumes.{name}]"),
-        format!("[engine.volumes.\"{name}\"]"),
-    ];
+    let olds = volume_headers(name);
     let mut changed = false;
     let mut out = String::with_capacity(text.len());
     for line in text.split_inclusive('\n') {
         let body = line.trim_end_matches(['\n', '\r']);
         if olds.iter().any(|o| body.trim() == o) {
-            out.push_str(&header(new_name));
+            out.push_str(&volume_header(new_name));
             out.push_str(&line[body.len()..]);
             changed = true;
         } else {

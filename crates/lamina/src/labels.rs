@@ -45,41 +45,57 @@ pub struct Found {
     pub uuid: [u8; 16],
     /// The label of the highest generation.
     pub reference: Superblock,
-    /// By member index: the device found for it, if any.
+    /// By member index: the device found for it (as it was named), if any.
     pub members: Vec<Option<PathBuf>>,
+    /// Why a device that carries the array's label was not taken for its member.
+    pub passed_over: Vec<String>,
 }
 
 impl Found {
+    /// Members with no device found.
     pub fn missing(&self) -> usize {
         self.members.iter().filter(|m| m.is_none()).count()
     }
 
-    /// Members the array can do without: those its layout tolerates, minus those
-    /// already failed.
-    pub fn tolerates(&self) -> usize {
-        let parity: usize = match self.reference.layout {
+    /// Members the array must do without: not found, or failed (the array took
+    /// them out of service), each counted once.
+    pub fn unusable(&self) -> usize {
+        (0..self.members.len())
+            .filter(|&i| {
+                self.members[i].is_none()
+                    || self
+                        .reference
+                        .devices
+                        .get(i)
+                        .is_some_and(|d| d.state == MEMBER_FAILED)
+            })
+            .count()
+    }
+
+    /// Members the layout's parity lets the array do without.
+    pub fn parity(&self) -> usize {
+        match self.reference.layout {
             lamina_format::superblock::Layout::Said5 => 1,
             lamina_format::superblock::Layout::Said6 => 2,
             _ => 0,
-        };
-        let failed = self
-            .reference
-            .devices
-            .iter()
-            .filter(|d| d.state == MEMBER_FAILED)
-            .count();
-        parity.saturating_sub(failed)
+        }
     }
 
-    /// "complete", "degraded" (members missing that parity covers) or
+    /// "complete", "degraded" (members missing or failed that parity covers) or
     /// "incomplete" (the array cannot be served from what was found).
     pub fn state(&self) -> &'static str {
-        match self.missing() {
+        match self.unusable() {
             0 => "complete",
-            n if n <= self.tolerates() => "degraded",
+            n if n <= self.parity() => "degraded",
             _ => "incomplete",
         }
     }
+}
+
+/// What [`scan`] found: the arrays, and the devices it could not read (with why).
+pub struct Scan {
+    pub arrays: Vec<Found>,
+    pub unreadable: Vec<(PathBuf, String)>,
 }
 
 /// The devices to look at: `paths` as given (a directory stands for the files
@@ -118,15 +134,29 @@ pub fn candidates(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 }
 
 /// The arrays on `devices`, in the order their first device was found.
-pub fn scan(devices: &[PathBuf]) -> Vec<Found> {
+///
+/// A member slot takes the device whose label is of the reference's generation
+/// (or one less: a crash between the members' superblock writes); a device with an
+/// older label missed updates (pulled while the array went on) and is passed over.
+/// Two devices with equally new labels for one slot are the same member seen
+/// twice (a loop device over its file, multipath legs and their map, the legs of
+/// a mirror): the slot is left empty and both are named, rather than guess.
+pub fn scan(devices: &[PathBuf]) -> Scan {
     let mut labelled: Vec<(PathBuf, Superblock)> = Vec::new();
+    let mut seen = Vec::new();
+    let mut unreadable = Vec::new();
     for d in devices {
-        // Unreadable and unlabelled devices are simply not members of anything.
-        if let Ok(Some(sb)) = read_label(d) {
-            let canon = d.canonicalize().unwrap_or_else(|_| d.clone());
-            if !labelled.iter().any(|(p, _)| *p == canon) {
-                labelled.push((canon, sb));
-            }
+        // The same file under two names is looked at once; the name kept is the
+        // one given (a /dev/disk/by-id name stays one).
+        let canon = d.canonicalize().unwrap_or_else(|_| d.clone());
+        if seen.contains(&canon) {
+            continue;
+        }
+        seen.push(canon);
+        match read_label(d) {
+            Ok(Some(sb)) => labelled.push((d.clone(), sb)),
+            Ok(None) => {}
+            Err(e) => unreadable.push((d.clone(), format!("{e:#}"))),
         }
     }
     let mut found: Vec<Found> = Vec::new();
@@ -138,23 +168,59 @@ pub fn scan(devices: &[PathBuf]) -> Vec<Found> {
                 uuid: sb.array_uuid,
                 reference: sb.clone(),
                 members: Vec::new(),
+                passed_over: Vec::new(),
             }),
         }
     }
     for f in &mut found {
-        f.members = vec![None; f.reference.devices.len()];
+        let n = f.reference.devices.len();
+        let newest = f.reference.generation;
+        let mut by_slot: Vec<Vec<&PathBuf>> = vec![Vec::new(); n];
         for (path, sb) in labelled.iter().filter(|(_, sb)| sb.array_uuid == f.uuid) {
             let i = sb.device_index as usize;
-            let current = match (sb.devices.get(i), f.reference.devices.get(i)) {
+            let same_member = match (sb.devices.get(i), f.reference.devices.get(i)) {
                 (Some(own), Some(want)) => own.uuid == want.uuid,
                 _ => false,
             };
-            if current && f.members[i].is_none() {
-                f.members[i] = Some(path.clone());
+            if !same_member {
+                f.passed_over.push(format!(
+                    "{}: a former member {i} (replaced since)",
+                    path.display()
+                ));
+            } else if sb.generation + 1 < newest {
+                f.passed_over.push(format!(
+                    "{}: member {i}, but its label is of generation {} and the array's of {newest} (it missed updates)",
+                    path.display(),
+                    sb.generation
+                ));
+            } else {
+                by_slot[i].push(path);
             }
         }
+        f.members = by_slot
+            .into_iter()
+            .enumerate()
+            .map(|(i, paths)| match paths.as_slice() {
+                [one] => Some((*one).clone()),
+                [] => None,
+                many => {
+                    f.passed_over.push(format!(
+                        "member {i} is on {} at once (a loop device over its file, multipath, \
+                         the legs of a mirror?): give the one to use",
+                        many.iter()
+                            .map(|p| p.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(" and ")
+                    ));
+                    None
+                }
+            })
+            .collect();
     }
-    found
+    Scan {
+        arrays: found,
+        unreadable,
+    }
 }
 
 /// Checks that the devices of a directory's configuration carry the array its
@@ -187,11 +253,21 @@ pub fn check_config_devices(dir: &Path, uuid: Option<&str>, devices: &[PathBuf])
 
 /// Wipes both superblock copies of `path` (the device stops being a member of
 /// anything; its data stays where it is, unreachable): `mdadm --zero-superblock`.
+/// Takes the device's exclusive lock first, as opening an array does: a device
+/// that a server (or any Lamina process) holds is refused.
 pub fn wipe_label(path: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(path)
         .with_context(|| format!("cannot open {} to wipe its superblocks", path.display()))?;
+    // SAFETY: flock on a descriptor we own; released when it closes.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!(
+            "{} is in use (a running Lamina server holds it?): not wiped",
+            path.display()
+        );
+    }
     let zero = vec![0u8; 4096];
     for off in SUPERBLOCK_OFFSETS {
         f.write_all_at(&zero, off)

@@ -273,6 +273,10 @@ enum ArrayCmd {
         /// The array's UUID.
         #[arg(long, conflicts_with = "name")]
         uuid: Option<String>,
+        /// Import it even with members missing (those its parity covers): it is
+        /// served degraded until `array replace` rebuilds them.
+        #[arg(long)]
+        degraded: bool,
     },
     /// Let go of the array in DIR (as `zpool export`): the server must be stopped;
     /// the devices keep everything, and `array import` serves them again, here or
@@ -435,11 +439,16 @@ enum VolumeCmd {
         #[arg(long, value_name = "SIZE")]
         size: String,
     },
-    /// Limit a volume's requests and bytes per second, live.
+    /// Limit a volume's requests and bytes per second, live and for good.
     ///
-    /// Without --iops and --bandwidth: show its limits. Limits set here last until
-    /// the server stops; `[engine.volumes.NAME] iops_limit` and `bandwidth_limit` in
-    /// lamina.toml set them at every start.
+    /// Without --iops and --bandwidth: show its limits. Limits set here apply at
+    /// once on the running server (its open connections too) and are written to
+    /// lamina.toml (`[engine.volumes.NAME] iops_limit`, `bandwidth_limit`, other
+    /// lines left as they are), so that they hold at every start; without a server
+    /// they are only written there. --live-only leaves lamina.toml alone.
+    #[command(
+        after_help = "Examples:\n  lamina volume qos /srv/tank vm1 --iops 5000 --bandwidth 100M\n  lamina volume qos /srv/tank vm1 --iops none\n  lamina volume qos /srv/tank vm1"
+    )]
     Qos {
         /// [DIR] NAME: the array directory (default ./lamina-data) and the
         /// volume's name.
@@ -451,6 +460,9 @@ enum VolumeCmd {
         /// Payload bytes per second (K, M, G suffixes), or `none`.
         #[arg(long, value_name = "SIZE|none")]
         bandwidth: Option<String>,
+        /// Set the limits on the running server only, until it stops.
+        #[arg(long)]
+        live_only: bool,
     },
     /// Grow or shrink a volume, online.
     ///
@@ -521,9 +533,11 @@ struct StatusArgs {
 fn main() {
     let cli = Cli::parse();
     // A reader of standard output that goes away early (`lamina volume list |
-    // head -1`) is no error, as `to_stdout` has it: `println!` panics on the broken
-    // pipe (Rust ignores SIGPIPE, which the servers rely on), so that one panic
-    // ends the command quietly and successfully; every other panic is reported.
+    // head -1`): `println!` panics on the broken pipe (Rust ignores SIGPIPE, which
+    // the servers rely on). That one panic ends the command quietly with the
+    // status a SIGPIPE gives (141, as `ls | head` under `set -o pipefail`): not 0,
+    // since what it did not print may have been a failure (fsck's report) or it
+    // may not have finished; every other panic is reported.
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let msg = info
@@ -532,7 +546,7 @@ fn main() {
             .map(String::as_str)
             .unwrap_or("");
         if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
-            std::process::exit(0);
+            std::process::exit(128 + libc::SIGPIPE);
         }
         report(info)
     }));
@@ -547,7 +561,8 @@ fn main() {
             paths,
             name,
             uuid,
-        }) => arrays::import(&dir, &paths, name.as_deref(), uuid.as_deref()),
+            degraded,
+        }) => arrays::import(&dir, &paths, name.as_deref(), uuid.as_deref(), degraded),
         Cmd::Array(ArrayCmd::Export { dir }) => arrays::export(&dir),
         Cmd::Array(ArrayCmd::Destroy { dir, force }) => arrays::destroy(&dir, force),
         Cmd::Volume(v) => volume(v),
@@ -1278,10 +1293,13 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             args,
             iops,
             bandwidth,
+            live_only,
         } => {
             let (dir, name) = dir_and_name(args)?;
             let mut req = json!({"op": "volume-qos", "name": name});
-            if let Some(v) = iops {
+            // What goes into lamina.toml: the key's TOML value, or None to remove it.
+            let mut keys: Vec<(&str, Option<String>)> = Vec::new();
+            if let Some(v) = &iops {
                 req["iops"] = match v.as_str() {
                     "none" => serde_json::Value::Null,
                     n => match n.parse::<u64>() {
@@ -1294,8 +1312,9 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                         }
                     },
                 };
+                keys.push(("iops_limit", req["iops"].as_u64().map(|n| n.to_string())));
             }
-            if let Some(v) = bandwidth {
+            if let Some(v) = &bandwidth {
                 req["bandwidth"] = match v.as_str() {
                     "none" => serde_json::Value::Null,
                     s => match size_arg("--bandwidth", s)? {
@@ -1303,23 +1322,44 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                         n => json!(n),
                     },
                 };
+                keys.push((
+                    "bandwidth_limit",
+                    req["bandwidth"].as_u64().map(|_| format!("{v:?}")),
+                ));
             }
-            let Some(v) = admin::request(&admin_socket(&dir)?, &req)? else {
+            let answer = admin::request(&admin_socket(&dir)?, &req)?;
+            if answer.is_none() && (keys.is_empty() || live_only) {
                 bail!(
-                    "no server is running for {}: limits apply to a running server; to set \
-                     them at start, add iops_limit or bandwidth_limit to [engine.volumes.{name}] \
-                     in its lamina.toml",
+                    "no server is running for {}: live limits need one (without \
+                     --live-only, limits given are written to [engine.volumes.{name}] in \
+                     its lamina.toml, for every start)",
                     dir.display()
                 );
+            }
+            if answer.is_none() && !get_status(&dir)?.0.volumes.iter().any(|v| v.name == name) {
+                bail!("no volume named {name:?}");
+            }
+            let saved = !keys.is_empty() && !live_only;
+            if saved {
+                config::set_volume_keys(&Config::path(&dir), &name, &keys)
+                    .context("the limits are not saved in lamina.toml")?;
+            }
+            let limits = match &answer {
+                Some(v) => v["limits"].clone(),
+                None => json!({"iops": req.get("iops"), "bandwidth": req.get("bandwidth")}),
             };
-            let l = &v["limits"];
             let show = |x: &serde_json::Value, f: &dyn Fn(u64) -> String| {
                 x.as_u64().map_or("no limit".to_string(), f)
             };
             println!(
-                "volume {name:?}: requests {}, bandwidth {}",
-                show(&l["iops"], &|n| format!("{n}/s")),
-                show(&l["bandwidth"], &|n| format!("{}/s", human(n)))
+                "volume {name:?}: requests {}, bandwidth {}{}",
+                show(&limits["iops"], &|n| format!("{n}/s")),
+                show(&limits["bandwidth"], &|n| format!("{}/s", human(n))),
+                match (saved, answer.is_some()) {
+                    (true, true) => " (saved in lamina.toml)",
+                    (true, false) => " (saved in lamina.toml: from the next start)",
+                    _ => "",
+                }
             );
         }
         VolumeCmd::List { dir, json } => {

@@ -159,10 +159,20 @@ pub fn update_config(dir: &Path, old_name: &str, new: &Path) -> Result<()> {
     let mut cfg = Config::load(dir)?;
     let old_name = member_path(old_name);
     let new = std::path::absolute(new).with_context(|| format!("bad path {}", new.display()))?;
+    // A member missing since an import is named "member N (missing)" and stands
+    // in the configuration as its placeholder path.
+    let placeholder = old_name
+        .strip_prefix("member ")
+        .and_then(|r| r.strip_suffix(" (missing)"))
+        .and_then(|n| n.parse::<usize>().ok())
+        .map(crate::arrays::missing_member);
     cfg.devices.retain(|p| {
         let r = Config::resolve(dir, p);
         let s = r.display().to_string();
-        !(old_name == s || old_name.starts_with(&format!("{s} (")) || r == new)
+        !(old_name == s
+            || old_name.starts_with(&format!("{s} ("))
+            || r == new
+            || placeholder.as_ref() == Some(&r))
     });
     cfg.devices.push(PathBuf::from(&new));
     cfg.save(dir)

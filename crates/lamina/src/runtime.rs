@@ -571,6 +571,17 @@ impl Backend for LaminaBackend {
             .map_err(|e| read_failed(vol, offset, buf.len(), e))
     }
 
+    /// NBD_CMD_CACHE: the device blocks of the range are read ahead into the page
+    /// cache (files and buffered block devices), so that the reads that follow
+    /// find them there.
+    fn cache(&self, export: &Self::Export, offset: u64, length: u32) -> Result<(), u32> {
+        if export.vol.deleted.load(Ordering::Relaxed) {
+            return Err(lamina_nbd::proto::EIO);
+        }
+        self.rt.shared.prefetch(&export.vol, offset, length as u64);
+        Ok(())
+    }
+
     fn read_only(&self, export: &Self::Export) -> bool {
         self.read_only.all || self.read_only.volumes.contains(&*export.vol.name())
     }

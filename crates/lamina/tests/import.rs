@@ -43,8 +43,7 @@ fn fails(args: &[&str], why: &str) {
 
 fn list(disks: &Path) -> Vec<serde_json::Value> {
     let out = lamina(&["array", "list", disks.to_str().unwrap(), "--json"]);
-    serde_json::from_str::<serde_json::Value>(&out)
-        .unwrap()
+    serde_json::from_str::<serde_json::Value>(&out).unwrap()["arrays"]
         .as_array()
         .unwrap()
         .clone()
@@ -129,11 +128,40 @@ fn arrays_are_listed_exported_imported_and_destroyed() {
     assert_eq!(generation(&disks), before);
     std::fs::write(&cfg, text).unwrap();
 
-    // A member lost: the export remembers where the others are; the import is
-    // degraded, and parity serves every block.
+    // The same member seen twice (a copy of its file: as a loop device over it,
+    // or multipath, would show it): neither is taken, and both are named.
+    let copies = t.join("copies");
+    std::fs::create_dir_all(&copies).unwrap();
+    std::fs::copy(disks.join("d1.img"), copies.join("d1.img")).unwrap();
+    let both = serde_json::from_str::<serde_json::Value>(&lamina(&[
+        "array",
+        "list",
+        dd,
+        copies.to_str().unwrap(),
+        "--json",
+    ]))
+    .unwrap();
+    let fa = both["arrays"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == "a")
+        .unwrap()
+        .clone();
+    assert_eq!(fa["state"], "degraded", "{fa}");
+    assert!(fa["members"][1]["path"].is_null(), "{fa}");
+    assert!(
+        fa["passed_over"][0].as_str().unwrap().contains("at once"),
+        "{fa}"
+    );
+    std::fs::remove_dir_all(&copies).unwrap();
+
+    // A member lost: the export remembers where the others are; importing
+    // degraded takes --degraded, and then parity serves every block.
     lamina(&["array", "export", cd]);
     std::fs::remove_file(disks.join("d2.img")).unwrap();
-    let out = lamina(&["array", "import", cd]);
+    fails(&["array", "import", cd], "--degraded");
+    let out = lamina(&["array", "import", cd, "--degraded"]);
     assert!(
         out.contains("3 of 4 members") && out.contains("degraded"),
         "{out}"
@@ -142,7 +170,7 @@ fn arrays_are_listed_exported_imported_and_destroyed() {
     // Two lost is more than SAID5 covers.
     lamina(&["array", "export", cd]);
     std::fs::remove_file(disks.join("d3.img")).unwrap();
-    fails(&["array", "import", cd], "incomplete");
+    fails(&["array", "import", cd, "--degraded"], "incomplete");
 
     // Destroy: only with --force; afterwards the devices hold no array.
     let e = t.join("e");

@@ -51,6 +51,14 @@ fn volume_limits_hold_requests_to_their_rate() {
     let st = status_json(&dir);
     assert_eq!(st["qos"]["w"]["bandwidth"], 1 << 20, "{st}");
     assert!(st["qos"].get("v").is_none(), "{st}");
+    // Set live, and saved for every start (the lines of the config, not a rewrite).
+    let saved = std::fs::read_to_string(&cfg).unwrap();
+    assert!(
+        saved.contains("[engine.volumes.w]\nbandwidth_limit = \"1M\"")
+            && !saved.contains("iops_limit = 200")
+            && saved.starts_with(&text),
+        "{saved}"
+    );
     // 20 writes of 64 KiB = 1.25 MiB at 1 MiB/s: at least a second.
     let took = timed_writes(&mut w, 20, 16);
     assert!(
@@ -91,10 +99,19 @@ fn volume_limits_hold_requests_to_their_rate() {
     assert!(log.contains("volume \"w\" limited to 1.0 MiB/s"), "{log}");
     drop((v, w));
     srv.stop();
-    // Without a server the limits cannot be set live: the message says where.
-    let out = lamina_output(&["volume", "qos", d, "v", "--iops", "5"]);
+    // Without a server nothing is set live: --live-only is refused (the message
+    // says where limits go), and without it the limit is saved for the next start.
+    let out = lamina_output(&["volume", "qos", d, "v", "--iops", "5", "--live-only"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("[engine.volumes.v]"));
+    let out = lamina(&["volume", "qos", d, "v", "--iops", "5"]);
+    assert!(out.contains("from the next start"), "{out}");
+    let out = lamina_output(&["volume", "qos", d, "nope", "--iops", "5"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no volume named"));
+    let srv = Server::start(&dir);
+    let shown = lamina(&["volume", "qos", d, "v"]);
+    assert!(shown.contains("requests 5/s"), "{shown}");
+    srv.stop();
     // A bad limit in the config stops the server before it opens the array.
     std::fs::write(
         &cfg,

@@ -3,11 +3,12 @@
 //! connection's ring, come back verified, and a block damaged on the device is
 //! caught there and answered with an error, not with its bytes. With the devices
 //! driven by plain system calls the read threads serve the same reads.
+//! NBD_CMD_CACHE reads ahead into the page cache.
 
 mod common;
 use common::*;
 use lamina_nbd::client::Client;
-use lamina_nbd::proto::{CMD_READ, EIO};
+use lamina_nbd::proto::{CMD_CACHE, CMD_READ, EIO};
 use lamina_testkit::{pattern, BS};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -117,5 +118,66 @@ fn with_plain_system_calls_the_read_threads_serve() {
     write_all(&s.sock);
     assert!(read_all(&s.sock).is_empty());
     assert_eq!(counter(&dir, "reads_by_connection"), 0);
+    s.stop();
+}
+
+/// Whether the page of `file` at `off` is in the page cache (mincore).
+fn resident(file: &Path, off: u64) -> bool {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(file).unwrap();
+    let page = off / 4096 * 4096;
+    // SAFETY: maps one page of our open file read-only, asks which pages are in
+    // memory, unmaps it.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            page as libc::off_t,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        let mut v = [0u8; 1];
+        assert_eq!(libc::mincore(p, 4096, v.as_mut_ptr()), 0);
+        libc::munmap(p, 4096);
+        v[0] & 1 == 1
+    }
+}
+
+/// Drops the clean pages of `file` from the page cache.
+fn drop_cached(file: &Path) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(file).unwrap();
+    // SAFETY: an advisory call on our own descriptor.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+#[test]
+fn cache_hints_bring_blocks_into_the_page_cache() {
+    let t = TempDir::new("cache-hint");
+    let dir = small_array(&t, "32M");
+    let s = Server::start(&dir);
+    write_all(&s.sock);
+    let dev = dir.join("dev.img");
+    let (a, b) = (find_block(&dev, 100), find_block(&dev, 1900));
+    drop_cached(&dev);
+    assert!(
+        !resident(&dev, a) && !resident(&dev, b),
+        "the pages did not leave the page cache"
+    );
+    let mut c = Client::connect_unix(&s.sock, "v").unwrap();
+    // A hint over part of the volume: its blocks come in, before any read.
+    c.call_raw(CMD_CACHE, 0, 0, 1000 * BS as u32).unwrap();
+    let t0 = std::time::Instant::now();
+    while !resident(&dev, a) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "block 100 was not read ahead"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(!resident(&dev, b), "block 1900 was outside the hint");
+    drop(c);
     s.stop();
 }
