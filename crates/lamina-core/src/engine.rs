@@ -2353,6 +2353,10 @@ impl Engine {
         let h = self.geo.header_blocks as u32;
         // SAFETY: the engine owns the buffer until it is recycled.
         let hdr = unsafe { self.shared.buffers.blocks(buf, 0, h) };
+        // Readers of these blocks need the unit's checksums: they are at hand now,
+        // so the first read of freshly written data costs no header read (and can
+        // go through its connection's ring, which wants them cached).
+        self.shared.remember_unit(SegmentId(seg), offset, hdr);
         for i in 0..data {
             let r = record_at(hdr, i as usize);
             if r.kind != kind::DATA {

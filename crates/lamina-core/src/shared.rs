@@ -140,6 +140,8 @@ pub enum ReadError {
 pub struct DeviceRead {
     pub fd: std::os::unix::io::RawFd,
     pub offset: u64,
+    /// Opened with O_DIRECT: the read needs page-aligned memory.
+    pub direct: bool,
     pub seg: SegmentId,
     pub seg_off: u32,
     pub first_lba: u64,
@@ -679,9 +681,6 @@ impl Shared {
         }
         let (dev, byte_off) = self.geo.locate(seg, seg_off);
         let target = self.devices[dev].uring_target()?;
-        if target.direct && !(buf.as_ptr() as usize).is_multiple_of(BLOCK_SIZE) {
-            return None;
-        }
         // Verifying must not wait for a device either (the caller's thread serves
         // the connection): the unit's checksums must be at hand. Looked up again,
         // under the pin, when the read finishes; a miss then reads the header.
@@ -701,6 +700,7 @@ impl Shared {
         Some(DeviceRead {
             fd: target.fd,
             offset: byte_off,
+            direct: target.direct,
             seg,
             seg_off,
             first_lba: first,
@@ -1164,6 +1164,16 @@ impl Shared {
 
     /// The checksums and owners of the unit whose header is `hdr`, checked to be
     /// the header expected at `unit_start` of `seg` in `incarnation`.
+    /// Caches the checksums of the unit at `unit_start` of `seg` from its header as
+    /// written (the engine, when the unit's write completed).
+    pub(crate) fn remember_unit(&self, seg: SegmentId, unit_start: u32, hdr: &[u8]) {
+        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
+        if let Ok(c) = self.parse_unit_crcs(seg, unit_start, incarnation, hdr) {
+            self.crc_cache
+                .insert((seg.0, incarnation, unit_start), Arc::new(c));
+        }
+    }
+
     fn parse_unit_crcs(
         &self,
         seg: SegmentId,

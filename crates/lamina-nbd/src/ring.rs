@@ -32,6 +32,10 @@ struct InFlight {
     /// The export offset of the request (for the reply).
     offset: u64,
     buf: Vec<u8>,
+    /// The request's length, and where in `buf` the kernel writes it (non-zero
+    /// when the descriptor needs aligned memory and `buf` is not).
+    len: usize,
+    pad: usize,
 }
 
 /// A completed read: slot, export offset, the backend's read, the buffer, and the
@@ -81,16 +85,35 @@ impl ConnRing {
 
     /// Queues `read` into `buf` for the request in `slot`. It is submitted with the
     /// next [`ConnRing::submit`] (or when the queue is full).
-    pub(crate) fn push(&mut self, slot: u16, offset: u64, read: DeviceRead, buf: Vec<u8>) {
+    pub(crate) fn push(&mut self, slot: u16, offset: u64, read: DeviceRead, mut buf: Vec<u8>) {
         let s = &mut self.slots[slot as usize];
         assert!(s.is_none(), "slot {slot} already has a read in flight");
-        let len = buf.len().min(u32::MAX as usize) as u32;
-        let entry = opcode::Read::new(types::Fd(read.fd), buf.as_ptr() as *mut u8, len)
-            .offset(read.offset)
-            .build()
-            .user_data(slot as u64);
+        let len = buf.len();
+        let align = read.align as usize;
+        let pad = if align > 1 {
+            // Room for an aligned window (no allocation once the pooled buffer
+            // has it): the kernel reads there, `reap` moves the data to the start.
+            buf.resize(len + align, 0);
+            (align - buf.as_ptr() as usize % align) % align
+        } else {
+            0
+        };
+        let entry = opcode::Read::new(
+            types::Fd(read.fd),
+            buf[pad..].as_mut_ptr(),
+            len.min(u32::MAX as usize) as u32,
+        )
+        .offset(read.offset)
+        .build()
+        .user_data(slot as u64);
         // The buffer's heap memory stays where it is while the Vec sits in the slot.
-        *s = Some(InFlight { read, offset, buf });
+        *s = Some(InFlight {
+            read,
+            offset,
+            buf,
+            len,
+            pad,
+        });
         self.inflight += 1;
         self.push_entry(&entry);
     }
@@ -134,10 +157,14 @@ impl ConnRing {
                 continue;
             }
             let slot = cqe.user_data() as u16;
-            let f = self.slots[slot as usize]
+            let mut f = self.slots[slot as usize]
                 .take()
                 .expect("a completion for a slot without a read");
             self.inflight -= 1;
+            if f.buf.len() != f.len {
+                f.buf.copy_within(f.pad..f.pad + f.len, 0);
+                f.buf.truncate(f.len);
+            }
             let res = if cqe.result() < 0 {
                 Err(io::Error::from_raw_os_error(-cqe.result()))
             } else {

@@ -114,12 +114,15 @@ pub struct Completion {
 
 /// Where a read's data lies: `len` bytes (the request's) of descriptor `fd` at
 /// `offset`, read by the connection with io_uring (see [`Backend::start_read`]).
-/// `tag` is the backend's own: what it needs to verify the data and release what
-/// the read holds.
+/// `align`: the memory alignment the descriptor needs (O_DIRECT: 4096; 0 for
+/// none); the connection reads into an aligned window of the buffer and moves the
+/// data to its start before `finish_read`. `tag` is the backend's own: what it
+/// needs to verify the data and release what the read holds.
 #[derive(Debug)]
 pub struct DeviceRead {
     pub fd: std::os::unix::io::RawFd,
     pub offset: u64,
+    pub align: u32,
     pub tag: [u64; 2],
 }
 

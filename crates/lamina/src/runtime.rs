@@ -543,6 +543,11 @@ impl Backend for LaminaBackend {
             lamina_core::ReadStart::Device(d) => ReadStart::Device(DeviceRead {
                 fd: d.fd,
                 offset: d.offset,
+                align: if d.direct {
+                    lamina_core::BLOCK_SIZE as u32
+                } else {
+                    0
+                },
                 tag: [(d.seg.0 as u64) << 32 | d.seg_off as u64, d.first_lba],
             }),
             lamina_core::ReadStart::Wait => ReadStart::Wait,
@@ -560,6 +565,7 @@ impl Backend for LaminaBackend {
         let d = lamina_core::DeviceRead {
             fd: read.fd,
             offset: read.offset,
+            direct: read.align > 0,
             seg: lamina_core::SegmentId((read.tag[0] >> 32) as u32),
             seg_off: read.tag[0] as u32,
             first_lba: read.tag[1],

@@ -74,8 +74,28 @@ fn counter(dir: &Path, key: &str) -> u64 {
 
 #[test]
 fn connections_read_from_the_device_themselves_and_catch_damage() {
-    let t = TempDir::new("ring-reads");
+    ring_reads("ring-reads", "");
+}
+
+/// The same with O_DIRECT on the device file: the connection reads into an
+/// aligned window of its buffer (no read goes to the pool for alignment).
+#[test]
+fn direct_io_reads_go_through_the_ring_too() {
+    ring_reads("ring-reads-direct", "direct_io = \"on\"\n");
+}
+
+fn ring_reads(name: &str, engine: &str) {
+    let t = TempDir::new(name);
     let dir = small_array(&t, "32M");
+    if !engine.is_empty() {
+        let cfg_path = dir.join("lamina.toml");
+        let cfg = std::fs::read_to_string(&cfg_path).unwrap();
+        std::fs::write(
+            &cfg_path,
+            cfg.replace("\n[engine]\n", &format!("\n[engine]\n{engine}")),
+        )
+        .unwrap();
+    }
     let s = Server::start(&dir);
     write_all(&s.sock);
     assert!(read_all(&s.sock).is_empty());
