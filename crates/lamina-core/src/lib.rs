@@ -12,6 +12,8 @@ mod durability;
 pub mod engine;
 mod engine_ckpt;
 mod engine_gc;
+mod engine_volumes;
+pub use engine_volumes::{check_volume_size, trim_tail};
 pub mod error;
 pub mod fsck;
 pub mod gc;
@@ -31,9 +33,7 @@ mod sync;
 pub mod types;
 mod zones;
 
-pub use engine::{
-    check_volume_size, trim_tail, Engine, EngineConfig, NewDevice, Reply, Request, Token,
-};
+pub use engine::{Engine, EngineConfig, NewDevice, Reply, Request, Token};
 pub use error::EngineError;
 pub use recovery::{
     call_inline, format, open, open_unfinished, run_inline, FormatParams, OpenMode, RecoveryReport,

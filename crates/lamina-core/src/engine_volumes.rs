@@ -1,0 +1,501 @@
+//! The engine's volumes: creating, resizing, renaming and deleting them, what each
+//! is promised and may be placed on, and making their changes visible once the
+//! checkpoint that records them has committed (`volumes_committed`).
+
+use crate::engine::*;
+use crate::error::EngineError;
+use crate::gc::{policy_by_name, VictimPolicy};
+use crate::map::UNMAPPED;
+use crate::shared::VolumeShared;
+use crate::types::{VolumeId, BLOCK_SIZE_U64};
+use lamina_format::unit::StreamKind;
+use std::sync::Arc;
+
+impl Engine {
+    pub(crate) fn create_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
+        self.check_new_name(name)?;
+        check_volume_size(size_bytes)?;
+        self.check_promise(name, size_bytes)?;
+        let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
+        if next >= u16::MAX as u64 {
+            return Err(EngineError::Invalid(
+                "volume ids of this array are exhausted (65535 volumes created)".into(),
+            ));
+        }
+        let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
+        if self.zones.limit > 0 {
+            // Every stream may hold a zone open; with the metadata stream they must
+            // fit the devices' open-zone limit.
+            let need = self.zone_streams(placement.0.as_ref());
+            let used = self.zone_streams_used();
+            if 1 + used + need > self.zones.limit as usize {
+                return Err(EngineError::Invalid(format!(
+                    "the devices let {} zones be open at once; the metadata stream and the volumes' {used} streams hold {}, and volume {name:?} needs {need} more (fewer heat classes: classifier = \"none\" needs 2)",
+                    self.zones.limit,
+                    1 + used
+                )));
+            }
+        }
+        self.counters.next_volume_id = next + 1;
+        let created = self.take_version();
+        let publish_at = self.ckpt.target_generation();
+        let shared = Arc::new(VolumeShared::new(
+            VolumeId(next as u16),
+            name.to_string(),
+            size_bytes,
+            self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
+        ));
+        let vol = self.attach_volume_with(shared, created, false, placement);
+        vol.publish_at = publish_at;
+        self.update_class_caps();
+        Ok(())
+    }
+
+    /// Attaches a volume whose map already exists, creating its streams. `publish`:
+    /// visible to clients at once (recovery) or only after the next checkpoint.
+    /// `recorded`: the classifier the checkpoint names for the volume, which is
+    /// what "auto" resolved to when the volume was created.
+    pub(crate) fn attach_volume(
+        &mut self,
+        shared: Arc<VolumeShared>,
+        created_version: u64,
+        publish: bool,
+        recorded: Option<&str>,
+    ) -> &mut Vol {
+        let placement = self.placement_for(&shared.name(), shared.blocks(), recorded);
+        self.attach_volume_with(shared, created_version, publish, placement)
+    }
+
+    /// [`Engine::attach_volume`] with the volume's classifier and victim policy.
+    pub(crate) fn attach_volume_with(
+        &mut self,
+        shared: Arc<VolumeShared>,
+        created_version: u64,
+        publish: bool,
+        (classifier, policy): (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>),
+    ) -> &mut Vol {
+        let id = shared.id;
+        if publish {
+            self.shared.set_volume(shared.clone());
+        }
+        self.counters.next_volume_id = self.counters.next_volume_id.max(id.0 as u64 + 1);
+        let user_classes = classifier.user_classes();
+        let total = user_classes + classifier.gc_classes();
+        let active = classifier.active_classes();
+        let mut streams = Vec::with_capacity(total as usize + 1);
+        for c in 0..total {
+            let kind = if c < user_classes {
+                StreamKind::User
+            } else {
+                StreamKind::Gc
+            };
+            self.streams.push(Stream::new(kind, c, id.0));
+            streams.push(self.streams.len() - 1);
+        }
+        // Extra streams take the class numbers after the classifier's.
+        // The extra streams have fixed class numbers after the classifier's (the
+        // read-hot GC stream `total`, the small stream `total + 1`), so that a
+        // restart with other settings reads old segments' classes the same way.
+        let extra = |engine: &mut Self, kind: StreamKind, class: u8, f: fn(&mut Stream)| {
+            let mut st = Stream::new(kind, class, id.0);
+            f(&mut st);
+            engine.streams.push(st);
+            engine.streams.len() - 1
+        };
+        let read_hot_stream = self
+            .geometry_aware
+            .then(|| extra(self, StreamKind::Gc, total, |st| st.read_hot = true));
+        let small_stream = self
+            .zones
+            .any_conventional
+            .then(|| extra(self, StreamKind::User, total + 1, |st| st.small = true));
+        streams.extend(read_hot_stream);
+        streams.extend(small_stream);
+        let n_streams = total as usize + 2;
+        let i = id.0 as usize;
+        if self.volumes.len() <= i {
+            self.volumes.resize_with(i + 1, || None);
+        }
+        self.volumes[i] = Some(Vol {
+            shared,
+            streams,
+            user_classes,
+            read_hot_stream,
+            small_stream,
+            classifier,
+            policy,
+            classes: vec![ClassCounters::default(); n_streams],
+            caps: crate::classcap::Caps {
+                user: active.0.clamp(1, user_classes),
+                gc: active.1.clamp(1, total - user_classes),
+                want_user: user_classes,
+                want_gc: total - user_classes,
+            },
+            created_version,
+            user_blocks: 0,
+            gc_blocks: 0,
+            media_blocks: 0,
+            live_blocks: 0,
+            published: publish,
+            publish_at: 0,
+            growing: None,
+            deleting: None,
+        });
+        self.refresh_gc_classes();
+        self.volumes[i].as_mut().unwrap()
+    }
+
+    /// Fits the volumes' open classes to the spare space (see `classcap`): classes
+    /// no longer kept have their open segments closed, so that GC can reclaim them.
+    pub(crate) fn update_class_caps(&mut self) {
+        let ids: Vec<usize> = (0..self.volumes.len())
+            .filter(|&i| self.volumes[i].is_some())
+            .collect();
+        let wanted: Vec<crate::classcap::Caps> = ids
+            .iter()
+            .map(|&i| {
+                let v = self.volumes[i].as_ref().unwrap();
+                let (user, gc) = v.classifier.active_classes();
+                crate::classcap::Caps {
+                    user: user.clamp(1, v.user_classes),
+                    gc: gc.clamp(1, v.classifier.gc_classes()),
+                    want_user: v.user_classes,
+                    want_gc: v.classifier.gc_classes(),
+                }
+            })
+            .collect();
+        let spare = self
+            .space
+            .spare_segments(self.geo.data_blocks_per_segment());
+        let caps = crate::classcap::caps(spare, &wanted);
+        let free = self.segments.free.len();
+        let mut dropped = Vec::new();
+        for (&i, mut cap) in ids.iter().zip(caps) {
+            let v = self.volumes[i].as_mut().unwrap();
+            if cap.gc > v.caps.gc {
+                // More GC classes raise the floor at once; GC may then need a fresh
+                // segment in each. Wait for a sweep with free segments to spare.
+                let more = (cap.gc - v.caps.gc) as usize;
+                if free < self.space.gc_start(self.gc_classes + more) {
+                    cap.gc = v.caps.gc;
+                }
+            }
+            if v.caps == cap {
+                continue;
+            }
+            v.caps = cap;
+            let (uc, total) = (v.user_classes, v.user_classes + v.classifier.gc_classes());
+            // Streams no class folds into any more; the kept ones stay open.
+            dropped.extend(
+                crate::classcap::dropped(cap, uc, total)
+                    .into_iter()
+                    .map(|c| v.streams[c as usize]),
+            );
+        }
+        self.refresh_gc_classes();
+        for s in dropped {
+            if self.streams[s].seg.is_some() && self.failed.is_none() {
+                self.close_segment(s);
+            }
+        }
+    }
+
+    /// Streams of a volume with classifier `c` that may hold a zone open (the small
+    /// stream takes conventional segments only: no zone).
+    pub(crate) fn zone_streams(&self, c: &dyn crate::placement::Classifier) -> usize {
+        (c.user_classes() + c.gc_classes()) as usize + self.geometry_aware as usize
+    }
+
+    /// Streams of the volumes attached so far that may hold a zone open. Volumes
+    /// being deleted keep their open segments until the checkpoint that drops them
+    /// commits: they count.
+    pub(crate) fn zone_streams_used(&self) -> usize {
+        self.volumes
+            .iter()
+            .flatten()
+            .map(|v| v.streams.len() - v.small_stream.is_some() as usize)
+            .sum()
+    }
+
+    /// What `classifier = "auto"` (the default) is for the next volume: SepBIT,
+    /// unless its streams would not fit a zoned array's open-zone limit beside those
+    /// already open, where greedy's one user and one GC stream are the most that
+    /// fits.
+    pub(crate) fn auto_classifier(&self) -> &'static str {
+        let sepbit = crate::placement::SepBit::default();
+        if self.zones.limit > 0
+            && 1 + self.zone_streams_used() + self.zone_streams(&sepbit) > self.zones.limit as usize
+        {
+            "none"
+        } else {
+            "sepbit"
+        }
+    }
+
+    /// The classifier and victim policy a volume uses: its override, else the
+    /// engine's defaults. Unknown names were rejected when the configuration was read.
+    pub(crate) fn placement_for(
+        &self,
+        name: &str,
+        blocks: u64,
+        recorded: Option<&str>,
+    ) -> (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>) {
+        let o = self.cfg.volume_overrides.iter().find(|o| o.0 == name);
+        let mut cname = o
+            .and_then(|o| o.1.clone())
+            .unwrap_or_else(|| self.cfg.classifier.clone());
+        if cname == "auto" {
+            // Resolved once, when the volume was created (the checkpoint records
+            // it): resolving again at recovery could see other volumes' streams
+            // (those being deleted then are gone now) and choose otherwise.
+            cname = match recorded {
+                Some(r @ ("sepbit" | "none")) => r.into(),
+                _ => self.auto_classifier().into(),
+            };
+        }
+        let pname = o
+            .and_then(|o| o.2.clone())
+            .unwrap_or_else(|| self.cfg.gc_policy.clone());
+        let classifier = self
+            .classifier_factory
+            .as_ref()
+            .and_then(|f| f(&cname, name, blocks))
+            .or_else(|| {
+                crate::placement::classifier_for(&cname, blocks, self.geo.data_blocks_per_segment())
+            })
+            .unwrap_or_else(|| Box::new(crate::placement::NoClassifier));
+        let policy = policy_by_name(&pname).unwrap_or_else(|| Box::new(crate::gc::Greedy));
+        (classifier, policy)
+    }
+
+    /// Lets the simulator supply classifiers the engine cannot build by name (the
+    /// oracle needs the whole workload in advance).
+    pub fn set_classifier_factory(&mut self, f: ClassifierFactory) {
+        self.classifier_factory = Some(f);
+    }
+
+    /// A name a volume may take: well formed, and no other volume's.
+    pub(crate) fn check_new_name(&self, name: &str) -> Result<(), EngineError> {
+        // Names go into NBD URIs (`nbd+unix:///NAME?socket=...`), qemu's
+        // `nbd:unix:SOCK:exportname=NAME` and command lines: '?', '#', '%', ':',
+        // spaces and a leading '-' would break one of them.
+        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        let starts_well = name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric());
+        if name.len() > 64 || !starts_well || !name.chars().all(ok) {
+            return Err(EngineError::Invalid(format!(
+                "volume name {name:?} must be 1 to 64 letters, digits, '.', '_' or '-', \
+                 starting with a letter or digit"
+            )));
+        }
+        if self
+            .volumes
+            .iter()
+            .flatten()
+            .any(|v| *v.shared.name() == *name && v.deleting.is_none())
+        {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} already exists"
+            )));
+        }
+        Ok(())
+    }
+
+    /// See [`Request::RenameVolume`].
+    pub(crate) fn rename_volume(&mut self, name: &str, new_name: &str) -> Result<(), EngineError> {
+        self.check_new_name(new_name)?;
+        let vol = self
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| *v.shared.name() == *name && v.deleting.is_none())
+            .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
+        vol.shared.set_name(new_name);
+        // Per-volume choices follow the volume (they apply when it is opened).
+        for o in self.cfg.volume_overrides.iter_mut().filter(|o| o.0 == name) {
+            o.0 = new_name.to_string();
+        }
+        tracing::info!("volume {name:?} is named {new_name:?} now");
+        Ok(())
+    }
+
+    /// Refuses `more` bytes of volume `name` beyond what the volumes promise when
+    /// that would pass `max_overcommit`.
+    pub(crate) fn check_promise(&self, name: &str, more: u64) -> Result<(), EngineError> {
+        if let Some(limit) = self.cfg.max_overcommit {
+            let usable = self.space.usable * BLOCK_SIZE_U64;
+            let promised = self.promised_bytes().saturating_add(more);
+            if promised as f64 > limit * usable as f64 {
+                return Err(EngineError::Invalid(format!(
+                    "volume {name:?} would make the volumes promise {:.2}x the usable capacity of {usable} bytes, above max_overcommit = {limit}",
+                    promised as f64 / usable.max(1) as f64
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// See [`Request::ResizeVolume`].
+    pub(crate) fn resize_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
+        check_volume_size(size_bytes)?;
+        let i = self
+            .volumes
+            .iter()
+            .position(|v| {
+                v.as_ref()
+                    .is_some_and(|v| *v.shared.name() == *name && v.deleting.is_none())
+            })
+            .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
+        let vol = self.volumes[i].as_ref().unwrap();
+        if !vol.published || vol.growing.is_some() {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} is being created or resized: try again in a moment"
+            )));
+        }
+        let old = vol.shared.size_bytes();
+        let (old_blocks, new_blocks) = (old / BLOCK_SIZE_U64, size_bytes / BLOCK_SIZE_U64);
+        if size_bytes > old {
+            self.check_promise(name, size_bytes - old)?;
+            let gen = self.ckpt.target_generation();
+            let vol = self.volumes[i].as_mut().unwrap();
+            vol.shared.map.grow(new_blocks);
+            vol.growing = Some((gen, size_bytes));
+            tracing::info!(
+                "volume {name:?} grows from {old} to {size_bytes} bytes (clients see it once checkpoint {gen} commits)"
+            );
+        } else if size_bytes < old {
+            // Requests accepted before but not yet applied must not land in the
+            // tail (the map would no longer have room for them); elsewhere they
+            // may go on.
+            let id = vol.shared.id.0;
+            let bs = BLOCK_SIZE_U64;
+            if self.pending.iter().any(|p| match p {
+                Pending::Write {
+                    volume,
+                    offset,
+                    data,
+                    ..
+                } => *volume == id && offset + data.len() as u64 > size_bytes,
+                Pending::Zero {
+                    volume,
+                    offset,
+                    length,
+                    ..
+                } => *volume == id && offset + length > size_bytes,
+                Pending::Blocks {
+                    volume, lba, count, ..
+                } => *volume == id && (lba + count) * bs > size_bytes,
+            }) {
+                return Err(EngineError::Invalid(format!(
+                    "volume {name:?} has requests in progress beyond {size_bytes} bytes"
+                )));
+            }
+            let map = &vol.shared.map;
+            let (mapped, end) = map.allocation_run(new_blocks, old_blocks);
+            if mapped || end < old_blocks {
+                let at = if mapped { new_blocks } else { end };
+                return Err(EngineError::Invalid(format!(
+                    "volume {name:?} holds data beyond {size_bytes} bytes (at byte {}); --force discards it",
+                    at * BLOCK_SIZE_U64
+                )));
+            }
+            // Clients stop addressing the tail, then the map lets it go. Nothing
+            // there is mapped, so nothing else changes.
+            vol.shared.set_size_bytes(size_bytes);
+            map.shrink(new_blocks);
+            tracing::info!("volume {name:?} shrinks from {old} to {size_bytes} bytes");
+        }
+        Ok(())
+    }
+
+    pub(crate) fn delete_volume(&mut self, name: &str) -> Result<(), EngineError> {
+        let id = self
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| *v.shared.name() == *name && v.deleting.is_none())
+            .map(|v| v.shared.id)
+            .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
+        if self.pending.iter().any(|p| match p {
+            Pending::Write { volume, .. }
+            | Pending::Zero { volume, .. }
+            | Pending::Blocks { volume, .. } => *volume == id.0,
+        }) {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} has requests in progress"
+            )));
+        }
+        // Hidden and closed to I/O now; destroyed when a checkpoint without it commits.
+        self.shared.remove_volume(id);
+        let gen = self.ckpt.target_generation();
+        self.volumes[id.0 as usize].as_mut().unwrap().deleting = Some(gen);
+        Ok(())
+    }
+
+    /// Publishes created volumes and destroys deleted ones once checkpoint `gen`
+    /// has committed.
+    pub(crate) fn volumes_committed(&mut self, gen: u64) {
+        for i in 0..self.volumes.len() {
+            let Some(v) = self.volumes[i].as_mut() else {
+                continue;
+            };
+            if !v.published && v.publish_at <= gen && v.deleting.is_none() {
+                v.published = true;
+                self.shared.set_volume(v.shared.clone());
+            }
+            if let Some((at, bytes)) = v.growing.filter(|&(at, _)| at <= gen) {
+                v.growing = None;
+                v.shared.set_size_bytes(bytes);
+                tracing::info!(
+                    "volume {:?} is {bytes} bytes now (checkpoint {at} recorded it)",
+                    v.shared.name()
+                );
+            }
+            if v.deleting.is_some_and(|d| d <= gen) {
+                let (streams, map) = (v.streams.clone(), v.shared.clone());
+                for s in streams {
+                    self.close_segment(s);
+                }
+                // Only the pages that were made: a thin volume of petabytes with
+                // a few blocks written is a few pages, not a loop over its size.
+                map.map.for_each_mapped(|lba, old| {
+                    map.map.store(lba, UNMAPPED);
+                    self.unref(old);
+                    self.space.unmapped(1);
+                });
+                self.volumes[i] = None;
+                self.refresh_gc_classes();
+            }
+        }
+    }
+}
+
+/// The trim that empties volume `volume` from byte `from` to `to` (its end), what
+/// a forced shrink sends before [`Request::ResizeVolume`].
+pub fn trim_tail(volume: VolumeId, from: u64, to: u64) -> Request {
+    Request::Zero {
+        volume,
+        offset: from,
+        length: to.saturating_sub(from),
+        fua: false,
+        allocate: false,
+    }
+}
+
+/// A volume size must be a positive multiple of 4 KiB the map can hold.
+pub fn check_volume_size(size_bytes: u64) -> Result<(), EngineError> {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
+        return Err(EngineError::Invalid(format!(
+            "volume size {size_bytes} must be a positive multiple of 4096 bytes"
+        )));
+    }
+    if size_bytes / BLOCK_SIZE_U64 > crate::map::MAX_BLOCKS {
+        return Err(EngineError::Invalid(format!(
+            "volume size {size_bytes} is too large: at most {} (16 PiB)",
+            crate::map::MAX_BLOCKS * BLOCK_SIZE_U64
+        )));
+    }
+    Ok(())
+}
