@@ -26,6 +26,8 @@ use std::sync::{Arc, Mutex, RwLock};
 
 /// Blocks one device read covers at most.
 const MAX_READ_RUN: u64 = 256;
+/// Bytes of one NBD_CMD_CACHE hint that [`Shared::prefetch`] acts on.
+const PREFETCH_MAX: u64 = 64 << 20;
 /// Shards of the checksum cache (a lock per shard, never one lock for all readers).
 const CRC_CACHE_SHARDS: usize = 16;
 
@@ -591,6 +593,10 @@ impl Shared {
     /// waits. Returns the blocks hinted.
     pub fn prefetch(&self, vol: &VolumeShared, offset: u64, length: u64) -> u64 {
         let bs = BLOCK_SIZE as u64;
+        // It runs on a connection's reader: a hint of up to 4 GiB is honoured for
+        // its first PREFETCH_MAX bytes, which bounds the map walk and the advice
+        // calls (the spec lets a server do less than asked, or nothing).
+        let length = length.min(PREFETCH_MAX);
         let end = offset
             .saturating_add(length)
             .div_ceil(bs)
@@ -1162,8 +1168,6 @@ impl Shared {
         self.parse_unit_crcs(seg, unit_start, incarnation, &hdr)
     }
 
-    /// The checksums and owners of the unit whose header is `hdr`, checked to be
-    /// the header expected at `unit_start` of `seg` in `incarnation`.
     /// Caches the checksums of the unit at `unit_start` of `seg` from its header as
     /// written (the engine, when the unit's write completed).
     pub(crate) fn remember_unit(&self, seg: SegmentId, unit_start: u32, hdr: &[u8]) {
@@ -1174,6 +1178,8 @@ impl Shared {
         }
     }
 
+    /// The checksums and owners of the unit whose header is `hdr`, checked to be
+    /// the header expected at `unit_start` of `seg` in `incarnation`.
     fn parse_unit_crcs(
         &self,
         seg: SegmentId,

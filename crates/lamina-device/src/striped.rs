@@ -304,9 +304,6 @@ impl Striped {
         !self.repairs.lock().unwrap().is_empty()
     }
 
-    /// A block read from member `member` at array offset `offset` failed its
-    /// checksum and was rebuilt from parity: counted as a read error of the member,
-    /// and its stripe goes to the repair list.
     /// A block of `member` at array `offset` failed its checksum (and was served
     /// from parity): counted against the member, and its row queued for repair.
     pub fn note_bad_block(&self, member: usize, offset: u64) {

@@ -93,6 +93,7 @@ impl ConnRing {
         let pad = if align > 1 {
             // Room for an aligned window (no allocation once the pooled buffer
             // has it): the kernel reads there, `reap` moves the data to the start.
+            buf.reserve_exact(align);
             buf.resize(len + align, 0);
             (align - buf.as_ptr() as usize % align) % align
         } else {

@@ -856,7 +856,9 @@ impl ReplySink {
     /// under their byte cap (counted until the buffer is taken out again).
     fn keep(&self, b: &Vec<u8>) -> bool {
         let cap = b.capacity() as u64;
-        if cap == 0 || cap > POOL_KEEP_BYTES as u64 {
+        // (A read's buffer may be a page longer than its request: the aligned
+        // window of a direct read, see ring.rs.)
+        if cap == 0 || cap > POOL_KEEP_BYTES as u64 + 4096 {
             return false;
         }
         if self.pooled.fetch_add(cap, Ordering::Relaxed) + cap > POOL_BYTES_PER_CONNECTION {

@@ -340,8 +340,13 @@ pub fn destroy(dir: &Path, force: bool) -> Result<()> {
             Err(e) => return Err(e.context("nothing was wiped")),
         }
     }
-    for p in &ours {
-        labels::wipe_label(p)?;
+    // Every device locked before any is wiped: a busy one stops it all.
+    let locked = ours
+        .iter()
+        .map(|p| labels::lock_for_wipe(p))
+        .collect::<Result<Vec<_>>>()?;
+    for (f, p) in locked.iter().zip(&ours) {
+        labels::wipe_label(f, p)?;
     }
     let wiped = ours.len();
     std::fs::remove_file(Config::path(&dir))

@@ -209,6 +209,28 @@ fn volume_headers(name: &str) -> [String; 2] {
     ]
 }
 
+/// Whether `line` is the header of volume `name`'s section, in any of the ways
+/// TOML lets one write it: bare, double or single quoted, spaces inside the
+/// brackets, a comment after it. (Names hold no '#', quote or space.)
+fn is_volume_header(line: &str, name: &str) -> bool {
+    let code = line.split('#').next().unwrap_or("");
+    let squeezed: String = code.chars().filter(|c| !c.is_whitespace()).collect();
+    let [bare, quoted] = volume_headers(name);
+    squeezed == bare || squeezed == quoted || squeezed == quoted.replace('"', "'")
+}
+
+/// Replaces the file at `path` with `text`: written beside it, synced, renamed.
+fn replace_file(path: &std::path::Path, text: &str) -> Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("toml.tmp");
+    let mut f =
+        std::fs::File::create(&tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
+    f.write_all(text.as_bytes())
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
+}
+
 /// The header to write for volume `name`: a '.' in a bare key would split it, so
 /// such names are quoted.
 fn volume_header(name: &str) -> String {
@@ -233,17 +255,14 @@ pub fn set_volume_keys(
 ) -> Result<()> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let headers = volume_headers(name);
     let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
     let key_of = |l: &str| {
         let t = l.trim_start();
         t.split_once('=')
-            .map(|(k, _)| k.trim().to_string())
+            .map(|(k, _)| k.trim().trim_matches(['"', '\'']).to_string())
             .filter(|_| !t.starts_with('#') && !t.starts_with('['))
     };
-    let start = lines
-        .iter()
-        .position(|l| headers.iter().any(|h| l.trim() == h));
+    let start = lines.iter().position(|l| is_volume_header(l, name));
     let start = match start {
         Some(s) => s,
         None if keys.iter().all(|(_, v)| v.is_none()) => return Ok(()),
@@ -277,10 +296,7 @@ pub fn set_volume_keys(
             path.display()
         )
     })?;
-    let tmp = path.with_extension("toml.tmp");
-    std::fs::write(&tmp, out).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
-    Ok(())
+    replace_file(path, &out)
 }
 
 /// Renames the section of volume `name` (`[engine.volumes.NAME]`) in the
@@ -289,13 +305,16 @@ pub fn set_volume_keys(
 pub fn rename_volume_section(path: &std::path::Path, name: &str, new_name: &str) -> Result<bool> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let olds = volume_headers(name);
     let mut changed = false;
     let mut out = String::with_capacity(text.len());
     for line in text.split_inclusive('\n') {
         let body = line.trim_end_matches(['\n', '\r']);
-        if olds.iter().any(|o| body.trim() == o) {
+        if is_volume_header(body, name) {
             out.push_str(&volume_header(new_name));
+            if let Some(at) = body.find('#') {
+                out.push_str("  ");
+                out.push_str(&body[at..]);
+            }
             out.push_str(&line[body.len()..]);
             changed = true;
         } else {
@@ -303,10 +322,7 @@ pub fn rename_volume_section(path: &std::path::Path, name: &str, new_name: &str)
         }
     }
     if changed {
-        let tmp = path.with_extension("toml.tmp");
-        std::fs::write(&tmp, out).with_context(|| format!("cannot write {}", tmp.display()))?;
-        std::fs::rename(&tmp, path)
-            .with_context(|| format!("cannot replace {}", path.display()))?;
+        replace_file(path, &out)?;
     }
     Ok(changed)
 }
@@ -526,5 +542,72 @@ impl Config {
             })
             .map_err(|e| anyhow::anyhow!("[engine] {e}"))?;
         Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> (PathBuf, String) {
+        let dir = std::env::temp_dir().join(format!(
+            "lamina-config-test-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("lamina.toml");
+        let head = "devices = [\"d.img\"]\n\n[engine]\n";
+        std::fs::write(&p, format!("{head}{text}")).unwrap();
+        (p, head.to_string())
+    }
+
+    /// Keys are replaced, added and removed in the section however its header is
+    /// written; comments and other sections stay; a missing section is added; the
+    /// result parses.
+    #[test]
+    fn volume_keys_are_edited_in_place() {
+        let (p, head) = file(
+            "# web tier\n[ engine.volumes.\"web.1\" ]  # the frontends\n\"iops_limit\" = 10\nclassifier = \"sepbit\"\n\n[engine.volumes.db]\niops_limit = 7\n",
+        );
+        set_volume_keys(
+            &p,
+            "web.1",
+            &[
+                ("iops_limit", Some("500".into())),
+                ("bandwidth_limit", Some("\"10M\"".into())),
+            ],
+        )
+        .unwrap();
+        let t = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(
+            t,
+            format!("{head}# web tier\n[ engine.volumes.\"web.1\" ]  # the frontends\nbandwidth_limit = \"10M\"\niops_limit = 500\nclassifier = \"sepbit\"\n\n[engine.volumes.db]\niops_limit = 7\n")
+        );
+        set_volume_keys(&p, "db", &[("iops_limit", None)]).unwrap();
+        set_volume_keys(&p, "new", &[("iops_limit", Some("3".into()))]).unwrap();
+        set_volume_keys(&p, "gone", &[("iops_limit", None)]).unwrap();
+        let t = std::fs::read_to_string(&p).unwrap();
+        assert!(
+            t.contains("[engine.volumes.db]\n\n[engine.volumes.new]\niops_limit = 3\n"),
+            "{t}"
+        );
+        assert!(!t.contains("gone"), "{t}");
+        let c: Config = toml::from_str(&t).unwrap();
+        assert_eq!(c.engine.volumes["new"].iops_limit, Some(3));
+        assert_eq!(c.engine.volumes["web.1"].iops_limit, Some(500));
+        // A value that would not parse leaves the file as it was.
+        assert!(set_volume_keys(&p, "db", &[("iops_limit", Some("\"x".into()))]).is_err());
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), t);
+        // Renaming finds the header written any way, and quotes a dotted name.
+        assert!(rename_volume_section(&p, "web.1", "web2").unwrap());
+        assert!(rename_volume_section(&p, "new", "new.x").unwrap());
+        let t = std::fs::read_to_string(&p).unwrap();
+        assert!(
+            t.contains("[engine.volumes.web2]  # the frontends\n"),
+            "{t}"
+        );
+        assert!(t.contains("[engine.volumes.\"new.x\"]\n"), "{t}");
+        let _ = std::fs::remove_dir_all(p.parent().unwrap());
     }
 }

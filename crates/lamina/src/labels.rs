@@ -251,11 +251,10 @@ pub fn check_config_devices(dir: &Path, uuid: Option<&str>, devices: &[PathBuf])
     Ok(())
 }
 
-/// Wipes both superblock copies of `path` (the device stops being a member of
-/// anything; its data stays where it is, unreachable): `mdadm --zero-superblock`.
-/// Takes the device's exclusive lock first, as opening an array does: a device
-/// that a server (or any Lamina process) holds is refused.
-pub fn wipe_label(path: &Path) -> Result<()> {
+/// Opens `path` for [`wipe_label`] under its exclusive lock, as opening an array
+/// does: a device that a server (or any Lamina process) holds is refused. The lock
+/// lasts as long as the file.
+pub fn lock_for_wipe(path: &Path) -> Result<std::fs::File> {
     use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .write(true)
@@ -264,10 +263,17 @@ pub fn wipe_label(path: &Path) -> Result<()> {
     // SAFETY: flock on a descriptor we own; released when it closes.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         bail!(
-            "{} is in use (a running Lamina server holds it?): not wiped",
+            "{} is in use (a running Lamina server holds it?): nothing wiped",
             path.display()
         );
     }
+    Ok(f)
+}
+
+/// Wipes both superblock copies of the device `f` (opened by [`lock_for_wipe`]):
+/// it stops being a member of anything; its data stays where it is, unreachable
+/// (`mdadm --zero-superblock`).
+pub fn wipe_label(f: &std::fs::File, path: &Path) -> Result<()> {
     let zero = vec![0u8; 4096];
     for off in SUPERBLOCK_OFFSETS {
         f.write_all_at(&zero, off)

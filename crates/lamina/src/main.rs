@@ -1287,6 +1287,14 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
                 offline(&dir, Request::DeleteVolume { name: name.clone() })?;
             }
+            // Limits `volume qos` saved go with the volume (a new volume of the
+            // name starts free, as on a running server); other choices stay.
+            config::set_volume_keys(
+                &Config::path(&dir),
+                &name,
+                &[("iops_limit", None), ("bandwidth_limit", None)],
+            )
+            .context("the volume is deleted, but its limits stay in lamina.toml")?;
             println!("deleted volume {name:?}");
         }
         VolumeCmd::Qos {
