@@ -41,6 +41,8 @@ pub struct FaultDevice {
     /// Writes report success but land this many bytes further (0: where asked;
     /// past the end they are lost).
     misdirect: AtomicU64,
+    /// The ranges `prefetch` was asked for (passed on too).
+    pub prefetched: Mutex<Vec<(u64, u64)>>,
 }
 
 impl FaultDevice {
@@ -54,6 +56,7 @@ impl FaultDevice {
             injected: AtomicU64::new(0),
             drop_writes: AtomicBool::new(false),
             misdirect: AtomicU64::new(0),
+            prefetched: Mutex::new(Vec::new()),
         }
     }
 
@@ -146,6 +149,10 @@ impl FaultDevice {
 }
 
 impl BlockDevice for FaultDevice {
+    fn prefetch(&self, offset: u64, len: u64) {
+        self.prefetched.lock().unwrap().push((offset, len));
+        self.inner.prefetch(offset, len);
+    }
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes()
     }

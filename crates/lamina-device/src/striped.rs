@@ -704,18 +704,9 @@ impl Striped {
         let k = sh.data as u64;
         // Column by column: the blocks of one column are consecutive on its member.
         for c in 0..sh.data {
-            // Rows r with b <= r k + c < b + blocks.
-            let c64 = c as u64;
-            let end = b + blocks;
-            let first = if b > c64 { (b - c64).div_ceil(k) } else { 0 };
-            let last = if end > c64 {
-                (end - c64).div_ceil(k)
-            } else {
-                0
-            };
-            if last <= first {
+            let Some((first, last)) = column_rows(b, blocks, c, sh.data) else {
                 continue;
-            }
+            };
             let rows = (last - first) as usize;
             let m = sh.member(s, c);
             let scatter = |col: &[u8], buf: &mut [u8]| {
@@ -965,7 +956,37 @@ impl Striped {
     }
 }
 
+/// The rows `first..last` of a stripe whose column `c` (of `data`) holds blocks
+/// of the range `b..b + blocks` (blocks numbered row by row), if any: the rows r
+/// with `b <= r * data + c < b + blocks`. A column's rows are consecutive on its
+/// member.
+fn column_rows(b: u64, blocks: u64, c: usize, data: usize) -> Option<(u64, u64)> {
+    let (c, k, end) = (c as u64, data as u64, b + blocks);
+    let first = if b > c { (b - c).div_ceil(k) } else { 0 };
+    let last = if end > c { (end - c).div_ceil(k) } else { 0 };
+    (last > first).then_some((first, last))
+}
+
 impl BlockDevice for Striped {
+    /// Each column of the range to the member that holds it (members out of date
+    /// for the stripe are left alone: a read would rebuild from the others). A
+    /// range the array cannot split is ignored: it is a hint.
+    fn prefetch(&self, offset: u64, len: u64) {
+        let Ok((s, b, blocks)) = self.split("prefetch", offset, len as usize) else {
+            return;
+        };
+        let sh = self.shape;
+        for c in 0..sh.data {
+            if let Some((first, last)) = column_rows(b, blocks, c, sh.data) {
+                let m = sh.member(s, c);
+                if self.current(m, s) {
+                    self.member(m)
+                        .prefetch(sh.member_offset(s, first), (last - first) * BLOCK_U64);
+                }
+            }
+        }
+    }
+
     fn size_bytes(&self) -> u64 {
         self.shape.data_offset + self.shape.stripes * self.shape.stripe_blocks() * BLOCK_U64
     }
@@ -1281,6 +1302,38 @@ mod tests {
     use crate::fault::{FaultDevice, FaultOp};
     use crate::mem::MemDevice;
     use proptest::prelude::*;
+
+    /// A hint over part of a stripe reaches every data member for exactly its
+    /// column's rows, where a read of the range would read them.
+    #[test]
+    fn prefetch_hands_each_column_to_its_member() {
+        let (a, rec) = array(3, 1);
+        let shape = a.shape;
+        // Stripe 2, blocks 4..17 of it: 13 blocks over 3 columns.
+        let (s, b, blocks) = (2u64, 4u64, 13u64);
+        let offset = shape.data_offset + (s * shape.stripe_blocks() + b) * BLOCK_U64;
+        a.prefetch(offset, blocks * BLOCK_U64);
+        let mut total = 0;
+        for c in 0..shape.data {
+            let (first, last) = column_rows(b, blocks, c, shape.data).unwrap();
+            let m = shape.member(s, c);
+            let asked = rec[m].prefetched.lock().unwrap().clone();
+            assert_eq!(
+                asked,
+                vec![(shape.member_offset(s, first), (last - first) * BLOCK_U64)],
+                "column {c} on member {m}"
+            );
+            total += last - first;
+        }
+        assert_eq!(total, blocks);
+        // The parity member is asked for nothing; a range it cannot split, ignored.
+        let parity = (0..shape.members())
+            .find(|&m| (0..shape.data).all(|c| shape.member(s, c) != m))
+            .unwrap();
+        assert!(rec[parity].prefetched.lock().unwrap().is_empty());
+        a.prefetch(offset + 1, 4096);
+        a.prefetch(u64::MAX - 4096, 4096);
+    }
 
     fn array(data: usize, parity: usize) -> (Striped, Vec<Arc<FaultDevice>>) {
         let shape = StripeShape {
