@@ -1667,22 +1667,17 @@ impl Engine {
             if self.ensure_unit(ms, 0, 2 * chunks).is_err() {
                 return Ok(false);
             }
-            // Run by run: pages never made are stepped over whole, so trimming
-            // the unwritten part of a thin volume costs nothing per block.
-            let mut at = full_first;
-            while at < full_end {
-                let (mapped, end) = vol_shared.map.allocation_run(at, full_end);
-                for lba in (at..end).filter(|_| mapped) {
-                    let old = vol_shared.map.load(lba);
-                    if old != UNMAPPED {
-                        vol_shared.map.store(lba, UNMAPPED);
-                        vol_shared.map.take_read(lba);
-                        self.unref(old);
-                        self.space.unmapped(1);
-                        self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
-                    }
+            // Run by run: trimming the unwritten part of a thin volume costs
+            // nothing per block.
+            for lba in vol_shared.map.mapped_runs(full_first, full_end).flatten() {
+                let old = vol_shared.map.load(lba);
+                if old != UNMAPPED {
+                    vol_shared.map.store(lba, UNMAPPED);
+                    vol_shared.map.take_read(lba);
+                    self.unref(old);
+                    self.space.unmapped(1);
+                    self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
                 }
-                at = end;
             }
             let mut lba = full_first;
             while lba < full_end {

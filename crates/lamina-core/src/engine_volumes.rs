@@ -393,12 +393,10 @@ impl Engine {
                 )));
             }
             let map = &vol.shared.map;
-            let (mapped, end) = map.allocation_run(new_blocks, old_blocks);
-            if mapped || end < old_blocks {
-                let at = if mapped { new_blocks } else { end };
+            if let Some(data) = map.mapped_runs(new_blocks, old_blocks).next() {
                 return Err(EngineError::Invalid(format!(
                     "volume {name:?} holds data beyond {size_bytes} bytes (at byte {}); --force discards it",
-                    at * BLOCK_SIZE_U64
+                    data.start * BLOCK_SIZE_U64
                 )));
             }
             // Clients stop addressing the tail, then the map lets it go. Nothing

@@ -531,6 +531,28 @@ impl Map {
         (mapped, at.min(end))
     }
 
+    /// The runs of mapped blocks in `from..to`, in LBA order, found with
+    /// [`Map::allocation_run`] (pages never made are stepped over whole, so a thin
+    /// range costs its pages, not its blocks). Each run is looked for after the
+    /// caller is done with the one before, so the caller may unmap what it is given.
+    pub fn mapped_runs(
+        &self,
+        from: u64,
+        to: u64,
+    ) -> impl Iterator<Item = std::ops::Range<u64>> + '_ {
+        let mut at = from;
+        std::iter::from_fn(move || {
+            while at < to {
+                let (mapped, end) = self.allocation_run(at, to);
+                let start = std::mem::replace(&mut at, end);
+                if mapped {
+                    return Some(start..end);
+                }
+            }
+            None
+        })
+    }
+
     /// The first index in `from..to` of `page` whose entry is not in the `mapped`
     /// state, or `to`: one pass under the page's sequence counter, retried if the
     /// engine changed the page meanwhile (see [`Map::load`]).
@@ -718,6 +740,10 @@ mod tests {
                     run_end == end || is_mapped(run_end) != state,
                     "run from {start} stops early at {run_end}"
                 );
+                // The mapped runs cover exactly the mapped blocks of the range.
+                let runs: Vec<u64> = m.mapped_runs(start, end).flatten().collect();
+                let want: Vec<u64> = (start..end).filter(|&l| is_mapped(l)).collect();
+                assert_eq!(runs, want, "mapped runs of {start}..{end}");
             }
         }
     }

@@ -601,31 +601,22 @@ impl Shared {
             .saturating_add(length)
             .div_ceil(bs)
             .min(vol.map.len());
-        let mut at = offset / bs;
         let mut hinted = 0;
-        while at < end {
-            let (mapped, run_end) = vol.map.allocation_run(at, end);
-            let mut lba = at;
-            while mapped && lba < run_end {
+        for run in vol.map.mapped_runs(offset / bs, end) {
+            let (mut lba, run_end) = (run.start, run.end);
+            while lba < run_end {
                 let e = vol.map.load(lba);
                 let Entry::Device(pba) = decode(e) else {
                     lba += 1;
                     continue;
                 };
                 let (seg, seg_off) = self.geo.split(pba);
-                let mut n = 1u64;
-                while lba + n < run_end
-                    && seg_off as u64 + n < self.geo.segment_blocks as u64
-                    && vol.map.load(lba + n) == e + n as u32
-                {
-                    n += 1;
-                }
+                let n = self.run_from(vol, lba, e, seg_off, run_end - lba);
                 let (dev, byte_off) = self.geo.locate(seg, seg_off);
                 self.devices[dev].prefetch(byte_off, n * bs);
                 hinted += n;
                 lba += n;
             }
-            at = run_end;
         }
         hinted
     }
@@ -680,9 +671,7 @@ impl Shared {
             return None;
         };
         let (seg, seg_off) = self.geo.split(pba);
-        if seg_off as u64 + n > self.geo.segment_blocks as u64
-            || (1..n).any(|k| vol.map.load(first + k) != e + k as u32)
-        {
+        if self.run_from(vol, first, e, seg_off, n) < n {
             return None;
         }
         let (dev, byte_off) = self.geo.locate(seg, seg_off);
@@ -690,12 +679,7 @@ impl Shared {
         // Verifying must not wait for a device either (the caller's thread serves
         // the connection): the unit's checksums must be at hand. Looked up again,
         // under the pin, when the read finishes; a miss then reads the header.
-        if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
-            return None;
-        }
-        let unit_start = self.unit_start_of(pba)?;
-        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
-        self.crc_cache.get(&(seg.0, incarnation, unit_start))?;
+        self.crc_cache.get(&self.unit_key(seg, seg_off)?)?;
         let valid = self.seg_pins.pin_run(seg.0, &vol.map, first, e, n);
         if valid < n {
             if valid > 0 {
@@ -738,15 +722,45 @@ impl Shared {
         if !ok {
             return self.read_blocks(vol, first_lba, buf);
         }
-        let n = (buf.len() / BLOCK_SIZE) as u64;
-        self.read_stats.blocks_read.fetch_add(n, Ordering::Relaxed);
+        self.count_read(vol, first_lba, (buf.len() / BLOCK_SIZE) as u64);
         self.read_stats
             .device_reads_async
             .fetch_add(1, Ordering::Relaxed);
-        if self.track_reads.load(Ordering::Relaxed) {
-            vol.map.mark_read(first_lba, n);
-        }
         Ok(())
+    }
+
+    /// How many blocks from `lba` (whose entry `e` names block `seg_off` of its
+    /// segment), at most `max`, lie one after the other in that segment: the run
+    /// one device read covers.
+    fn run_from(&self, vol: &VolumeShared, lba: u64, e: u32, seg_off: u32, max: u64) -> u64 {
+        let mut n = 1u64;
+        while n < max
+            && seg_off as u64 + n < self.geo.segment_blocks as u64
+            && vol.map.load(lba + n) == e + n as u32
+        {
+            n += 1;
+        }
+        n
+    }
+
+    /// Counts `n` blocks from `lba` read from a device (and marks them read for
+    /// placement, when it tracks reads).
+    fn count_read(&self, vol: &VolumeShared, lba: u64, n: u64) {
+        self.read_stats.blocks_read.fetch_add(n, Ordering::Relaxed);
+        if self.track_reads.load(Ordering::Relaxed) {
+            vol.map.mark_read(lba, n);
+        }
+    }
+
+    /// The checksum-cache key of the unit holding block `seg_off` of `seg`, if
+    /// the segment's unit starts are known without reading (and one precedes it).
+    fn unit_key(&self, seg: SegmentId, seg_off: u32) -> Option<UnitKey> {
+        if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
+            return None;
+        }
+        let unit_start = self.unit_start_of(self.geo.pba(seg, seg_off))?;
+        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
+        Some((seg.0, incarnation, unit_start))
     }
 
     /// Reads whole blocks starting at `first` into `out` (a multiple of 4 KiB).
@@ -808,15 +822,7 @@ impl Shared {
                 }
                 Entry::Device(pba) => {
                     let (seg, seg_off) = self.geo.split(pba);
-                    // Extend over following blocks stored right after this one.
-                    let mut n = 1u64;
-                    while i + n < nblocks
-                        && n < MAX_READ_RUN
-                        && seg_off as u64 + n < self.geo.segment_blocks as u64
-                        && vol.map.load(lba + n) == e + n as u32
-                    {
-                        n += 1;
-                    }
+                    let n = self.run_from(vol, lba, e, seg_off, (nblocks - i).min(MAX_READ_RUN));
                     // Keep the prefix of the run that still points where it did.
                     let valid = self.seg_pins.pin_run(seg.0, &vol.map, lba, e, n);
                     if valid == 0 {
@@ -833,12 +839,7 @@ impl Shared {
                     if !r? {
                         return Ok(false);
                     }
-                    self.read_stats
-                        .blocks_read
-                        .fetch_add(valid, Ordering::Relaxed);
-                    if self.track_reads.load(Ordering::Relaxed) {
-                        vol.map.mark_read(lba, valid);
-                    }
+                    self.count_read(vol, lba, valid);
                     i += valid;
                 }
             }
@@ -857,14 +858,9 @@ impl Shared {
         seg_off: u32,
         dst: &mut [u8],
     ) -> Result<bool, ReadError> {
-        if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
-            return Ok(false);
-        }
-        let Some(unit_start) = self.unit_start_of(self.geo.pba(seg, seg_off)) else {
+        let Some(key @ (_, incarnation, unit_start)) = self.unit_key(seg, seg_off) else {
             return Ok(false);
         };
-        let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
-        let key = (seg.0, incarnation, unit_start);
         if self.crc_cache.get(&key).is_none() {
             // The header is likely at hand too (a miss costs one allocation per
             // unit, not per request).

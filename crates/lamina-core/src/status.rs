@@ -262,12 +262,7 @@ impl Engine {
         };
         StatusReport {
             array_name: self.sb.array_name.clone(),
-            array_uuid: self
-                .sb
-                .array_uuid
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect(),
+            array_uuid: lamina_format::superblock::uuid_hex(&self.sb.array_uuid),
             layout: self.sb.layout.name().into(),
             devices: self.shared.devices[..self.geo.members]
                 .iter()

@@ -91,6 +91,11 @@ impl Layout {
     }
 }
 
+/// A UUID as `lamina status`, `array list` and lamina.toml write it: 32 hex digits.
+pub fn uuid_hex(u: &[u8; 16]) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// One member of the array as every superblock lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceEntry {

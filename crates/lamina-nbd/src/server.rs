@@ -1513,6 +1513,19 @@ fn transmission<B: Backend>(
         });
     };
     let reply = || sink.complete_reads(&mut done.borrow_mut());
+    // Puts what the ring has queued in flight: before anything that may wait.
+    let submit_ring = || {
+        if let Some(g) = ring.borrow_mut().as_mut() {
+            g.submit();
+        }
+    };
+    // Completes and answers every read in flight.
+    let drain_ring = || {
+        if let Some(g) = ring.borrow_mut().as_mut() {
+            g.drain(&mut &finished);
+            reply();
+        }
+    };
     // Waits for one of the ring's reads if any is in flight (true), after starting
     // held commands.
     let wait_ring = || match ring.borrow_mut().as_mut().filter(|g| g.inflight() > 0) {
@@ -1571,9 +1584,7 @@ fn transmission<B: Backend>(
             if req.kind != CMD_READ {
                 // Queued reads go in before anything that may wait (a payload, a
                 // blocking reply, the engine): they are in flight meanwhile.
-                if let Some(g) = ring.borrow_mut().as_mut() {
-                    g.submit();
-                }
+                submit_ring();
             }
             let (offset, len) = (req.offset, req.length as u64);
             // What the request counts as (`None`: disconnect, unknown commands).
@@ -1607,10 +1618,7 @@ fn transmission<B: Backend>(
                     // slices, and ends early when the backend says it no longer
                     // holds (the limits changed, the export went away). Reads in
                     // flight are answered before it.
-                    if let Some(g) = ring.borrow_mut().as_mut() {
-                        g.drain(&mut &finished);
-                        reply();
-                    }
+                    drain_ring();
                     backend.kick();
                     let from = Instant::now();
                     while let Some(left) = wait.checked_sub(from.elapsed()).filter(|l| !l.is_zero())
@@ -1636,9 +1644,7 @@ fn transmission<B: Backend>(
             // not be answered with a simple reply at all).
             let error_reply = |e: u32, why: &str| {
                 count(0, true);
-                if let Some(g) = ring.borrow_mut().as_mut() {
-                    g.submit();
-                }
+                submit_ring();
                 if session.structured {
                     send(writer, &error_chunk(req.handle, e, why))
                 } else {
@@ -1784,9 +1790,7 @@ fn transmission<B: Backend>(
                     if r.buffer().len() < data.len() {
                         // The payload may take a while to arrive.
                         backend.kick();
-                        if let Some(g) = ring.borrow_mut().as_mut() {
-                            g.submit();
-                        }
+                        submit_ring();
                     }
                     if let Err(e) = r.read_exact(&mut data) {
                         sink.budget.release(len);
@@ -1890,10 +1894,7 @@ fn transmission<B: Backend>(
     // Wait for every outstanding command so its reply is sent (or at least its
     // completion consumed) before the connection goes away; commands held back in a
     // burst start now rather than at the backend's next tick.
-    if let Some(g) = ring.borrow_mut().as_mut() {
-        g.drain(&mut &finished);
-        reply();
-    }
+    drain_ring();
     backend.kick();
     for _ in 0..MAX_INFLIGHT {
         let _ = credit_rx.recv();

@@ -6,7 +6,6 @@ use crate::config::{Config, EXPORTED_FILE};
 use crate::labels::{self, Found};
 use crate::{absolute, admin, admin_socket, open_array};
 use anyhow::{bail, Context, Result};
-use lamina_core::recovery::MEMBER_FAILED;
 use lamina_core::OpenMode;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -47,8 +46,7 @@ pub fn list(paths: &[PathBuf], as_json: bool) -> Result<()> {
             sb.generation
         );
         for (i, m) in f.members.iter().enumerate() {
-            let failed = sb.devices.get(i).is_some_and(|d| d.state == MEMBER_FAILED);
-            match (m, failed) {
+            match (m, f.failed(i)) {
                 (Some(p), false) => println!("  member {i:<3} {}", p.display()),
                 (Some(p), true) => println!("  member {i:<3} {} (failed)", p.display()),
                 (None, _) => println!("  member {i:<3} (not found)"),
@@ -91,7 +89,7 @@ fn found_json(f: &Found) -> serde_json::Value {
         "members": f.members.iter().enumerate().map(|(i, m)| json!({
             "index": i,
             "path": m.as_ref().map(|p| p.display().to_string()),
-            "failed": f.reference.devices.get(i).is_some_and(|d| d.state == MEMBER_FAILED),
+            "failed": f.failed(i),
         })).collect::<Vec<_>>(),
         "passed_over": f.passed_over,
     })

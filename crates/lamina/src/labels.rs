@@ -15,10 +15,7 @@ use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 
-/// An array UUID as lamina.toml and `lamina status` write it (32 hex digits).
-pub fn uuid_hex(u: &[u8; 16]) -> String {
-    u.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub use lamina_format::superblock::uuid_hex;
 
 /// The label on `path`: its newest valid superblock, `None` if it has none.
 /// Reads with plain `pread`s (no lock, no O_DIRECT), so it may look at devices
@@ -57,18 +54,18 @@ impl Found {
         self.members.iter().filter(|m| m.is_none()).count()
     }
 
-    /// Members the array must do without: not found, or failed (the array took
-    /// them out of service), each counted once.
+    /// Whether the array took member `i` out of service.
+    pub fn failed(&self, i: usize) -> bool {
+        self.reference
+            .devices
+            .get(i)
+            .is_some_and(|d| d.state == MEMBER_FAILED)
+    }
+
+    /// Members the array must do without: not found, or failed, each counted once.
     pub fn unusable(&self) -> usize {
         (0..self.members.len())
-            .filter(|&i| {
-                self.members[i].is_none()
-                    || self
-                        .reference
-                        .devices
-                        .get(i)
-                        .is_some_and(|d| d.state == MEMBER_FAILED)
-            })
+            .filter(|&i| self.members[i].is_none() || self.failed(i))
             .count()
     }
 

@@ -1151,15 +1151,6 @@ fn array_fail(dir: &Path, device: &str) -> Result<()> {
     Ok(())
 }
 
-/// The id of volume `name` in a status report.
-fn engine_volume_id(st: &lamina_core::StatusReport, name: &str) -> Result<lamina_core::VolumeId> {
-    st.volumes
-        .iter()
-        .find(|v| v.name == name)
-        .map(|v| lamina_core::VolumeId(v.id))
-        .ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))
-}
-
 /// Runs a request against a stopped array (opened read-write, then closed cleanly).
 fn offline(dir: &Path, req: Request) -> Result<()> {
     offline_all(dir, [req])
@@ -1215,11 +1206,11 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
         VolumeCmd::Resize { args, size, force } => {
             let (dir, name) = dir_and_name(args)?;
             let (st, _) = get_status(&dir)?;
-            let old = st
+            let (old, id) = st
                 .volumes
                 .iter()
                 .find(|v| v.name == name)
-                .map(|v| v.size_bytes)
+                .map(|v| (v.size_bytes, lamina_core::VolumeId(v.id)))
                 .ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))?;
             let new = match (size.strip_prefix('+'), size.strip_prefix('-')) {
                 (Some(d), _) => old.checked_add(size_arg("--size", d)?),
@@ -1239,11 +1230,7 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
                 let mut reqs = Vec::new();
                 if force && new < old {
-                    reqs.push(lamina_core::trim_tail(
-                        engine_volume_id(&st, &name)?,
-                        new,
-                        old,
-                    ));
+                    reqs.push(lamina_core::trim_tail(id, new, old));
                 }
                 reqs.push(Request::ResizeVolume {
                     name: name.clone(),
@@ -1270,7 +1257,7 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                     },
                 )?;
             }
-            let section = config::rename_volume_section(&dir.join("lamina.toml"), &name, &new_name)
+            let section = config::rename_volume_section(&Config::path(&dir), &name, &new_name)
                 .context("the volume is renamed, but its section in lamina.toml is not")?;
             println!(
                 "renamed volume {name:?} to {new_name:?}{}",

@@ -120,13 +120,8 @@ pub(super) fn replay(
                     // Run by run, as the engine trims: a trim of a thin volume's
                     // unwritten petabytes costs its pages, not its blocks.
                     let end = start.saturating_add(count).min(v.map.len());
-                    let mut at = start;
-                    while at < end {
-                        let (mapped, run_end) = v.map.allocation_run(at, end);
-                        for lba in (at..run_end).filter(|_| mapped) {
-                            v.map.store(lba, UNMAPPED);
-                        }
-                        at = run_end;
+                    for lba in v.map.mapped_runs(start, end).flatten() {
+                        v.map.store(lba, UNMAPPED);
                     }
                 }
             }
