@@ -19,7 +19,6 @@ use lamina_testkit::{fill_pattern, FlushMark, Oracle, WriteMark, BS};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -217,49 +216,6 @@ fn kill_9_at_random_moments() {
     server.stop();
 }
 
-/// A child process killed on drop.
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// nbdkit with a write-back cache over `backing`, exposed as `fuse/dev`.
-fn cached_device(t: &TempDir, backing: &Path) -> (Proc, Proc) {
-    let (kit, fuse, _) = nbdkit_as_file(
-        t,
-        &[
-            "--filter=cache",
-            "file",
-            backing.to_str().unwrap(),
-            "cache=writeback",
-        ],
-    );
-    (Proc(kit), Proc(fuse))
-}
-
-/// Unmounts `t/fuse`. A killed server's io_uring requests on the file are torn
-/// down in the background (they end when nbdfuse answers them), and the mount is
-/// busy until then: retry for a while.
-fn unmount(t: &TempDir) {
-    let t0 = std::time::Instant::now();
-    while !Command::new("fusermount3")
-        .arg("-u")
-        .arg(t.join("fuse"))
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-        && t0.elapsed() < Duration::from_secs(10)
-        && std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap_or_default()
-            .contains(t.join("fuse").to_str().unwrap())
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn power_cut_through_nbdkit_writeback_cache() {
     if !need(
@@ -320,7 +276,7 @@ fn power_cut_through_nbdkit_writeback_cache() {
         killer.join().unwrap();
         server.kill9();
         drop(kit);
-        unmount(&t);
+        unmount_fuse(&t);
         drop(fuse);
         // Power back on: a fresh cache over what reached the backing file.
         let before = std::fs::read(&backing).unwrap();
@@ -332,7 +288,7 @@ fn power_cut_through_nbdkit_writeback_cache() {
     }
     let _ = lost_something;
     drop(stack);
-    unmount(&t);
+    unmount_fuse(&t);
 }
 
 /// With multi-conn, a flush on one connection covers writes completed on all of
@@ -392,7 +348,7 @@ impl CutMember {
     fn stop(&mut self) {
         for ((kit, fuse), (d, _)) in self.stacks.drain(..).zip(&self.files) {
             drop(kit);
-            unmount(d);
+            unmount_fuse(d);
             drop(fuse);
         }
     }

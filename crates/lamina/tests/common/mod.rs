@@ -36,7 +36,7 @@ pub fn need(test: &str, tools: &[&str], root: bool) -> bool {
     if missing.is_empty() {
         return true;
     }
-    let msg = format!("{test}: needs {} (install: apt-get install fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs openssl man-db)", missing.join(", "));
+    let msg = format!("{test}: needs {} (install: apt-get install fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs openssl man-db postgresql)", missing.join(", "));
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("{msg}");
     }
@@ -356,4 +356,164 @@ pub fn noise(seed: u64, len: usize) -> Vec<u8> {
             (x >> 24) as u8 | 1
         })
         .collect()
+}
+
+/// A child process killed on drop.
+pub struct Proc(pub Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// nbdkit with a write-back cache over `backing`, exposed as `fuse/dev`.
+pub fn cached_device(t: &TempDir, backing: &Path) -> (Proc, Proc) {
+    let (kit, fuse, _) = nbdkit_as_file(
+        t,
+        &[
+            "--filter=cache",
+            "file",
+            backing.to_str().unwrap(),
+            "cache=writeback",
+        ],
+    );
+    (Proc(kit), Proc(fuse))
+}
+
+/// Unmounts `t/fuse`. A killed server's io_uring requests on the file are torn
+/// down in the background (they end when nbdfuse answers them), and the mount is
+/// busy until then: retry for a while.
+pub fn unmount_fuse(t: &TempDir) {
+    let t0 = std::time::Instant::now();
+    while !Command::new("fusermount3")
+        .arg("-u")
+        .arg(t.join("fuse"))
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+        && t0.elapsed() < Duration::from_secs(10)
+        && std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .contains(t.join("fuse").to_str().unwrap())
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// nbdfuse + loop device + mount point, torn down in reverse order on drop.
+pub struct Stack {
+    fuse_dir: PathBuf,
+    nbdfuse: Option<Child>,
+    loopdev: Option<String>,
+    mounted: Option<PathBuf>,
+}
+
+impl Stack {
+    pub fn attach(uri: &str, fuse_dir: &Path) -> Stack {
+        std::fs::create_dir_all(fuse_dir).unwrap();
+        let child = Command::new("nbdfuse")
+            .arg(fuse_dir.join("disk"))
+            .arg(uri)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("nbdfuse");
+        let mut s = Stack {
+            fuse_dir: fuse_dir.to_path_buf(),
+            nbdfuse: Some(child),
+            loopdev: None,
+            mounted: None,
+        };
+        let t0 = Instant::now();
+        while !fuse_dir.join("disk").exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "nbdfuse did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let dev = run(
+            "losetup",
+            &["-f", "--show", fuse_dir.join("disk").to_str().unwrap()],
+        );
+        s.loopdev = Some(dev.trim().to_string());
+        s
+    }
+    pub fn dev(&self) -> &str {
+        self.loopdev.as_deref().unwrap()
+    }
+    pub fn mount(&mut self, at: &Path) {
+        self.mount_with(at, "defaults");
+    }
+    pub fn mount_with(&mut self, at: &Path, options: &str) {
+        std::fs::create_dir_all(at).unwrap();
+        run("mount", &["-o", options, self.dev(), at.to_str().unwrap()]);
+        self.mounted = Some(at.to_path_buf());
+    }
+    pub fn unmount(&mut self) {
+        if let Some(m) = self.mounted.take() {
+            run("umount", &[m.to_str().unwrap()]);
+        }
+    }
+    pub fn detach(&mut self) {
+        self.unmount();
+        if let Some(d) = self.loopdev.take() {
+            run("losetup", &["-d", &d]);
+        }
+        if let Some(mut c) = self.nbdfuse.take() {
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.fuse_dir)
+                .status();
+            let t0 = Instant::now();
+            while c.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Stack {
+    /// A power cut seen from above: the NBD client dies first (kill -9), then the
+    /// file system is detached lazily and the loop device let go. Whatever the
+    /// kernel still held for them is lost, as it would be with the machine's power.
+    pub fn cut(&mut self) {
+        if let Some(mut c) = self.nbdfuse.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(m) = self.mounted.take() {
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+        if let Some(d) = self.loopdev.take() {
+            let _ = Command::new("losetup").args(["-d", &d]).status();
+        }
+        let _ = Command::new("fusermount3")
+            .args(["-u", "-z"])
+            .arg(&self.fuse_dir)
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if let Some(m) = self.mounted.take() {
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+        if let Some(d) = self.loopdev.take() {
+            let _ = Command::new("losetup").args(["-d", &d]).status();
+        }
+        if let Some(mut c) = self.nbdfuse.take() {
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.fuse_dir)
+                .status();
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
