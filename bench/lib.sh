@@ -20,3 +20,25 @@ bench_cleanup() {
   wait 2>/dev/null || true
   rm -rf "$work"
 }
+
+# lamina_configure DIR: adds the lines in LAMINA_ENGINE and LAMINA_SERVE to the
+# [engine] and [serve] sections of the array in DIR (a key given replaces the one there).
+lamina_configure() { # dir
+  [ -z "${LAMINA_ENGINE:-}${LAMINA_SERVE:-}" ] && return 0
+  python3 - "$1/lamina.toml" <<'PY'
+import os, re, sys
+p = sys.argv[1]
+s = open(p).read()
+for section, var in (("engine", "LAMINA_ENGINE"), ("serve", "LAMINA_SERVE")):
+    lines = os.environ.get(var, "")
+    head = "\n[" + section + "]\n"
+    # A key given here replaces the one `array create` wrote.
+    for l in lines.splitlines():
+        k = l.split("=")[0].strip()
+        s = re.sub(r"(?m)^" + re.escape(k) + r"\s*=.*\n", "", s)
+    assert head in s, (p, section)
+    if lines and lines not in s:
+        s = s.replace(head, head + lines + "\n", 1)
+open(p, "w").write(s)
+PY
+}

@@ -54,28 +54,8 @@ lamina="$here/target/release/lamina"
 source "$here/bench/lib.sh"
 bench_workdir $shm lamina-bench
 
-# Applies LAMINA_ENGINE and LAMINA_SERVE to the array in DIR.
-configure() { # dir
-  [ -z "${LAMINA_ENGINE:-}${LAMINA_SERVE:-}" ] && return 0
-  python3 - "$1/lamina.toml" <<'PY'
-import os, re, sys
-p = sys.argv[1]
-s = open(p).read()
-for section, var in (("engine", "LAMINA_ENGINE"), ("serve", "LAMINA_SERVE")):
-    lines = os.environ.get(var, "")
-    head = "\n[" + section + "]\n"
-    # A key given here replaces the one `array create` wrote.
-    for l in lines.splitlines():
-        k = l.split("=")[0].strip()
-        s = re.sub(r"(?m)^" + re.escape(k) + r"\s*=.*\n", "", s)
-    assert head in s, (p, section)
-    if lines and lines not in s:
-        s = s.replace(head, head + lines + "\n", 1)
-open(p, "w").write(s)
-PY
-}
 start_lamina() { # dir
-  configure "$1"
+  lamina_configure "$1"
   "$lamina" serve "$1" --unix "$1/nbd.sock" >"$1/serve.out" 2>"$1/serve.err" &
   pids+=($!)
   for _ in $(seq 100); do [ -S "$1/nbd.sock" ] && return 0; sleep 0.1; done

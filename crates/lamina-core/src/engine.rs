@@ -80,6 +80,10 @@ pub struct EngineConfig {
     /// one step above; user writes stop at `user_floor_segments`.
     pub gc_start_segments: Option<usize>,
     pub user_floor_segments: Option<usize>,
+    /// Pace user writes to GC between the start watermark and the floor (SALSA
+    /// 2.7, CSAL's user-write limiter): see [`crate::engine_gc`]. Off (the
+    /// default): they run at full speed until the floor stops them.
+    pub gc_pacing: bool,
     /// SepBIT's trigger: GC also runs while garbage (dead blocks) exceeds this
     /// fraction of the blocks stored in closed and open segments (SepBIT: 0.15).
     pub gc_garbage_ratio: Option<f64>,
@@ -123,6 +127,7 @@ impl Default for EngineConfig {
             enforce_capacity: true,
             gc_start_segments: None,
             user_floor_segments: None,
+            gc_pacing: false,
             gc_garbage_ratio: None,
             gc_read_gap_blocks: 0,
             geometry_aware: None,
@@ -1419,7 +1424,7 @@ impl Engine {
         while first_lba + *done <= last_lba {
             let lba = first_lba + *done;
             let stream = self.user_stream_for(*volume, lba, &mut class_slot);
-            if self.ensure_unit(stream, 1, 0).is_err() {
+            if self.ensure_unit(stream, 1, 0).is_err() || !self.user_block_paced() {
                 self.user_block_held();
                 if let Pending::Write { class, .. } = p {
                     *class = class_slot;
@@ -1467,7 +1472,7 @@ impl Engine {
         while *done < *count {
             let b = *lba + *done;
             let stream = self.user_stream_for(*volume, b, class);
-            if self.ensure_unit(stream, 1, 0).is_err() {
+            if self.ensure_unit(stream, 1, 0).is_err() || !self.user_block_paced() {
                 self.user_block_held();
                 return Ok(false);
             }

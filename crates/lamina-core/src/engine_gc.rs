@@ -8,8 +8,24 @@
 //! (colder) data does not mix with fresh writes. When the victim holds nothing live it
 //! enters the release protocol like any emptied segment.
 //!
-//! User writes are only held back when free segments reach the floor; between the
-//! floor and the start watermark they run alongside GC.
+//! **Pacing** (SALSA 2.7, CSAL's user-write limiter; `gc_pacing`, off by default:
+//! docs/design.md, "Pacing", has what it costs).
+//! Between the start watermark and the floor, user blocks are let through against
+//! credit GC earns as it moves a victim's live blocks, instead of running at full
+//! speed until the floor stops them all at once. A victim with `live` of its
+//! `blocks` live gains `blocks - live` free blocks for `live` moved, so each moved
+//! block earns `(blocks - live) / live` blocks of credit (a victim with nothing
+//! live earns its `blocks` at once), scaled by how far free space is above the
+//! floor: with `d` free segments above the floor in a band of `w` (start - floor),
+//! the scale is `2 d / w`, below 1 in the lower half of the band (GC gains on the
+//! writes) and up to 2 just below the start (little held back); free space levels
+//! off in the middle when GC can keep up at all. From the moment GC takes a victim
+//! (reading its owners included) until it is done, user writes need credit: they
+//! slow smoothly as GC falls behind rather than stopping at a watermark (the floor
+//! can still be reached: segments GC empties become free only once released, after
+//! the next sync). Credit is capped at one write unit, so that an idle spell does
+//! not bank a burst; with GC idle nothing is held, and at the floor the floor rules
+//! as before.
 
 use crate::engine::{Engine, Purpose, SegState};
 use crate::gc::Candidate;
@@ -39,6 +55,13 @@ pub(crate) struct GcState {
     /// did (each wait counted once, however long it lasts).
     held_at_floor: bool,
     pub floor_waits: u64,
+    /// Pacing: user blocks that may be written now, and what each block GC moves
+    /// earns for the current victim before scaling (see the module's comment).
+    credit: f64,
+    earn_per_block: f64,
+    /// Whether user writes wait for credit now, and how many times they did.
+    held_for_credit: bool,
+    pub pace_waits: u64,
 }
 
 #[derive(Default)]
@@ -473,9 +496,45 @@ impl Engine {
         }
     }
 
-    /// A user block was written: a wait at the floor, if any, is over.
+    /// A user block was written: a wait at the floor or for credit, if any, is over.
     pub(crate) fn user_block_written(&mut self) {
         self.gc.held_at_floor = false;
+        self.gc.held_for_credit = false;
+    }
+
+    /// Pacing: whether one more user block may be written now (taking its credit).
+    pub(crate) fn user_block_paced(&mut self) -> bool {
+        if !self.cfg.gc_pacing || self.gc.is_idle() {
+            return true;
+        }
+        let free = self.segments.free.len();
+        if free >= self.gc_start_segments() || free <= self.user_floor() {
+            return true;
+        }
+        if self.gc.credit >= 1.0 {
+            self.gc.credit -= 1.0;
+            return true;
+        }
+        if !self.gc.held_for_credit {
+            self.gc.held_for_credit = true;
+            self.gc.pace_waits += 1;
+        }
+        false
+    }
+
+    /// Pacing: credit for `freed` blocks GC has just gained (net of what it moved).
+    fn earn_credit(&mut self, freed: f64) {
+        let (floor, start) = (self.user_floor(), self.gc_start_segments());
+        let free = self.segments.free.len();
+        if free >= start || free <= floor {
+            return;
+        }
+        let (d, w) = ((free - floor) as f64, (start - floor) as f64);
+        // Below 1 in the lower half of the band (GC gains on the writes), up to 2
+        // just below the start (little held back).
+        let scale = 2.0 * d / w;
+        let cap = self.geo.unit_data_max as f64;
+        self.gc.credit = (self.gc.credit + freed * scale).min(cap);
     }
 
     /// The victim is still the closed segment incarnation GC started on.
@@ -485,6 +544,11 @@ impl Engine {
     }
 
     fn gc_start_relocation(&mut self, seg: u32, incarnation: u64, live: Vec<(Pba, RawRecord)>) {
+        let blocks = self.geo.segment_blocks as f64;
+        self.gc.earn_per_block = (blocks - live.len() as f64).max(0.0) / live.len().max(1) as f64;
+        if live.is_empty() {
+            self.earn_credit(blocks);
+        }
         self.gc.phase = Phase::Relocate {
             seg,
             incarnation,
@@ -636,6 +700,7 @@ impl Engine {
         let mut batch_local = std::mem::take(batch);
         let (mut rp, mut bp) = (*run_pos, *block_pos);
         let mut blocked = false;
+        let mut moved = 0usize;
         'runs: while rp < batch_local.len() {
             let run = &batch_local[rp];
             while bp < run.count {
@@ -710,6 +775,7 @@ impl Engine {
                             o.add(Origins::slot(offset, self.geo.segment_blocks), from.at);
                         }
                         self.counters.gc_blocks += 1;
+                        moved += 1;
                         self.blocks_since_checkpoint =
                             self.blocks_since_checkpoint.saturating_sub(1);
                         if let Some(v) = self.volumes[volume as usize].as_mut() {
@@ -739,6 +805,7 @@ impl Engine {
             rp += 1;
             bp = 0;
         }
+        self.earn_credit(moved as f64 * self.gc.earn_per_block);
         if blocked {
             if let Phase::Relocate {
                 live,

@@ -113,6 +113,9 @@ pub struct StatusReport {
     /// Times user writes waited at the user floor for a segment to be freed
     /// (GC, or the release of what it emptied, fell behind the writes).
     pub gc_floor_waits: u64,
+    /// Times user writes waited for GC to earn them room (pacing, between the start
+    /// watermark and the floor).
+    pub gc_pace_waits: u64,
     pub flushes: u64,
     pub syncs: u64,
     pub checkpoints: u64,
@@ -306,6 +309,7 @@ impl Engine {
             gc_policy: self.cfg.gc_policy.clone(),
             gc_victims: self.gc.victims,
             gc_floor_waits: self.gc.floor_waits,
+            gc_pace_waits: self.gc.pace_waits,
             flushes: c.flushes,
             syncs: c.syncs,
             checkpoints: c.checkpoints,

@@ -363,6 +363,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         gc_policy: s["gc_policy"].as_str().unwrap_or("").into(),
         gc_victims: u("gc_victims"),
         gc_floor_waits: u("gc_floor_waits"),
+        gc_pace_waits: u("gc_pace_waits"),
         flushes: u("flushes"),
         syncs: u("syncs"),
         checkpoints: u("checkpoints"),

@@ -139,6 +139,10 @@ pub struct EngineSection {
     /// Geometry-aware placement: GC moves blocks read since they were written to
     /// the outermost free segments (default: on for zoned arrays).
     pub geometry_aware: Option<bool>,
+    /// Pace user writes to garbage collection once it runs (default false): they
+    /// slow smoothly as GC falls behind instead of stopping at the floor, for
+    /// some throughput and write amplification (docs/design.md, "Pacing").
+    pub gc_pacing: Option<bool>,
     /// Discard free segments (TRIM, holes in files); default true.
     pub discard: Option<bool>,
     /// Milliseconds a segment stays free before it is discarded (default 30000);
@@ -527,6 +531,9 @@ impl Config {
         c.geometry_aware = self.engine.geometry_aware;
         if let Some(d) = self.engine.discard {
             c.discard = d;
+        }
+        if let Some(p) = self.engine.gc_pacing {
+            c.gc_pacing = p;
         }
         if let Some(ms) = self.engine.discard_delay_ms {
             c.discard_delay_ms = ms;

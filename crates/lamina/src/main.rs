@@ -218,7 +218,8 @@ With --json the keys are a stable interface: capacity_bytes, usable_bytes,
 live_bytes, segment_count, used_segments, free_segments, user_bytes_written,
 media_bytes_written, gc_bytes_relocated, metadata_bytes_written,
 write_amplification, gc_floor_waits (times user writes waited at the user floor
-for garbage collection to free a segment), and volumes[] with the same per-volume keys (plus classes[]
+for garbage collection to free a segment), gc_pace_waits (times they waited for GC
+to earn them room, between its start watermark and the floor), and volumes[] with the same per-volume keys (plus classes[]
 per heat class). Arrays: array.members[] (index, name, state ok/failed/rebuilding,
 bytes_written, bytes_read, read_errors, rebuild_progress), array.redundancy_left,
 array.wear_spread, pad_bytes_written, blocks_rebuilt_from_parity,

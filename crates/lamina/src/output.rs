@@ -53,6 +53,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "gc_policy": s.gc_policy,
         "gc_victims": s.gc_victims,
         "gc_floor_waits": s.gc_floor_waits,
+        "gc_pace_waits": s.gc_pace_waits,
         "flushes": s.flushes,
         "syncs": s.syncs,
         "checkpoints": s.checkpoints,
@@ -184,8 +185,8 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
         s.gc_victims
     );
     o += &format!(
-        "  user writes waited at the floor for a free segment {} times\n",
-        s.gc_floor_waits
+        "  user writes waited for GC: paced {} times, at the floor for a free segment {} times\n",
+        s.gc_pace_waits, s.gc_floor_waits
     );
     o += &format!(
         "  checkpoints {} (generation {}), flushes {}, syncs {}, corrupt blocks {}, read checksum errors {}\n",
@@ -380,7 +381,7 @@ pub fn metrics_text(s: &StatusReport) -> String {
     );
     let help = "Segments in the free queue.";
     e.one("free_segments", "gauge", help, s.free_segments as f64);
-    let counters: [(&str, &str, u64); 12] = [
+    let counters: [(&str, &str, u64); 13] = [
         (
             "user_bytes_written_total",
             "Bytes written by clients.",
@@ -408,6 +409,11 @@ pub fn metrics_text(s: &StatusReport) -> String {
             "gc_floor_waits_total",
             "Times user writes waited at the user floor for a free segment.",
             s.gc_floor_waits,
+        ),
+        (
+            "gc_pace_waits_total",
+            "Times user writes waited for GC to earn them room (pacing).",
+            s.gc_pace_waits,
         ),
         (
             "corrupt_blocks_total",
