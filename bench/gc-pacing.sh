@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GC pacing (issue 12, item 5): user writes slowed smoothly as GC falls behind
-# (`[engine] gc_pacing = true`, the default) against running at full speed until the
-# user floor stops them (`gc_pacing = false`), in alternating runs.
+# (`[engine] gc_pacing = true`) against running at full speed until the user floor
+# stops them (`gc_pacing = false`, the default), in alternating runs.
 #
 # Each run: a fresh array on one file of 2 GiB (or the emulated drive, below), a
 # volume at 80% of its usable capacity written once and then overwritten randomly
@@ -50,8 +50,11 @@ print(round(j["iops"]), *(round(p[q] / 1000) for q in ("50.000000", "99.000000",
 }
 waits() { "$lamina" status "$1" --json | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["gc_pace_waits"], j["gc_floor_waits"])'; }
 
-run() { # pacing(true|false) -> "iops p50 p99 p99.9 max r99 r99.9 pace_waits floor_waits"
-  local d="$work/arr" pid usable vol uri w r pw0 fw0 pw1 fw1 epid=
+# run PACING: sets $result to "iops p50 p99 p99.9 max r99 r99.9 pace_waits floor_waits"
+# (not printed: in a command substitution set -e would not apply, and the pids
+# the EXIT trap needs would be lost).
+run() {
+  local d="$work/arr" pid usable vol uri w r pw0 fw0 pw1 fw1 epid="" fpid=""
   rm -rf "$d"
   if [ $qlc = 1 ]; then
     "$lamina" emulate --ssd qlc,capacity=1G,channels=8,dies=4 --backing "$work/qlc.img" --unix "$work/qlc.sock" \
@@ -60,7 +63,8 @@ run() { # pacing(true|false) -> "iops p50 p99 p99.9 max r99 r99.9 pace_waits flo
     for _ in $(seq 100); do [ -S "$work/qlc.sock" ] && break; sleep 0.1; done
     mkdir -p "$work/fuse"
     nbdfuse "$work/fuse/dev" "nbd+unix:///ssd?socket=$work/qlc.sock" >/dev/null 2>&1 &
-    pids+=($!)
+    fpid=$!
+    pids+=($epid $fpid)
     for _ in $(seq 100); do [ -e "$work/fuse/dev" ] && break; sleep 0.1; done
     "$lamina" array create "$d" --device "$work/fuse/dev" >/dev/null
   else
@@ -88,21 +92,22 @@ run() { # pacing(true|false) -> "iops p50 p99 p99.9 max r99 r99.9 pace_waits flo
   read -r pw1 fw1 <<<"$(waits "$d")"
   kill -TERM $pid; wait $pid 2>/dev/null || true
   if [ -n "$epid" ]; then
-    fusermount3 -u "$work/fuse"
+    fusermount3 -u "$work/fuse" || fusermount3 -u -z "$work/fuse"
+    wait "$fpid" 2>/dev/null || true
     kill -INT "$epid"; wait "$epid" 2>/dev/null || true
   fi
-  wait 2>/dev/null || true
   pids=()
   rm -rf "$d" "$d.img" "$work/qlc.img" "$work/qlc.sock"
   read -r _ _ r99 r999 _ <<<"$r"
-  echo "$w $r99 $r999 $((pw1 - pw0)) $((fw1 - fw0))"
+  result="$w $r99 $r999 $((pw1 - pw0)) $((fw1 - fw0))"
 }
 
 declare -A res
 modes=${MODES:-true false}
 for i in $(seq "$rounds"); do
   for p in $modes; do
-    res[$p,$i]=$(run $p)
+    run $p
+    res[$p,$i]=$result
     echo "round $i gc_pacing=$p: ${res[$p,$i]}" >&2
   done
 done

@@ -148,9 +148,11 @@ qlc_drive() {
   uri="nbd+unix:///ssd?socket=$work/row/qlc.sock"
   fio --name=fill --ioengine=nbd --uri="$uri" --bs=1m --iodepth=16 --rw=write >/dev/null 2>&1
 }
+# qlc_wa: stops the drive and sets wa[$row] from its exit counters (not in a
+# command substitution: the subshell could not wait for the drive).
 qlc_wa() {
   kill -INT "$qlc_pid"; wait "$qlc_pid" || true
-  tail -1 "$work/row/qlc.out" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(round(j["write_amplification"],2))' 2>/dev/null || echo "-"
+  wa[$row]=$(tail -1 "$work/row/qlc.out" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(round(j["write_amplification"],2))' 2>/dev/null || echo "-")
 }
 
 declare -A tps lat wa
@@ -178,7 +180,7 @@ for row in $rows; do
     qlc-raw)
       qlc_drive
       pg_on_uri $row "$uri"
-      wa[$row]=$(qlc_wa)
+      qlc_wa
       ;;
     qlc-lamina)
       qlc_drive
@@ -188,7 +190,7 @@ for row in $rows; do
       # Lamina first (it flushes and checkpoints onto the drive), then the drive.
       kill -INT "$lamina_pid"; wait "$lamina_pid" || true
       fusermount3 -u "$work/fuse-qlc"
-      wa[$row]=$(qlc_wa)
+      qlc_wa
       ;;
     *) echo "bench: unknown row $row" >&2; exit 2 ;;
   esac

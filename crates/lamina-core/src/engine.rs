@@ -1295,10 +1295,12 @@ impl Engine {
     /// Moves everything along as far as resources allow.
     pub(crate) fn progress(&mut self) {
         for _ in 0..4 {
+            // GC's credit and phase too: writes held by pacing go on once it changes.
             let before = (
                 self.pending.len(),
                 self.io_out.len(),
                 self.segments.free.len(),
+                self.gc_progress_mark(),
             );
             self.progress_pending();
             self.close_stale_segments();
@@ -1312,6 +1314,7 @@ impl Engine {
                 self.pending.len(),
                 self.io_out.len(),
                 self.segments.free.len(),
+                self.gc_progress_mark(),
             ) == before
             {
                 break;
@@ -1424,7 +1427,9 @@ impl Engine {
         while first_lba + *done <= last_lba {
             let lba = first_lba + *done;
             let stream = self.user_stream_for(*volume, lba, &mut class_slot);
-            if self.ensure_unit(stream, 1, 0).is_err() || !self.user_block_paced() {
+            // Pacing is asked first: a held block must not take a buffer or open a
+            // segment (GC may need the buffer to earn the credit).
+            if self.held_for_credit() || self.ensure_unit(stream, 1, 0).is_err() {
                 self.user_block_held();
                 if let Pending::Write { class, .. } = p {
                     *class = class_slot;
@@ -1450,6 +1455,7 @@ impl Engine {
                 block[a..b].copy_from_slice(&data[so..so + (b - a)]);
                 &block
             };
+            self.spend_credit();
             self.append_user(stream, *volume, lba, Some(data_slice), &mut class_slot);
             *done += 1;
         }
@@ -1472,10 +1478,13 @@ impl Engine {
         while *done < *count {
             let b = *lba + *done;
             let stream = self.user_stream_for(*volume, b, class);
-            if self.ensure_unit(stream, 1, 0).is_err() || !self.user_block_paced() {
+            // Pacing is asked first: a held block must not take a buffer or open a
+            // segment (GC may need the buffer to earn the credit).
+            if self.held_for_credit() || self.ensure_unit(stream, 1, 0).is_err() {
                 self.user_block_held();
                 return Ok(false);
             }
+            self.spend_credit();
             self.append_user(stream, *volume, b, None, class);
             *done += 1;
         }

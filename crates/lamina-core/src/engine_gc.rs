@@ -502,24 +502,41 @@ impl Engine {
         self.gc.held_for_credit = false;
     }
 
-    /// Pacing: whether one more user block may be written now (taking its credit).
-    pub(crate) fn user_block_paced(&mut self) -> bool {
-        if !self.cfg.gc_pacing || self.gc.is_idle() {
-            return true;
-        }
+    /// What pacing's holds depend on besides free space: whether GC is idle, and
+    /// its credit (as bits, to compare exactly).
+    pub(crate) fn gc_progress_mark(&self) -> (bool, u64) {
+        (self.gc.is_idle(), self.gc.credit.to_bits())
+    }
+
+    /// Pacing: whether user blocks need credit now.
+    fn pacing(&self) -> bool {
         let free = self.segments.free.len();
-        if free >= self.gc_start_segments() || free <= self.user_floor() {
-            return true;
-        }
-        if self.gc.credit >= 1.0 {
-            self.gc.credit -= 1.0;
-            return true;
+        self.cfg.gc_pacing
+            && !self.gc.is_idle()
+            && free < self.gc_start_segments()
+            && free > self.user_floor()
+    }
+
+    /// Pacing: whether the next user block must wait for credit (counted once per
+    /// wait). Asked before the block takes a buffer or a segment.
+    pub(crate) fn held_for_credit(&mut self) -> bool {
+        if !self.pacing() || self.gc.credit >= 1.0 {
+            return false;
         }
         if !self.gc.held_for_credit {
             self.gc.held_for_credit = true;
             self.gc.pace_waits += 1;
         }
-        false
+        true
+    }
+
+    /// Pacing: a user block is being written; it takes its credit. Opening its
+    /// segment may have brought the free count into the band since the check, so
+    /// the credit may go below zero: the blocks after it repay it.
+    pub(crate) fn spend_credit(&mut self) {
+        if self.pacing() {
+            self.gc.credit -= 1.0;
+        }
     }
 
     /// Pacing: credit for `freed` blocks GC has just gained (net of what it moved).

@@ -85,10 +85,25 @@ impl Postgres {
 
     fn client(&self, tool: &str) -> Command {
         let mut c = Command::new(self.bin.join(tool));
+        self.connect(&mut c);
+        c
+    }
+
+    /// A client that is killed after `secs` seconds: a server that hangs (the
+    /// stack under test) fails the test instead of holding CI to its limit.
+    fn client_within(&self, secs: u32, tool: &str) -> Command {
+        let mut c = Command::new("timeout");
+        c.args(["-k", "10", &secs.to_string()])
+            .arg(self.bin.join(tool));
+        self.connect(&mut c);
+        c
+    }
+
+    fn connect(&self, c: &mut Command) {
         c.arg("-h")
             .arg(&self.sock)
-            .args(["-p", "5432", "-U", "postgres"]);
-        c
+            .args(["-p", "5432", "-U", "postgres"])
+            .env("PGCONNECT_TIMEOUT", "10");
     }
 
     fn initdb(&self) {
@@ -155,6 +170,8 @@ impl Postgres {
                 return;
             }
             if let Some(st) = self.server.as_mut().unwrap().try_wait().unwrap() {
+                // Reaped: its pid may be reused, so Drop must not signal it.
+                self.server = None;
                 panic!("postgres exited ({st}) at start:\n{}", self.log_tail());
             }
             assert!(
@@ -168,7 +185,7 @@ impl Postgres {
 
     fn sql(&self, query: &str) -> Result<String, String> {
         let out = self
-            .client("psql")
+            .client_within(300, "psql")
             .args([
                 "-X",
                 "-A",
@@ -252,7 +269,7 @@ fn check_database(pg: &Postgres, seen_committed: u64, round: usize) -> u64 {
          power cut, {committed} survived it"
     );
     let out = pg
-        .client("pg_amcheck")
+        .client_within(600, "pg_amcheck")
         .args(["--install-missing", "--heapallindexed", "--parent-check"])
         .arg("postgres")
         .output()
@@ -363,7 +380,7 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
     pg.initdb();
     pg.start();
     let out = pg
-        .client("pgbench")
+        .client_within(600, "pgbench")
         .args(["-i", "-q", "-s", "2", "postgres"])
         .output()
         .expect("pgbench -i");

@@ -395,7 +395,7 @@ pub fn unmount_fuse(t: &TempDir) {
         && t0.elapsed() < Duration::from_secs(10)
         && std::fs::read_to_string("/proc/self/mountinfo")
             .unwrap_or_default()
-            .contains(t.join("fuse").to_str().unwrap())
+            .contains(&format!(" {} ", t.join("fuse").display()))
     {
         std::thread::sleep(Duration::from_millis(20));
     }
