@@ -60,12 +60,12 @@ run() {
     "$lamina" emulate --ssd qlc,capacity=1G,channels=8,dies=4 --backing "$work/qlc.img" --unix "$work/qlc.sock" \
       >/dev/null 2>&1 &
     epid=$!
-    for _ in $(seq 100); do [ -S "$work/qlc.sock" ] && break; sleep 0.1; done
+    wait_sock "$work/qlc.sock"
     mkdir -p "$work/fuse"
     nbdfuse "$work/fuse/dev" "nbd+unix:///ssd?socket=$work/qlc.sock" >/dev/null 2>&1 &
     fpid=$!
     pids+=($epid $fpid)
-    for _ in $(seq 100); do [ -e "$work/fuse/dev" ] && break; sleep 0.1; done
+    wait_file "$work/fuse/dev"
     "$lamina" array create "$d" --device "$work/fuse/dev" >/dev/null
   else
     "$lamina" array create "$d" --device "$d.img:2G" >/dev/null
@@ -77,7 +77,7 @@ run() {
   "$lamina" serve "$d" --unix "$d/nbd.sock" >"$work/serve.out" 2>"$work/serve.err" &
   pid=$!
   pids+=($pid)
-  for _ in $(seq 100); do [ -S "$d/nbd.sock" ] && break; sleep 0.1; done
+  wait_sock "$d/nbd.sock"
   uri="nbd+unix:///vol?socket=$d/nbd.sock"
   fio --name=fill --ioengine=nbd --uri="$uri" --bs=1m --iodepth=8 --rw=write --size="$vol" >/dev/null 2>&1
   fio --name=age --ioengine=nbd --uri="$uri" --bs=4k --iodepth=32 --rw=randwrite --size="$vol" \

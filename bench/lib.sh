@@ -42,3 +42,8 @@ for section, var in (("engine", "LAMINA_ENGINE"), ("serve", "LAMINA_SERVE")):
 open(p, "w").write(s)
 PY
 }
+
+# wait_sock PATH / wait_file PATH: wait up to 30 s for a socket / any file to appear
+# (a server's or nbdfuse's); the script stops if it does not.
+wait_sock() { for _ in $(seq 300); do [ -S "$1" ] && return; sleep 0.1; done; echo "bench: $1 did not appear" >&2; exit 1; }
+wait_file() { for _ in $(seq 300); do [ -e "$1" ] && return; sleep 0.1; done; echo "bench: $1 did not appear" >&2; exit 1; }

@@ -66,8 +66,6 @@ cleanup() {
 trap cleanup EXIT
 bytes() { numfmt --from=iec "$1"; }
 
-wait_sock() { for _ in $(seq 300); do [ -S "$1" ] && return; sleep 0.1; done; echo "bench: $1 did not appear" >&2; exit 1; }
-wait_file() { for _ in $(seq 300); do [ -e "$1" ] && return; sleep 0.1; done; echo "bench: $1 did not appear" >&2; exit 1; }
 
 # Functions that start processes set globals rather than print: a command
 # substitution would run them in a subshell and lose the pids.

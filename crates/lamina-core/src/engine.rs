@@ -1427,10 +1427,7 @@ impl Engine {
         while first_lba + *done <= last_lba {
             let lba = first_lba + *done;
             let stream = self.user_stream_for(*volume, lba, &mut class_slot);
-            // Pacing is asked first: a held block must not take a buffer or open a
-            // segment (GC may need the buffer to earn the credit).
-            if self.held_for_credit() || self.ensure_unit(stream, 1, 0).is_err() {
-                self.user_block_held();
+            if !self.room_for_user_block(stream) {
                 if let Pending::Write { class, .. } = p {
                     *class = class_slot;
                 }
@@ -1478,10 +1475,7 @@ impl Engine {
         while *done < *count {
             let b = *lba + *done;
             let stream = self.user_stream_for(*volume, b, class);
-            // Pacing is asked first: a held block must not take a buffer or open a
-            // segment (GC may need the buffer to earn the credit).
-            if self.held_for_credit() || self.ensure_unit(stream, 1, 0).is_err() {
-                self.user_block_held();
+            if !self.room_for_user_block(stream) {
                 return Ok(false);
             }
             self.spend_credit();

@@ -55,10 +55,8 @@ pub(crate) struct GcState {
     /// did (each wait counted once, however long it lasts).
     held_at_floor: bool,
     pub floor_waits: u64,
-    /// Pacing: user blocks that may be written now, and what each block GC moves
-    /// earns for the current victim before scaling (see the module's comment).
+    /// Pacing: user blocks that may be written now (see the module's comment).
     credit: f64,
-    earn_per_block: f64,
     /// Whether user writes wait for credit now, and how many times they did.
     held_for_credit: bool,
     pub pace_waits: u64,
@@ -488,8 +486,19 @@ impl Engine {
         }
     }
 
+    /// Whether user stream `stream` can take one more block now: pacing allows it
+    /// and its unit has room. Pacing is asked first: a held block must not take a
+    /// buffer or open a segment (GC may need the buffer to earn the credit).
+    pub(crate) fn room_for_user_block(&mut self, stream: usize) -> bool {
+        if self.held_for_credit() || self.ensure_unit(stream, 1, 0).is_err() {
+            self.user_block_held();
+            return false;
+        }
+        true
+    }
+
     /// A user block could not be written now: counts a wait at the floor.
-    pub(crate) fn user_block_held(&mut self) {
+    fn user_block_held(&mut self) {
         if self.segments.free.len() <= self.user_floor() && !self.gc.held_at_floor {
             self.gc.held_at_floor = true;
             self.gc.floor_waits += 1;
@@ -508,13 +517,17 @@ impl Engine {
         (self.gc.is_idle(), self.gc.credit.to_bits())
     }
 
+    /// Pacing's band: `(d, w)`, free segments above the floor and start - floor,
+    /// when free space lies strictly between the floor and the start watermark.
+    fn pacing_band(&self) -> Option<(f64, f64)> {
+        let (floor, start) = (self.user_floor(), self.gc_start_segments());
+        let free = self.segments.free.len();
+        (floor < free && free < start).then(|| ((free - floor) as f64, (start - floor) as f64))
+    }
+
     /// Pacing: whether user blocks need credit now.
     fn pacing(&self) -> bool {
-        let free = self.segments.free.len();
-        self.cfg.gc_pacing
-            && !self.gc.is_idle()
-            && free < self.gc_start_segments()
-            && free > self.user_floor()
+        self.cfg.gc_pacing && !self.gc.is_idle() && self.pacing_band().is_some()
     }
 
     /// Pacing: whether the next user block must wait for credit (counted once per
@@ -541,12 +554,9 @@ impl Engine {
 
     /// Pacing: credit for `freed` blocks GC has just gained (net of what it moved).
     fn earn_credit(&mut self, freed: f64) {
-        let (floor, start) = (self.user_floor(), self.gc_start_segments());
-        let free = self.segments.free.len();
-        if free >= start || free <= floor {
+        let Some((d, w)) = self.pacing_band() else {
             return;
-        }
-        let (d, w) = ((free - floor) as f64, (start - floor) as f64);
+        };
         // Below 1 in the lower half of the band (GC gains on the writes), up to 2
         // just below the start (little held back).
         let scale = 2.0 * d / w;
@@ -561,10 +571,8 @@ impl Engine {
     }
 
     fn gc_start_relocation(&mut self, seg: u32, incarnation: u64, live: Vec<(Pba, RawRecord)>) {
-        let blocks = self.geo.segment_blocks as f64;
-        self.gc.earn_per_block = (blocks - live.len() as f64).max(0.0) / live.len().max(1) as f64;
         if live.is_empty() {
-            self.earn_credit(blocks);
+            self.earn_credit(self.geo.segment_blocks as f64);
         }
         self.gc.phase = Phase::Relocate {
             seg,
@@ -822,7 +830,10 @@ impl Engine {
             rp += 1;
             bp = 0;
         }
-        self.earn_credit(moved as f64 * self.gc.earn_per_block);
+        // What each moved block is worth: the victim's net yield per live block.
+        let blocks = self.geo.segment_blocks as f64;
+        let live = live_local.len() as f64;
+        self.earn_credit(moved as f64 * (blocks - live).max(0.0) / live.max(1.0));
         if blocked {
             if let Phase::Relocate {
                 live,

@@ -172,14 +172,8 @@ fn kill_after(pid: i32, delay: Duration, stop: Arc<AtomicBool>) -> std::thread::
 
 #[test]
 fn kill_9_at_random_moments() {
-    let rounds: usize = std::env::var("LAMINA_KILL_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
-    let seed: u64 = std::env::var("LAMINA_KILL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
+    let rounds: usize = env_parse("LAMINA_KILL_ROUNDS").unwrap_or(20);
+    let seed: u64 = env_parse("LAMINA_KILL_SEED").unwrap_or_else(rand::random);
     eprintln!("kill_9_at_random_moments: seed {seed} (LAMINA_KILL_SEED to replay the workload)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let t = TempDir::new("kill9");
@@ -225,10 +219,7 @@ fn power_cut_through_nbdkit_writeback_cache() {
     ) {
         return;
     }
-    let rounds: usize = std::env::var("LAMINA_POWER_CUT_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(6);
+    let rounds: usize = env_parse("LAMINA_POWER_CUT_ROUNDS").unwrap_or(6);
     let seed: u64 = rand::random();
     eprintln!("power_cut_through_nbdkit_writeback_cache: seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -374,14 +365,8 @@ fn parity_power_cut_then_member_loss(
     members: usize,
     zoned: Option<&str>,
 ) {
-    let rounds: usize = std::env::var("LAMINA_POWER_CUT_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
-    let seed: u64 = std::env::var("LAMINA_POWER_CUT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
+    let rounds: usize = env_parse("LAMINA_POWER_CUT_ROUNDS").unwrap_or(4);
+    let seed: u64 = env_parse("LAMINA_POWER_CUT_SEED").unwrap_or_else(rand::random);
     eprintln!("{name}: seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let t = TempDir::new(name);

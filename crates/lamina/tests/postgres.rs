@@ -60,29 +60,15 @@ fn children_of(pid: i32) -> Vec<i32> {
     .collect()
 }
 
-/// One PostgreSQL cluster: the server runs as the `postgres` user; clients run as
-/// root and connect over the Unix socket in `sock` with trust authentication.
-struct Postgres {
+/// How clients reach a cluster: as root, over the Unix socket in `sock`, with trust
+/// authentication (cloned into the thread that watches commits).
+#[derive(Clone)]
+struct Clients {
     bin: PathBuf,
-    data: PathBuf,
     sock: PathBuf,
-    log: PathBuf,
-    server: Option<Child>,
 }
 
-impl Postgres {
-    fn as_postgres(&self, tool: &str) -> Command {
-        let mut c = Command::new("setpriv");
-        c.args([
-            "--reuid=postgres",
-            "--regid=postgres",
-            "--init-groups",
-            "--",
-        ])
-        .arg(self.bin.join(tool));
-        c
-    }
-
+impl Clients {
     fn client(&self, tool: &str) -> Command {
         let mut c = Command::new(self.bin.join(tool));
         self.connect(&mut c);
@@ -106,6 +92,51 @@ impl Postgres {
             .env("PGCONNECT_TIMEOUT", "10");
     }
 
+    fn sql(&self, query: &str) -> Result<String, String> {
+        let out = self
+            .client_within(300, "psql")
+            .args([
+                "-X",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+                query,
+                "postgres",
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+}
+
+/// One PostgreSQL cluster: the server runs as the `postgres` user.
+struct Postgres {
+    clients: Clients,
+    data: PathBuf,
+    log: PathBuf,
+    server: Option<Child>,
+}
+
+impl Postgres {
+    fn as_postgres(&self, tool: &str) -> Command {
+        let mut c = Command::new("setpriv");
+        c.args([
+            "--reuid=postgres",
+            "--regid=postgres",
+            "--init-groups",
+            "--",
+        ])
+        .arg(self.clients.bin.join(tool));
+        c
+    }
+
     fn initdb(&self) {
         let out = self
             .as_postgres("initdb")
@@ -126,7 +157,7 @@ impl Postgres {
     fn settings(&self) -> Vec<String> {
         [
             "listen_addresses=".to_string(),
-            format!("unix_socket_directories={}", self.sock.display()),
+            format!("unix_socket_directories={}", self.clients.sock.display()),
             "port=5432".into(),
             "shared_buffers=16MB".into(),
             "max_wal_size=48MB".into(),
@@ -166,7 +197,7 @@ impl Postgres {
         self.server = Some(child);
         let t0 = Instant::now();
         loop {
-            if self.sql("SELECT 1").is_ok() {
+            if self.clients.sql("SELECT 1").is_ok() {
                 return;
             }
             if let Some(st) = self.server.as_mut().unwrap().try_wait().unwrap() {
@@ -180,29 +211,6 @@ impl Postgres {
                 self.log_tail()
             );
             std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn sql(&self, query: &str) -> Result<String, String> {
-        let out = self
-            .client_within(300, "psql")
-            .args([
-                "-X",
-                "-A",
-                "-t",
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-c",
-                query,
-                "postgres",
-            ])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| e.to_string())?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-        } else {
-            Err(String::from_utf8_lossy(&out.stderr).into_owned())
         }
     }
 
@@ -244,6 +252,7 @@ impl Drop for Postgres {
 /// The checks after a power cut; returns the number of committed transactions.
 fn check_database(pg: &Postgres, seen_committed: u64, round: usize) -> u64 {
     let row = pg
+        .clients
         .sql(
             "SELECT (SELECT sum(abalance) FROM pgbench_accounts), \
                     (SELECT sum(tbalance) FROM pgbench_tellers), \
@@ -269,6 +278,7 @@ fn check_database(pg: &Postgres, seen_committed: u64, round: usize) -> u64 {
          power cut, {committed} survived it"
     );
     let out = pg
+        .clients
         .client_within(600, "pg_amcheck")
         .args(["--install-missing", "--heapallindexed", "--parent-check"])
         .arg("postgres")
@@ -307,14 +317,8 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
         return;
     }
     let bin = bin.unwrap();
-    let rounds: usize = std::env::var("LAMINA_PG_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
-    let seed: u64 = std::env::var("LAMINA_PG_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
+    let rounds: usize = env_parse("LAMINA_PG_ROUNDS").unwrap_or(4);
+    let seed: u64 = env_parse("LAMINA_PG_SEED").unwrap_or_else(rand::random);
     eprintln!("postgres power cuts: seed {seed}, {rounds} rounds");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
 
@@ -371,15 +375,15 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
     std::fs::create_dir_all(&data).unwrap();
     run("chown", &["postgres:postgres", data.to_str().unwrap()]);
     let mut pg = Postgres {
-        bin,
+        clients: Clients { bin, sock },
         data,
-        sock: sock.clone(),
         log: t.join("pg.log"),
         server: None,
     };
     pg.initdb();
     pg.start();
     let out = pg
+        .clients
         .client_within(600, "pgbench")
         .args(["-i", "-q", "-s", "2", "postgres"])
         .output()
@@ -394,6 +398,7 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
     for round in 0..rounds {
         // The load, and a reader that records how many transactions it saw committed.
         let mut bench = pg
+            .clients
             .client("pgbench")
             .args(["-n", "-c", "4", "-j", "2", "-T", "600", "postgres"])
             .stdout(Stdio::null())
@@ -404,25 +409,12 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
         let stop = Arc::new(AtomicBool::new(false));
         let reader = {
             let (seen, stop) = (seen.clone(), stop.clone());
-            let psql = pg.client("psql").get_program().to_owned();
-            let sock = sock.clone();
+            let clients = pg.clients.clone();
             std::thread::spawn(move || {
                 while !stop.load(Ordering::SeqCst) {
-                    let out = Command::new(&psql)
-                        .arg("-h")
-                        .arg(&sock)
-                        .args(["-p", "5432", "-U", "postgres", "-X", "-A", "-t", "-c"])
-                        .arg("SELECT count(*) FROM pgbench_history")
-                        .arg("postgres")
-                        .stdin(Stdio::null())
-                        .stderr(Stdio::null())
-                        .output();
-                    if let Ok(o) = out {
-                        if o.status.success() {
-                            if let Ok(n) = String::from_utf8_lossy(&o.stdout).trim().parse() {
-                                seen.fetch_max(n, Ordering::SeqCst);
-                            }
-                        }
+                    let count = clients.sql("SELECT count(*) FROM pgbench_history");
+                    if let Some(n) = count.ok().and_then(|n| n.parse().ok()) {
+                        seen.fetch_max(n, Ordering::SeqCst);
                     }
                     std::thread::sleep(Duration::from_millis(30));
                 }

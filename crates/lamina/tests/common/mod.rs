@@ -44,6 +44,12 @@ pub fn need(test: &str, tools: &[&str], root: bool) -> bool {
     false
 }
 
+/// The environment variable `name` parsed as a `T` (a test's rounds or seed);
+/// `None` when it is unset or does not parse.
+pub fn env_parse<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|s| s.parse().ok())
+}
+
 /// A directory removed when dropped.
 pub struct TempDir(pub PathBuf);
 
