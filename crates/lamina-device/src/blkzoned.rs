@@ -9,12 +9,13 @@
 //! Lamina can use: conventional zones (if any) first, then sequential zones of one
 //! size and one capacity.
 //!
-//! This machine has no zoned kernel device (no null_blk, no scsi_debug), so the
-//! ioctl path is exercised only where one exists: `zone_conformance` holds the
-//! rules both backends must follow; the emulator passes it in every test run, and
+//! The build machine's kernel has no zoned device (no null_blk, no scsi_debug), so
+//! the ioctl path runs in the kernel test rig (`tests/vm/rig.sh`: Debian's kernel
+//! under QEMU, a zoned null_blk): `zone_conformance` holds the rules both backends
+//! must follow; the emulator passes it in every test run, and
 //! `LAMINA_ZONED_DEVICE=/dev/X cargo test -p lamina-device kernel_zoned` runs it
-//! against a real device (destroying its contents). The decoding of the kernel's
-//! structures is tested here on images of them.
+//! against a real device (destroying its contents), which is what the rig does. The
+//! decoding of the kernel's structures is tested here on images of them.
 
 use crate::file::FileDevice;
 use crate::zoned::{Zone, ZoneCond, ZoneType};
@@ -501,7 +502,7 @@ mod tests {
         let Ok(path) = std::env::var("LAMINA_ZONED_DEVICE") else {
             eprintln!(
                 "SKIPPED kernel_zoned_device_passes_the_conformance_rules: set LAMINA_ZONED_DEVICE=/dev/X \
-                 (a host-managed SMR disk, a ZNS namespace or a zoned null_blk) to run it; this machine has none"
+                 (a host-managed SMR disk, a ZNS namespace or a zoned null_blk) to run it; tests/vm/rig.sh does"
             );
             return;
         };
