@@ -13,10 +13,11 @@
 #                  then over again with 4 KiB random writes (half its size), so GC
 #                  runs from the start: the array's spare is what `array create`
 #                  leaves (device = VOL / 0.7)
-#   qlc-raw        `lamina emulate --ssd qlc,capacity=QLC` (paced to wall time),
-#                  written whole first (the drive's FTL full), ext4 on the drive
-#   qlc-lamina     the same drive written whole, a Lamina array on it (through
-#                  nbdfuse), a volume of VOL, ext4 on the volume
+#   qlc-raw        `lamina emulate --ssd qlc,capacity=QLC --aged` (paced to wall
+#                  time; a drive used for random writes, at its GC's steady state),
+#                  ext4 on the drive
+#   qlc-lamina     the same aged drive, a Lamina array on it (through nbdfuse), a
+#                  volume of VOL, ext4 on the volume
 # Printed: TPS (pgbench's, without connection time) and mean latency per row, and
 # the ratios lamina/nbdkit and qlc-lamina/qlc-raw; for the QLC rows the drive's
 # write amplification from its exit counters.
@@ -136,15 +137,14 @@ lamina_array() {
   uri="nbd+unix:///pg?socket=$work/row/arr/nbd.sock"
 }
 
-# qlc_drive: an emulated QLC SSD, written whole; its URI in $uri.
+# qlc_drive: an emulated QLC SSD at its GC's steady state; its URI in $uri.
 qlc_drive() {
-  "$lamina" emulate --ssd "qlc,capacity=$QLC" --backing "$work/row/qlc.img" --unix "$work/row/qlc.sock" \
+  "$lamina" emulate --ssd "qlc,capacity=$QLC" --aged --backing "$work/row/qlc.img" --unix "$work/row/qlc.sock" \
     >"$work/row/qlc.out" 2>"$work/row/qlc.err" &
   pids+=($!)
   qlc_pid=$!
   wait_sock "$work/row/qlc.sock"
   uri="nbd+unix:///ssd?socket=$work/row/qlc.sock"
-  fio --name=fill --ioengine=nbd --uri="$uri" --bs=1m --iodepth=16 --rw=write >/dev/null 2>&1
 }
 # qlc_wa: stops the drive and sets wa[$row] from its exit counters (not in a
 # command substitution: the subshell could not wait for the drive).

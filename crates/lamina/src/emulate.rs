@@ -86,6 +86,18 @@ pub struct EmulateArgs {
     /// Answer as fast as the host can (the drive's counters are still kept).
     #[arg(long)]
     no_pace: bool,
+    /// SSDs: start as a drive in use, every logical block written once (as after a
+    /// sequential fill), so that its garbage collection runs as soon as its spare
+    /// blocks are used; without it the drive starts new, every block erased. The
+    /// data file is left as it is.
+    #[arg(long, conflicts_with = "smr")]
+    prefilled: bool,
+    /// SSDs: start as a drive used for random writes, at its garbage collection's
+    /// steady state (the prefill, then twice the capacity in uniform random writes,
+    /// not counted): valid data spread over every block, so that random writes pay
+    /// the drive's GC from the first one (SALSA's "at steady state").
+    #[arg(long, conflicts_with_all = ["smr", "prefilled"])]
+    aged: bool,
     /// Requests served at once: the queue depth the drive can see (1 to 256).
     #[arg(long, default_value_t = 32)]
     threads: usize,
@@ -364,7 +376,13 @@ pub fn run(a: EmulateArgs) -> Result<()> {
     let (drive, description) = match spec {
         Spec::Ssd(cfg) => {
             let d = format!("emulated {:?} SSD ({text})", cfg.cell);
-            (Drive::Ssd(Flash::new(data.clone(), cfg)?), d)
+            let flash = Flash::new(data.clone(), cfg)?;
+            if a.aged {
+                flash.age(2, 1);
+            } else if a.prefilled {
+                flash.prefill();
+            }
+            (Drive::Ssd(flash), d)
         }
         Spec::Smr { cfg, .. } => {
             let disk = DriveManagedSmr::new(data.clone(), cfg)?;
