@@ -278,6 +278,15 @@ impl Ftl {
         })
     }
 
+    /// Forgets what the work so far cost (counters, busy dies and channels, the
+    /// clock), keeping the FTL's state: for preconditioning a drive.
+    fn forget_cost(&mut self) {
+        self.stats = FlashStats::default();
+        self.die_busy.fill(0);
+        self.chan_busy.fill(0);
+        self.clock = 0;
+    }
+
     /// The die holding logical unit `iu` written into `block`.
     fn die_of(&self, block: u32, iu: Option<u32>) -> usize {
         match iu {
@@ -491,10 +500,7 @@ impl Flash {
             f.program(iu, false, 0);
         }
         debug_assert!(f.free.len() >= 2, "the spare blocks are free");
-        f.stats = FlashStats::default();
-        f.die_busy.fill(0);
-        f.chan_busy.fill(0);
-        f.clock = 0;
+        f.forget_cost();
     }
 
     /// Puts the FTL in the steady state of a drive used for random writes: the
@@ -515,10 +521,7 @@ impl Flash {
             let t = f.gc(0);
             f.program((x % logical) as u32, false, t);
         }
-        f.stats = FlashStats::default();
-        f.die_busy.fill(0);
-        f.chan_busy.fill(0);
-        f.clock = 0;
+        f.forget_cost();
     }
 
     /// Accounts a host operation arriving at virtual time `at_us`; returns when it
