@@ -29,7 +29,7 @@ use crate::placement::Written;
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{Pba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_format::summary::SummaryHeader;
-use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
+use lamina_format::superblock::Superblock;
 use lamina_format::unit::{
     kind, put_record, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT,
 };
@@ -236,8 +236,11 @@ pub struct Reply {
 }
 
 use crate::durability::{Durability, SyncTarget};
+use crate::outbox::Outbox;
+use crate::sb_writer::SbWriter;
 pub(crate) use crate::segments::{Seg, SegState, SegmentTable};
 use crate::space::Space;
+use crate::unit_buffers::{BufState, UnitBuffers};
 use crate::zones::Zones;
 
 pub(crate) struct OpenUnit {
@@ -295,22 +298,6 @@ impl Stream {
             summary: Vec::new(),
         }
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum BufState {
-    Free,
-    Open {
-        stream: u32,
-    },
-    InFlight {
-        seg: u32,
-        offset: u32,
-        data: u32,
-        stream: u32,
-    },
-    /// Written; waiting for readers to unpin.
-    Done,
 }
 
 /// What one heat class of a volume has written.
@@ -538,20 +525,10 @@ pub struct Engine {
     pub(crate) sb: Superblock,
     /// CRC-32C of a zero block (the pad blocks of striped layouts).
     zero_block_crc: u32,
-    /// The striped device's failure count last copied into `sb`, the count the
-    /// superblock write under way carries, and the count known durable.
-    failures_recorded: u64,
-    sb_failures_epoch: u64,
-    failures_durable: u64,
     /// Blocks written to each member (JBOD; striped members count their own).
     pub(crate) device_blocks: Vec<u64>,
-    /// Requests waiting for a superblock generation to be durable.
-    sb_waiters: Vec<(Token, u64)>,
-    /// The superblock changed and must be written.
-    sb_dirty: bool,
-    /// Generation of the newest durable superblock, and of the one being written.
-    sb_durable_gen: u64,
-    sb_writing_gen: u64,
+    /// Superblock updates: their sequence, waiters and the failures they record.
+    pub(crate) sbw: SbWriter,
     /// Flush generations, syncs, write tickets and flush waiters (group commit).
     pub(crate) durability: Durability,
     /// Every segment, the free queue and the release pipeline.
@@ -563,8 +540,8 @@ pub struct Engine {
     pub(crate) gc_classes: usize,
     pub(crate) streams: Vec<Stream>,
     pub(crate) meta_stream: usize,
-    pub(crate) bufs: Vec<BufState>,
-    free_bufs: Vec<u32>,
+    /// Which unit buffer is free, open, in flight or waiting for readers.
+    pub(crate) bufs: UnitBuffers,
     pub(crate) next_version: Version,
     pub(crate) durable_version: Version,
     /// First version of this run; durability marks in headers start here.
@@ -578,10 +555,8 @@ pub struct Engine {
     last_idle_sweep: u64,
     pub(crate) gc: crate::engine_gc::GcState,
     pub(crate) ckpt: crate::engine_ckpt::CkptState,
-    io_out: Vec<IoOp>,
-    replies: Vec<Reply>,
-    tags: Vec<Option<Purpose>>,
-    free_tags: Vec<u64>,
+    /// Device operations under way (by tag) and replies not yet drained.
+    pub(crate) out: Outbox,
     pub(crate) counters: Counters,
     /// Usable capacity, mapped blocks and the GC watermarks.
     pub(crate) space: Space,
@@ -592,8 +567,6 @@ pub struct Engine {
     /// No checkpoint starts by itself (recovery holds them while it moves the blocks
     /// of rows a crash left without parity; see `recovery::open`).
     pub(crate) hold_checkpoints: bool,
-    pub(crate) sb_busy: bool,
-    sb_seq: SbSeq,
     pub(crate) classifier_factory: Option<ClassifierFactory>,
 }
 
@@ -681,22 +654,14 @@ impl Engine {
             cfg,
             sb,
             zero_block_crc: lamina_format::crc32c(&[0u8; BLOCK_SIZE]),
-            failures_recorded: 0,
-            sb_failures_epoch: 0,
-            failures_durable: 0,
             device_blocks: counters.member_blocks.clone(),
-            sb_waiters: Vec::new(),
-            sb_dirty: false,
-            sb_durable_gen: 0,
-            sb_writing_gen: 0,
             durability: Durability::new(),
             segments: SegmentTable::new(segs, free, next_version),
             volumes: Vec::new(),
             gc_classes: 1,
             streams: vec![Stream::new(StreamKind::Meta, 0, u16::MAX)],
             meta_stream: 0,
-            bufs: vec![BufState::Free; nbufs as usize],
-            free_bufs: (0..nbufs).rev().collect(),
+            bufs: UnitBuffers::new(nbufs),
             next_version,
             // Nothing of this run is durable yet; what earlier runs wrote is vouched
             // for by their own marks, not by ours (see `run_start`).
@@ -707,10 +672,7 @@ impl Engine {
             last_idle_sweep: 0,
             gc: Default::default(),
             ckpt: crate::engine_ckpt::CkptState::new(last_ckpt_gen),
-            io_out: Vec::new(),
-            replies: Vec::new(),
-            tags: Vec::new(),
-            free_tags: Vec::new(),
+            out: Outbox::default(),
             counters,
             space,
             blocks_since_checkpoint: 0,
@@ -718,8 +680,7 @@ impl Engine {
             now_ms: 0,
             shutting_down: false,
             hold_checkpoints: false,
-            sb_busy: false,
-            sb_seq: SbSeq::default(),
+            sbw: SbWriter::default(),
             classifier_factory: None,
             geo,
         })
@@ -794,24 +755,8 @@ impl Engine {
 
     // ---------------------------------------------------------------- I/O plumbing
 
-    fn tag(&mut self, p: Purpose) -> u64 {
-        if let Some(t) = self.free_tags.pop() {
-            self.tags[t as usize] = Some(p);
-            t
-        } else {
-            self.tags.push(Some(p));
-            self.tags.len() as u64 - 1
-        }
-    }
-
     pub(crate) fn submit_io(&mut self, p: Purpose, device: usize, offset: u64, kind: IoKind) {
-        let tag = self.tag(p);
-        self.io_out.push(IoOp {
-            tag,
-            device,
-            offset,
-            kind,
-        });
+        self.out.submit(p, device, offset, kind);
     }
 
     pub(crate) fn issue_ticket(&mut self) -> u64 {
@@ -820,12 +765,12 @@ impl Engine {
 
     /// Moves queued device operations to `out`.
     pub fn drain_io(&mut self, out: &mut Vec<IoOp>) {
-        out.append(&mut self.io_out);
+        self.out.drain_io(out);
     }
 
     /// Moves ready replies to `out`.
     pub fn drain_replies(&mut self, out: &mut Vec<Reply>) {
-        out.append(&mut self.replies);
+        self.out.drain_replies(out);
     }
 
     pub(crate) fn reply(
@@ -834,19 +779,14 @@ impl Engine {
         result: Result<(), EngineError>,
         buf: Option<Vec<u8>>,
     ) {
-        self.replies.push(Reply {
-            token,
-            result,
-            buf,
-            status: None,
-        });
+        self.out.reply(token, result, buf);
     }
 
     /// True when nothing is queued, in flight or in progress.
     pub fn is_idle(&self) -> bool {
         self.pending.is_empty()
-            && self.io_out.is_empty()
-            && self.tags.len() == self.free_tags.len()
+            && self.out.queued() == 0
+            && self.out.in_flight() == 0
             && !self.durability.has_waiters()
             && self.ckpt.is_idle()
             && self.gc.is_idle()
@@ -1050,7 +990,7 @@ impl Engine {
             }
             Request::Status => {
                 let status = self.status();
-                self.replies.push(Reply {
+                self.out.push_reply(Reply {
                     token,
                     result: Ok(()),
                     buf: None,
@@ -1088,10 +1028,7 @@ impl Engine {
 
     /// Feeds a device completion back.
     pub fn io_completed(&mut self, c: IoCompletion) {
-        let purpose = self.tags[c.tag as usize]
-            .take()
-            .expect("completion for an unknown tag");
-        self.free_tags.push(c.tag);
+        let purpose = self.out.completed(c.tag);
         match purpose {
             Purpose::UnitWrite { buf, ticket } => {
                 self.durability.complete(ticket);
@@ -1287,7 +1224,7 @@ impl Engine {
             };
             self.reply(token, Err(EngineError::Failed(msg.clone())), buf);
         }
-        self.ckpt.fail_waiters(&mut self.replies, &msg);
+        self.ckpt.fail_waiters(self.out.replies(), &msg);
     }
 
     // ---------------------------------------------------------------- progress
@@ -1298,7 +1235,7 @@ impl Engine {
             // GC's credit and phase too: writes held by pacing go on once it changes.
             let before = (
                 self.pending.len(),
-                self.io_out.len(),
+                self.out.queued(),
                 self.segments.free.len(),
                 self.gc_progress_mark(),
             );
@@ -1312,7 +1249,7 @@ impl Engine {
             self.recycle_buffers();
             if (
                 self.pending.len(),
-                self.io_out.len(),
+                self.out.queued(),
                 self.segments.free.len(),
                 self.gc_progress_mark(),
             ) == before
@@ -1379,7 +1316,7 @@ impl Engine {
             && self.gc.is_idle()
             && self.segments.in_release() == 0
             && self.durability.sync_idle()
-            && self.tags.len() == self.free_tags.len()
+            && self.out.in_flight() == 0
             && self.pick_victim().is_none()
     }
 
@@ -1727,7 +1664,7 @@ impl Engine {
     /// The segment a buffer slot will be (or was) written to.
     pub(crate) fn slot_segment(&self, slot: u32) -> u32 {
         let (buf, _) = self.shared.buffers.unslot(slot);
-        match self.bufs[buf as usize] {
+        match self.bufs.state(buf) {
             BufState::Open { stream } => self.streams[stream as usize].seg.unwrap(),
             BufState::InFlight { seg, .. } => seg,
             s => panic!("map names slot {slot} of buffer in state {s:?}"),
@@ -1737,7 +1674,7 @@ impl Engine {
     /// The physical block a buffer slot will be (or was) written to.
     pub(crate) fn slot_pba(&self, slot: u32) -> Pba {
         let (buf, block) = self.shared.buffers.unslot(slot);
-        let (seg, offset) = match self.bufs[buf as usize] {
+        let (seg, offset) = match self.bufs.state(buf) {
             BufState::Open { stream } => {
                 let st = &self.streams[stream as usize];
                 (st.seg.unwrap(), st.unit.as_ref().unwrap().offset)
@@ -1839,21 +1776,16 @@ impl Engine {
             origin_sum: 0,
             origin_n: 0,
         });
-        self.bufs[buf as usize] = BufState::Open { stream: s as u32 };
         Ok(())
     }
 
     fn alloc_buffer(&mut self, requester: usize) -> Result<u32, Blocked> {
-        if let Some(b) = self.free_bufs.pop() {
+        if let Some(b) = self.bufs.open(requester as u32) {
             return Ok(b);
         }
         // Every buffer is open in some stream: seal the fullest other one so that
         // its write frees a buffer (otherwise nothing would ever complete).
-        let inflight = self
-            .bufs
-            .iter()
-            .any(|b| matches!(b, BufState::InFlight { .. } | BufState::Done));
-        if !inflight {
+        if !self.bufs.any_coming_back() {
             let victim = (0..self.streams.len())
                 .filter(|&s| s != requester)
                 .filter_map(|s| self.streams[s].unit.as_ref().map(|u| (u.data, s)))
@@ -2052,8 +1984,7 @@ impl Engine {
         };
         let h = self.geo.header_blocks;
         if u.data == 0 && self.streams[s].extras.is_empty() {
-            self.bufs[u.buf as usize] = BufState::Free;
-            self.free_bufs.push(u.buf);
+            self.bufs.release_empty(u.buf);
             return;
         }
         let version = self.take_version();
@@ -2146,12 +2077,7 @@ impl Engine {
         sg.writes_inflight += 1;
         sg.write_ptr = u.offset + blocks;
         sg.data_blocks += u.data;
-        self.bufs[u.buf as usize] = BufState::InFlight {
-            seg,
-            offset: u.offset,
-            data: u.data,
-            stream: s as u32,
-        };
+        self.bufs.sealed(u.buf, seg, u.offset, u.data);
         self.counters.media_blocks += blocks as u64;
         match stream_kind {
             StreamKind::Meta => self.counters.meta_blocks += blocks as u64,
@@ -2319,12 +2245,7 @@ impl Engine {
 
     /// A unit write completed: its blocks are now readable from the device.
     fn unit_written(&mut self, buf: u32) {
-        let BufState::InFlight {
-            seg, offset, data, ..
-        } = self.bufs[buf as usize]
-        else {
-            panic!("completion for buffer {buf} not in flight");
-        };
+        let (seg, offset, data) = self.bufs.written(buf);
         let h = self.geo.header_blocks as u32;
         // SAFETY: the engine owns the buffer until it is recycled.
         let hdr = unsafe { self.shared.buffers.blocks(buf, 0, h) };
@@ -2345,18 +2266,13 @@ impl Engine {
                 }
             }
         }
-        self.bufs[buf as usize] = BufState::Done;
         self.segment_write_done(seg);
         self.recycle_buffers();
     }
 
     fn recycle_buffers(&mut self) {
-        for b in 0..self.bufs.len() {
-            if self.bufs[b] == BufState::Done && !self.shared.buffers.pins.pinned(b as u32) {
-                self.bufs[b] = BufState::Free;
-                self.free_bufs.push(b as u32);
-            }
-        }
+        let pins = &self.shared.buffers.pins;
+        self.bufs.recycle(|b| pins.pinned(b));
     }
 
     /// One of a segment's writes completed.
@@ -2491,7 +2407,7 @@ impl Engine {
         // Nothing of the unit is live any more: it is dropped, its buffer recycled
         // once no reader holds it.
         self.streams[s].unit = None;
-        self.bufs[buf as usize] = BufState::Done;
+        self.bufs.dropped(buf);
         self.zones.small_units_moved += 1;
         let class = self.streams[small].class as usize;
         if let Some(c) = self.volumes[volume as usize]
@@ -2539,7 +2455,7 @@ impl Engine {
         // Writes that left out a failed member are acknowledged only once the
         // superblocks say it failed: otherwise a restart could trust its stale data.
         if let Some(st) = &self.shared.striped {
-            if st.failure_epoch() != self.failures_durable {
+            if st.failure_epoch() != self.sbw.failures_durable() {
                 self.durability.deferred = Some(t);
                 return;
             }
@@ -2547,126 +2463,7 @@ impl Engine {
         self.finish_sync(t);
     }
 
-    /// Records member failures in the superblock, and releases the flushes that
-    /// waited for that.
-    fn progress_member_failures(&mut self) {
-        if let Some(st) = self.shared.striped.clone() {
-            let epoch = st.failure_epoch();
-            if epoch != self.failures_recorded && !self.sb_busy && self.failed.is_none() {
-                self.start_superblock_write();
-            }
-            if epoch == self.failures_durable {
-                if let Some(t) = self.durability.deferred.take() {
-                    self.finish_sync(t);
-                }
-            }
-        }
-        if self.sb_dirty && !self.sb_busy && self.failed.is_none() {
-            self.start_superblock_write();
-        }
-        if self.failed.is_some() {
-            let why = self.failed.clone().unwrap_or_default();
-            for (t, _) in std::mem::take(&mut self.sb_waiters) {
-                self.reply(t, Err(EngineError::Failed(why.clone())), None);
-            }
-        }
-        let durable = self.sb_durable_gen;
-        let mut i = 0;
-        while i < self.sb_waiters.len() {
-            if self.sb_waiters[i].1 <= durable {
-                let (t, _) = self.sb_waiters.swap_remove(i);
-                self.reply(t, Ok(()), None);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// Replies to `token` once a superblock written after this call is durable.
-    fn await_superblock(&mut self, token: Token) {
-        self.sb_dirty = true;
-        self.sb_waiters.push((token, self.sb.generation + 1));
-    }
-
-    fn replace_member(
-        &mut self,
-        index: usize,
-        device: Arc<dyn lamina_device::BlockDevice>,
-        uuid: [u8; 16],
-    ) -> Result<(), EngineError> {
-        let Some(st) = self.shared.striped.clone() else {
-            return Err(EngineError::Invalid(
-                "only striped arrays (said0/5/6) replace members".into(),
-            ));
-        };
-        if !self.zones.zoned && device.zone_layout().is_some() {
-            return Err(EngineError::Invalid(format!(
-                "{} is a zoned device; this array's members are not",
-                device.describe()
-            )));
-        }
-        if index >= self.geo.members {
-            return Err(EngineError::Invalid(format!(
-                "no member {index}: the array has members 0 to {}",
-                self.geo.members - 1
-            )));
-        }
-        if !st.is_failed(index) {
-            return Err(EngineError::Invalid(format!(
-                "member {index} has not failed; fail it first (lamina array fail --device {index})"
-            )));
-        }
-        if self.geo.parity == 0 {
-            return Err(EngineError::Invalid(
-                "said0 has no parity to rebuild a member from".into(),
-            ));
-        }
-        // Zoned: checked, and emptied, once everything else is known to be right.
-        let device = if self.zones.zoned {
-            self.zoned_replacement(device)?
-        } else {
-            device
-        };
-        st.replace(index, device.clone(), 0)
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
-        let e = &mut self.sb.devices[index];
-        e.uuid = uuid;
-        e.size_bytes = device.size_bytes();
-        e.state = crate::recovery::MEMBER_REBUILDING;
-        e.rebuild_cursor = 0;
-        Ok(())
-    }
-
-    /// A replacement member of a zoned array: zoned like the others (a zone per
-    /// stripe chunk after the same conventional space), every zone emptied. The
-    /// rebuild then writes each stripe's zone from its start.
-    fn zoned_replacement(
-        &self,
-        device: Arc<dyn lamina_device::BlockDevice>,
-    ) -> Result<Arc<dyn lamina_device::BlockDevice>, EngineError> {
-        let device = lamina_device::zonehost::host(device);
-        let chunk = (self.geo.segment_blocks / self.geo.row_blocks) as u64 * BLOCK_SIZE_U64;
-        let fits = device.zone_layout().is_some_and(|l| {
-            l.conventional_bytes == self.geo.data_offset
-                && l.zone_bytes == chunk
-                && l.zones >= self.geo.segment_count as u64
-                && (l.open_limit() == 0 || l.open_limit() >= self.zones.limit)
-        });
-        if !fits {
-            return Err(EngineError::Invalid(format!(
-                "{} is not zoned like the array's members ({} conventional bytes, then zones of {} bytes, at least {} of them, at least {} open at once)",
-                device.describe(),
-                self.geo.data_offset,
-                chunk,
-                self.geo.segment_count,
-                self.zones.limit
-            )));
-        }
-        crate::recovery::empty_zones(&*device)?;
-        Ok(device)
-    }
-
-    fn finish_sync(&mut self, t: SyncTarget) {
+    pub(crate) fn finish_sync(&mut self, t: SyncTarget) {
         self.durable_version = self.durable_version.max(t.version);
         self.durability.synced(t);
         while let Some((token, buf)) = self.durability.take_ready() {
@@ -2723,22 +2520,6 @@ impl Engine {
         }
     }
 
-    // ---------------------------------------------------------------- superblock
-
-    /// Writes the superblock (both copies, every device, with syncs between) and
-    /// calls `sb_done` when finished.
-    pub(crate) fn start_superblock_write(&mut self) {
-        assert!(!self.sb_busy);
-        self.sb_busy = true;
-        self.record_member_failures();
-        self.sb_failures_epoch = self.failures_recorded;
-        self.sb_dirty = false;
-        self.sb.generation += 1;
-        self.sb_writing_gen = self.sb.generation;
-        self.sb_seq.copy = 0;
-        self.sb_write_copy();
-    }
-
     /// Blocks written to JBOD member `dev` per block of its capacity.
     fn member_wear(&self, dev: usize) -> f64 {
         let written = self.device_blocks.get(dev).copied().unwrap_or(0) as f64;
@@ -2750,151 +2531,6 @@ impl Engine {
             self.device_blocks.resize(dev + 1, 0);
         }
         self.device_blocks[dev] += blocks as u64;
-    }
-
-    /// Generation of member slot `d` (0 for JBOD).
-    fn slot_gen(&self, d: usize) -> u64 {
-        self.shared
-            .striped
-            .as_ref()
-            .map_or(0, |st| st.slot_generation(d))
-    }
-
-    /// Members the superblock goes to: all but the failed ones.
-    fn sb_members(&self) -> Vec<usize> {
-        (0..self.geo.members)
-            .filter(|&d| {
-                !self
-                    .shared
-                    .striped
-                    .as_ref()
-                    .is_some_and(|st| st.is_failed(d))
-            })
-            .collect()
-    }
-
-    /// Copies the striped device's failed members into the superblock's member
-    /// table; true if that changed it.
-    pub(crate) fn record_member_failures(&mut self) -> bool {
-        let Some(st) = self.shared.striped.clone() else {
-            return false;
-        };
-        self.failures_recorded = st.failure_epoch();
-        let mut changed = false;
-        for (i, e) in self.sb.devices.iter_mut().enumerate() {
-            if st.is_failed(i) && e.state != crate::recovery::MEMBER_FAILED {
-                e.state = crate::recovery::MEMBER_FAILED;
-                changed = true;
-            }
-        }
-        changed
-    }
-
-    /// A superblock write or sync to member `d` failed: striped layouts go on
-    /// without the member while redundancy remains.
-    fn sb_member_error(&mut self, d: usize, gen: u64, what: &str, e: lamina_device::DeviceError) {
-        match &self.shared.striped {
-            // The slot was replaced since: the error was the old device's.
-            Some(st) if st.slot_generation(d) != gen => {
-                tracing::warn!("{what} to the replaced member {d} failed: {e}");
-            }
-            Some(st) => {
-                st.fail_member(d);
-                tracing::error!("{what} failed: {e}; member {d} is now failed");
-                if st.redundancy_left() < 0 {
-                    self.fail(format!("{what} failed: {e}; too many members failed"));
-                }
-            }
-            None => self.fail(format!("{what} failed: {e}")),
-        }
-    }
-
-    fn sb_write_copy(&mut self) {
-        let members = self.sb_members();
-        self.sb_seq.remaining = members.len();
-        for d in members {
-            let mut sb = self.sb.clone();
-            sb.device_index = d as u32;
-            let data = sb.encode().to_vec();
-            let ticket = self.issue_ticket();
-            self.counters.meta_blocks += 1;
-            self.counters.media_blocks += 1;
-            self.submit_io(
-                Purpose::SuperblockWrite {
-                    ticket,
-                    device: d,
-                    gen: self.slot_gen(d),
-                },
-                d,
-                SUPERBLOCK_OFFSETS[self.sb_seq.copy],
-                IoKind::WriteOwned { data },
-            );
-        }
-    }
-
-    fn sb_step_done(&mut self) {
-        self.sb_seq.remaining -= 1;
-        if self.sb_seq.remaining > 0 {
-            return;
-        }
-        if self.sb_seq.syncing {
-            self.sb_seq.syncing = false;
-            self.sb_seq.copy += 1;
-            if self.sb_seq.copy < SUPERBLOCK_OFFSETS.len() {
-                self.sb_write_copy();
-            } else {
-                self.sb_busy = false;
-                self.failures_durable = self.sb_failures_epoch;
-                self.sb_durable_gen = self.sb_writing_gen;
-                self.sb_done();
-            }
-        } else {
-            self.sb_seq.syncing = true;
-            let members = self.sb_members();
-            self.sb_seq.remaining = members.len();
-            for d in members {
-                let gen = self.slot_gen(d);
-                self.submit_io(
-                    Purpose::SuperblockSync { device: d, gen },
-                    d,
-                    0,
-                    IoKind::Sync,
-                );
-            }
-        }
-    }
-
-    /// Renews the version lease when versions approach it.
-    pub(crate) fn maybe_renew_lease(&mut self) {
-        if !self.sb_busy && self.next_version + VERSION_LEASE / 2 > self.sb.version_reserved {
-            self.sb.version_reserved = self.next_version + VERSION_LEASE;
-            self.start_superblock_write();
-        }
-    }
-
-    /// Writes the superblock to every device directly (both copies, synced), outside
-    /// the engine's I/O queue. Only used before the engine starts serving.
-    pub(crate) fn write_superblock_sync(&mut self) -> Result<(), EngineError> {
-        self.record_member_failures();
-        self.sb.generation += 1;
-        let members = self.sb_members();
-        let devices = self.shared.devices.clone();
-        for off in SUPERBLOCK_OFFSETS {
-            for &i in &members {
-                let mut sb = self.sb.clone();
-                sb.device_index = i as u32;
-                devices[i].write_at(&sb.encode()[..], off)?;
-                self.counters.meta_blocks += 1;
-                self.counters.media_blocks += 1;
-            }
-            for &i in &members {
-                devices[i].sync()?;
-            }
-        }
-        // Synchronous and complete: what it recorded is durable.
-        self.failures_durable = self.failures_recorded;
-        self.sb_durable_gen = self.sb.generation;
-        Ok(())
     }
 
     /// The largest number of GC classes of any volume (GC may need a fresh segment
@@ -2969,12 +2605,4 @@ impl Engine {
             garbage as f64 / stored as f64
         }
     }
-}
-
-/// Progress of a superblock update: which copy, how many writes or syncs remain.
-#[derive(Default)]
-pub(crate) struct SbSeq {
-    pub copy: usize,
-    pub remaining: usize,
-    pub syncing: bool,
 }

@@ -345,7 +345,7 @@ impl Engine {
                 }
             }
             Phase::Syncing(gen) => {
-                if self.durability.synced_gen >= gen && !self.sb_busy {
+                if self.durability.synced_gen >= gen && !self.sbw.busy() {
                     let (seg, inc) = w.first.expect("checkpoint without blocks");
                     self.sb.checkpoint = Some(CheckpointRef {
                         version: w.start_version,
