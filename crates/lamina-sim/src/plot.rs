@@ -1,6 +1,8 @@
-//! Minimal SVG line charts: axes with ticks, several labelled lines, a legend.
+//! Line charts as SVG (the `plotters` crate): axes with ticks, several labelled
+//! lines, a legend; reference curves (a model) dashed.
 
-use std::fmt::Write;
+use plotters::prelude::*;
+use plotters::series::DashedLineSeries;
 
 /// One line of a chart.
 pub struct Line {
@@ -10,25 +12,45 @@ pub struct Line {
     pub dashed: bool,
 }
 
-const COLORS: [&str; 10] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf",
+const COLORS: [RGBColor; 10] = [
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0xe3, 0x77, 0xc2),
+    RGBColor(0x7f, 0x7f, 0x7f),
+    RGBColor(0xbc, 0xbd, 0x22),
+    RGBColor(0x17, 0xbe, 0xcf),
 ];
 
-fn nice_step(span: f64, target: usize) -> f64 {
-    let raw = span / target.max(1) as f64;
-    let mag = 10f64.powf(raw.log10().floor());
-    let norm = raw / mag;
-    let step = if norm < 1.5 {
-        1.0
-    } else if norm < 3.0 {
-        2.0
-    } else if norm < 7.0 {
-        5.0
-    } else {
-        10.0
-    };
-    step * mag
+/// The axes' ranges: every finite point inside, y from 1 (no amplification) or
+/// lower when nothing is negative, and never empty.
+fn ranges(lines: &[Line]) -> ((f64, f64), (f64, f64)) {
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in lines.iter().flat_map(|l| l.points.iter()) {
+        if x.is_finite() && y.is_finite() {
+            x0 = x0.min(x);
+            x1 = x1.max(x);
+            y0 = y0.min(y);
+            y1 = y1.max(y);
+        }
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    if x1 - x0 < 1e-12 {
+        x1 = x0 + 1.0;
+    }
+    if y0 >= 0.0 {
+        y0 = y0.min(1.0);
+    }
+    if y1 - y0 < 1e-12 {
+        y1 = y0 + 1.0;
+    }
+    // A little room above the highest point.
+    ((x0, x1), (y0, y1 + (y1 - y0) * 0.05))
 }
 
 fn fmt_tick(v: f64) -> String {
@@ -43,135 +65,82 @@ fn fmt_tick(v: f64) -> String {
     }
 }
 
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
 /// Renders a chart as an SVG document.
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, lines: &[Line]) -> String {
-    let (w, h) = (760.0, 440.0);
-    let (ml, mr, mt, mb) = (70.0, 190.0, 40.0, 55.0);
-    let pts = lines.iter().flat_map(|l| l.points.iter());
-    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for &(x, y) in pts {
-        if x.is_finite() && y.is_finite() {
-            x0 = x0.min(x);
-            x1 = x1.max(x);
-            y0 = y0.min(y);
-            y1 = y1.max(y);
-        }
-    }
-    if x0 > x1 {
-        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
-    }
-    if x1 - x0 < 1e-12 {
-        x1 = x0 + 1.0;
-    }
-    // The y axis starts at 1 (no amplification) or lower.
-    if y0 >= 0.0 {
-        y0 = y0.min(1.0);
-    }
-    if y1 - y0 < 1e-12 {
-        y1 = y0 + 1.0;
-    }
-    let ystep = nice_step(y1 - y0, 6);
-    y0 = (y0 / ystep).floor() * ystep;
-    y1 = (y1 / ystep).ceil() * ystep;
-    let xstep = nice_step(x1 - x0, 8);
-    let pw = w - ml - mr;
-    let ph = h - mt - mb;
-    let sx = |x: f64| ml + (x - x0) / (x1 - x0) * pw;
-    let sy = |y: f64| mt + ph - (y - y0) / (y1 - y0) * ph;
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">
-<rect width="{w}" height="{h}" fill="white"/>
-<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>
-"##,
-        ml + pw / 2.0,
-        esc(title)
-    );
-    let mut y = y0;
-    while y <= y1 + ystep * 1e-6 {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{ml}" x2="{0}" y1="{1}" y2="{1}" stroke="#e5e5e5"/><text x="{2}" y="{3}" text-anchor="end">{4}</text>"##,
-            ml + pw,
-            sy(y),
-            ml - 6.0,
-            sy(y) + 4.0,
-            fmt_tick(y)
-        );
-        y += ystep;
-    }
-    let mut x = (x0 / xstep).ceil() * xstep;
-    while x <= x1 + xstep * 1e-6 {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{0}" x2="{0}" y1="{mt}" y2="{1}" stroke="#f0f0f0"/><text x="{0}" y="{2}" text-anchor="middle">{3}</text>"##,
-            sx(x),
-            mt + ph,
-            mt + ph + 18.0,
-            fmt_tick(x)
-        );
-        x += xstep;
-    }
-    let _ = writeln!(
-        s,
-        r##"<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>
-<text x="{}" y="{}" text-anchor="middle">{}</text>
-<text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">{}</text>"##,
-        ml + pw / 2.0,
-        h - 12.0,
-        esc(x_label),
-        mt + ph / 2.0,
-        mt + ph / 2.0,
-        esc(y_label)
-    );
+    let mut svg = String::new();
+    // Drawing into a String cannot fail for lack of space or a font (the SVG
+    // backend writes text as <text>); an error here is a bug in the chart's setup.
+    draw(&mut svg, title, x_label, y_label, lines).expect("chart drawing failed");
+    svg
+}
+
+fn draw(
+    svg: &mut String,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    lines: &[Line],
+) -> Result<(), String> {
+    let ((x0, x1), (y0, y1)) = ranges(lines);
+    let root = SVGBackend::with_string(svg, (760, 440)).into_drawing_area();
+    let e = |e: DrawingAreaErrorKind<_>| e.to_string();
+    root.fill(&WHITE).map_err(e)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x0..x1, y0..y1)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .x_label_formatter(&|v| fmt_tick(*v))
+        .y_label_formatter(&|v| fmt_tick(*v))
+        .max_light_lines(1)
+        .light_line_style(RGBColor(0xf0, 0xf0, 0xf0))
+        .draw()
+        .map_err(e)?;
     for (i, l) in lines.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
-        let d: Vec<String> = l
+        let style = color.stroke_width(2);
+        let points: Vec<(f64, f64)> = l
             .points
             .iter()
+            .copied()
             .filter(|(x, y)| x.is_finite() && y.is_finite())
-            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
             .collect();
-        let dash = if l.dashed {
-            r#" stroke-dasharray="6 4""#
+        let legend = move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 20, y)], style);
+        if l.dashed {
+            chart
+                .draw_series(DashedLineSeries::new(points.clone(), 6, 4, style))
+                .map_err(e)?
+                .label(l.label.as_str())
+                .legend(legend);
         } else {
-            ""
-        };
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
-            d.join(" ")
-        );
-        if l.points.len() <= 12 {
-            for &(x, y) in &l.points {
-                let _ = writeln!(
-                    s,
-                    r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
-                    sx(x),
-                    sy(y)
-                );
-            }
+            chart
+                .draw_series(LineSeries::new(points.clone(), style))
+                .map_err(e)?
+                .label(l.label.as_str())
+                .legend(legend);
         }
-        let ly = mt + 10.0 + i as f64 * 18.0;
-        let _ = writeln!(
-            s,
-            r#"<line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
-            w - mr + 12.0,
-            w - mr + 36.0,
-            w - mr + 42.0,
-            ly + 4.0,
-            esc(&l.label)
-        );
+        // Few points: mark each, so that a reader sees where the measurements are.
+        if points.len() <= 12 {
+            chart
+                .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                .map_err(e)?;
+        }
     }
-    s.push_str("</svg>\n");
-    s
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(e)?;
+    root.present().map_err(e)?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -199,7 +168,32 @@ mod tests {
         );
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("&lt;vs&gt;"));
-        assert_eq!(svg.matches("<polyline").count(), 2);
-        assert!(svg.contains("stroke-dasharray"));
+        // One solid line, the dashed one as segments, a marker per point, and the
+        // legend naming both.
+        assert!(svg.matches("<polyline").count() >= 2);
+        assert_eq!(svg.matches("<circle").count(), 5);
+        assert!(svg.contains("greedy") && svg.contains("model"));
+        assert!(svg.contains("over-provisioning"));
+    }
+}
+
+#[cfg(test)]
+mod range_tests {
+    use super::*;
+
+    #[test]
+    fn axes_hold_every_point_and_start_at_one_at_most() {
+        let l = |points: Vec<(f64, f64)>| Line {
+            label: "l".into(),
+            points,
+            dashed: false,
+        };
+        let ((x0, x1), (y0, y1)) = ranges(&[l(vec![(0.1, 2.5), (0.5, 7.0), (f64::NAN, 99.0)])]);
+        assert_eq!((x0, x1), (0.1, 0.5));
+        assert_eq!(y0, 1.0);
+        assert!((7.0..99.0).contains(&y1));
+        // Nothing to show: still a valid range.
+        let ((x0, x1), (y0, y1)) = ranges(&[l(vec![])]);
+        assert!(x1 > x0 && y1 > y0);
     }
 }
