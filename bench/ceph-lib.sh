@@ -44,6 +44,11 @@ mgr data = $CEPH_DIR/mgr/\$id
 osd data = $CEPH_DIR/osd/\$id
 osd objectstore = bluestore
 osd memory target = 1073741824
+# The OSDs do not place themselves in the CRUSH map when they start (ceph_up does,
+# from the admin client): an OSD's own update at its first start was refused now
+# and then with "wrong fsid" (EPERM), and then every restart of it too.
+osd crush update on start = false
+osd class update on start = false
 # CEPH_DISCARD=1: BlueStore tells the device what it frees (Ceph's default is not
 # to); it then also discards the whole device at mkfs.
 bdev enable discard = ${CEPH_DISCARD:-0}
@@ -66,16 +71,15 @@ EOF
   for dev in "$@"; do
     uuid=$(cat /proc/sys/kernel/random/uuid)
     id=$(cephc osd new "$uuid")
+    cephc osd crush add "osd.$id" 1.0 root=default host=localhost >/dev/null 2>&1
     mkdir -p "$CEPH_DIR/osd/$id"
     ln -s "$dev" "$CEPH_DIR/osd/$id/block"
     ceph-osd -c "$CEPH_DIR/ceph.conf" -i "$id" --mkfs --osd-uuid "$uuid" >"$CEPH_DIR/log/mkfs.$id" 2>&1 || {
       cat "$CEPH_DIR/log/mkfs.$id" >&2
       return 1
     }
-    # Now and then an OSD's first start exits 250: the monitor answers its
-    # crush update with "wrong fsid" although `osd new` has just made the OSD
-    # (the new OSD map not yet committed, it seems); a second start works. Say
-    # so and try again, twice at most.
+    # Should an OSD's first start fail all the same, say so and try again, twice
+    # at most.
     local try
     for try in 1 2 3; do
       ceph-osd -c "$CEPH_DIR/ceph.conf" -i "$id" 2>>"$CEPH_DIR/log/daemons" && break

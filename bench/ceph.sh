@@ -14,19 +14,26 @@
 # seconds of warm-up and RUNTIME seconds measured; then `rbd bench` 4 KiB random
 # 80/20 for RBD_TOTAL bytes. For the emulated SSDs the table adds the drives' own
 # write amplification (NAND bytes programmed per byte the host wrote, over the run).
+# Last, PostgreSQL on a second RBD image of PGIMAGE bytes: qemu-nbd serves the image
+# through librbd (qemu's rbd driver, as a VM's disk would be), and the stack of
+# bench/postgres.sh runs on it (nbdfuse -> loop -> ext4 -> PostgreSQL with fsync on,
+# pgbench -s SCALE, CLIENTS clients, RUNTIME seconds; bench/pg-lib.sh).
 #
 #   bench/ceph.sh                 # all four rows; MODES="raw lamina" for some
 #
 # Env: OSD (each OSD device, default 6G), IMAGE (2G), RUNTIME (30), RBD_TOTAL (64M),
+# PGIMAGE (1G; 0 leaves PostgreSQL out), SCALE (10), CLIENTS (4),
 # SSD (qlc,iu=64K: CSAL's low-cost QLC drive, 64 KiB indirection unit), ROUNDS (1),
 # MODES, CEPH_DISCARD=1 (BlueStore's bdev_enable_discard, off by default, as in
 # Ceph), LAMINA_ENGINE and LAMINA_SERVE (lib.sh). Files go to $BENCH_DIR (default
 # /var/tmp). Needs root (losetup) and Debian's ceph-mon, ceph-mgr, ceph-osd,
-# ceph-common, fio (with its rbd engine) and nbdfuse.
+# ceph-common, fio (with its rbd engine), nbdfuse, and for PostgreSQL qemu-nbd with
+# qemu-block-extra (its rbd driver) and postgresql.
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib.sh
 source bench/ceph-lib.sh
+source bench/pg-lib.sh
 OSD=${OSD:-6G}
 IMAGE=${IMAGE:-2G}
 RUNTIME=${RUNTIME:-30}
@@ -34,12 +41,22 @@ RBD_TOTAL=${RBD_TOTAL:-64M}
 SSD=${SSD:-qlc,iu=64K}
 ROUNDS=${ROUNDS:-1}
 MODES=${MODES:-raw lamina ssd-raw ssd-lamina}
+PGIMAGE=${PGIMAGE:-1G}
+SCALE=${SCALE:-10}
+CLIENTS=${CLIENTS:-4}
 for t in ceph-mon ceph-mgr ceph-osd ceph rbd fio nbdfuse losetup; do
   command -v "$t" >/dev/null || {
     echo "bench: $t not found (apt-get install ceph-mon ceph-mgr ceph-osd ceph-common fio nbdfuse)" >&2
     exit 1
   }
 done
+if [ "$PGIMAGE" != 0 ]; then
+  pg_check_tools
+  command -v qemu-nbd >/dev/null && [ -e /usr/lib/x86_64-linux-gnu/qemu/block-rbd.so ] || {
+    echo "bench: qemu-nbd with its rbd driver is missing (apt-get install qemu-utils qemu-block-extra), or PGIMAGE=0" >&2
+    exit 1
+  }
+fi
 [ "$(id -u)" = 0 ] || {
   echo "bench: needs root (losetup)" >&2
   exit 1
@@ -56,7 +73,7 @@ stop_all() {
   for ((i = ${#undo[@]} - 1; i >= 0; i--)); do eval "${undo[i]}" 2>/dev/null || true; done
   undo=()
 }
-trap 'stop_all; rm -rf "$work"' EXIT
+trap 'pg_teardown; stop_all; rm -rf "$work"' EXIT
 trap 'echo "bench: failed at line $LINENO: $BASH_COMMAND" >&2' ERR
 
 # server NAME CMD...: starts a server listening on $work/NAME.sock (its stdout in
@@ -160,6 +177,19 @@ for round in $(seq "$ROUNDS"); do
     rb=$(rbd bench --io-type readwrite --rw-mix-read 80 --io-size 4K --io-threads 32 \
       --io-total "$RBD_TOTAL" --io-pattern rand rbd/img 2>&1 |
       awk '/elapsed:/ {for (i = 1; i <= NF; i++) if ($i == "ops/sec:") print $(i + 1)}')
+    tps=-
+    if [ "$PGIMAGE" != 0 ]; then
+      rbd create --size "$PGIMAGE" rbd/pg
+      server pg qemu-nbd -f raw -k "$work/pg.sock" "rbd:rbd/pg:conf=$CEPH_CONF"
+      qnbd=$!
+      fuse_file pg-img "nbd+unix:///?socket=$work/pg.sock"
+      pg_on_file "$file" "$work"
+      tps=$(printf "%.1f" "$pg_tps")
+      # Down before Ceph is (stop_all takes Ceph down first).
+      fusermount3 -u "$work/pg-img"
+      kill -INT "$qnbd"
+      wait "$qnbd" || true
+    fi
     row=$(echo "$j" | python3 -c '
 import json, sys
 t = sys.stdin.read(); j = json.loads(t[t.index("{"):])["jobs"][0]
@@ -169,14 +199,14 @@ print("%.0f %.0f %.0f %.0f" % (r["iops"], w["iops"], p(r), p(w)))')
     stop_all
     wa=-
     case $mode in ssd-*) wa=$(drive_wa) ;; esac
-    rows+=("$mode $row ${rb%.*} $wa")
+    rows+=("$mode $row ${rb%.*} $tps $wa")
     rm -rf "${work:?}"/*
   done
 done
 
-echo "| OSD devices | 80/20 read IOPS | 80/20 write IOPS | read p99 (µs) | write p99 (µs) | rbd bench 80/20 ops/s | drives' WA |"
-echo "|---|---:|---:|---:|---:|---:|---:|"
+echo "| OSD devices | 80/20 read IOPS | 80/20 write IOPS | read p99 (µs) | write p99 (µs) | rbd bench 80/20 ops/s | pgbench TPS | drives' WA |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|"
 for r in "${rows[@]}"; do
-  read -r m ri wi rp wp rb wa <<<"$r"
-  echo "| $m | $ri | $wi | $rp | $wp | $rb | $wa |"
+  read -r m ri wi rp wp rb tps wa <<<"$r"
+  echo "| $m | $ri | $wi | $rp | $wp | $rb | $tps | $wa |"
 done

@@ -43,9 +43,9 @@ CLIENTS=${CLIENTS:-4}
 RUNTIME=${RUNTIME:-30}
 VOL=${VOL:-2G}
 QLC=${QLC:-4G}
-pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
-[ -x "$pgbin/initdb" ] || { echo "bench: PostgreSQL is missing (apt-get install postgresql)" >&2; exit 1; }
-for t in fio nbdkit nbdfuse losetup mkfs.ext4 setpriv; do
+source "$here/bench/pg-lib.sh"
+pg_check_tools
+for t in fio nbdkit nbdfuse; do
   command -v $t >/dev/null || { echo "bench: $t is missing" >&2; exit 1; }
 done
 [ "$(id -u)" = 0 ] || { echo "bench: needs root (losetup, mount)" >&2; exit 1; }
@@ -54,13 +54,8 @@ lamina="$here/target/release/lamina"
 source "$here/bench/lib.sh"
 bench_workdir $shm lamina-pg
 chmod 755 "$work"
-mounts=()
-loops=()
-postmaster=""
 cleanup() {
-  if [ -n "$postmaster" ]; then kill -INT "$postmaster" 2>/dev/null || true; sleep 2; fi
-  for m in "${mounts[@]:-}"; do [ -n "$m" ] && umount -l "$m" 2>/dev/null || true; done
-  for l in "${loops[@]:-}"; do [ -n "$l" ] && losetup -d "$l" 2>/dev/null || true; done
+  pg_teardown
   for f in "$work"/fuse-*; do [ -d "$f" ] && fusermount3 -u -z "$f" 2>/dev/null || true; done
   bench_cleanup
 }
@@ -82,35 +77,10 @@ fuse_file() {
 
 # pg_on_uri ROW URI: ext4 + PostgreSQL on the export, pgbench; sets tps[ROW], lat[ROW].
 pg_on_uri() {
-  local dev mnt data sock
   fuse_file top "$2"
-  dev=$(losetup -f --show "$fuse_path")
-  loops+=("$dev")
-  mkfs.ext4 -q -F -E nodiscard "$dev"
-  mnt="$work/mnt"
-  mkdir -p "$mnt"
-  mount "$dev" "$mnt"
-  mounts+=("$mnt")
-  data="$mnt/pgdata"
-  sock="$work/run"
-  mkdir -p "$data" "$sock"
-  chown postgres:postgres "$data"
-  chmod 1777 "$sock"
-  setpriv --reuid=postgres --regid=postgres --init-groups -- "$pgbin/initdb" -D "$data" -A trust -U postgres >/dev/null
-  setpriv --reuid=postgres --regid=postgres --init-groups -- "$pgbin/postgres" -D "$data" \
-    -c listen_addresses= -c unix_socket_directories="$sock" -c port=5432 \
-    -c shared_buffers=128MB -c max_wal_size=256MB -c fsync=on -c synchronous_commit=on \
-    >"$work/pg.log" 2>&1 &
-  postmaster=$!
-  for _ in $(seq 600); do "$pgbin/pg_isready" -q -h "$sock" -p 5432 && break; sleep 0.1; done
-  "$pgbin/pgbench" -h "$sock" -p 5432 -U postgres -i -q -s "$SCALE" postgres >/dev/null 2>&1
-  "$pgbin/psql" -X -q -h "$sock" -p 5432 -U postgres -c CHECKPOINT postgres
-  "$pgbin/pgbench" -h "$sock" -p 5432 -U postgres -n -c "$CLIENTS" -j "$CLIENTS" -T "$RUNTIME" postgres >"$work/bench.out" 2>&1
-  tps[$1]=$(sed -n 's/^tps = \([0-9.]*\) (without.*/\1/p' "$work/bench.out")
-  lat[$1]=$(sed -n 's/^latency average = \([0-9.]*\) ms/\1/p' "$work/bench.out")
-  kill -INT "$postmaster"; wait "$postmaster" || true; postmaster=""
-  umount "$mnt"; mounts=()
-  losetup -d "$dev"; loops=()
+  pg_on_file "$fuse_path" "$work"
+  tps[$1]=$pg_tps
+  lat[$1]=$pg_lat
   fusermount3 -u "$work/fuse-top"
 }
 
