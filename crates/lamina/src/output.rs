@@ -229,66 +229,193 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
     o
 }
 
-/// Prometheus text exposition, every sample labelled with the array's name. The
-/// metric names are a stable interface, listed in docs/design.md ("Metrics").
+/// Prometheus exposition (OpenMetrics text, written by the `prometheus-client`
+/// crate), every sample labelled with the array's name. The metric names are a
+/// stable interface, listed in docs/design.md ("Metrics"). Families are collected
+/// here from a status report and a snapshot of the NBD server's counters, then
+/// encoded at once: a scrape sees one consistent report.
 struct Exposition {
-    out: String,
-    /// `array="NAME"`, the label every sample carries.
     array: String,
+    families: Vec<MetricFamily>,
 }
 
+/// A sample's labels besides `array`.
+type Labels = Vec<(&'static str, String)>;
 /// A sample's labels besides `array`, and its value.
-type Sample = (Vec<(&'static str, String)>, f64);
+type Sample = (Labels, f64);
+/// A histogram series: labels, sum, and (upper bound, count in that bucket) with
+/// `f64::MAX` for +Inf.
+type Series = (Labels, f64, Vec<(f64, u64)>);
 
-/// A label value with `\`, `"` and newlines escaped, as the format asks.
+#[derive(Debug)]
+enum Values {
+    Counter(Vec<Sample>),
+    Gauge(Vec<Sample>),
+    /// The count of a series is its buckets' total.
+    Histogram(Vec<Series>),
+}
+
+#[derive(Debug)]
+struct MetricFamily {
+    /// Without the `lamina_` prefix, and for counters without `_total` (the
+    /// encoder appends it to the samples, as OpenMetrics names them).
+    name: String,
+    help: String,
+    values: Values,
+}
+
+/// A label value with `\`, `"` and newlines escaped, as the format asks (the
+/// encoder writes label values as they are given).
 fn label_value(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
 }
 
+fn escaped(labels: &[(&'static str, String)]) -> Labels {
+    labels.iter().map(|(k, v)| (*k, label_value(v))).collect()
+}
+
+impl prometheus_client::collector::Collector for MetricFamilies {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::metrics::exemplar::Exemplar;
+        use prometheus_client::metrics::MetricType;
+        for f in &self.0 {
+            let kind = match f.values {
+                Values::Counter(_) => MetricType::Counter,
+                Values::Gauge(_) => MetricType::Gauge,
+                Values::Histogram(_) => MetricType::Histogram,
+            };
+            let mut m = encoder.encode_descriptor(&f.name, &f.help, None, kind)?;
+            match &f.values {
+                // Whole numbers are written as such ("2", not "2.0"), as they were
+                // before the crate wrote them and as scripts that read them expect.
+                Values::Counter(samples) => {
+                    for (labels, v) in samples {
+                        let labels = escaped(labels);
+                        let mut f = m.encode_family(&labels)?;
+                        match whole(*v) {
+                            Some(n) if n >= 0 => f
+                                .encode_counter::<Vec<(String, String)>, u64, f64>(
+                                    &(n as u64),
+                                    None,
+                                )?,
+                            _ => f.encode_counter::<Vec<(String, String)>, f64, f64>(v, None)?,
+                        }
+                    }
+                }
+                Values::Gauge(samples) => {
+                    for (labels, v) in samples {
+                        let labels = escaped(labels);
+                        let mut f = m.encode_family(&labels)?;
+                        match whole(*v) {
+                            Some(n) => f.encode_gauge(&n)?,
+                            None => f.encode_gauge(v)?,
+                        }
+                    }
+                }
+                Values::Histogram(series) => {
+                    for (labels, sum, buckets) in series {
+                        let count = buckets.iter().map(|b| b.1).sum();
+                        let labels = escaped(labels);
+                        m.encode_family(&labels)?
+                            .encode_histogram::<Vec<(String, String)>>(
+                                *sum,
+                                count,
+                                buckets,
+                                None::<
+                                    &std::collections::HashMap<
+                                        usize,
+                                        Exemplar<Vec<(String, String)>, f64>,
+                                    >,
+                                >,
+                            )?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `v` as an integer when it is one (and exactly representable).
+fn whole(v: f64) -> Option<i64> {
+    (v.fract() == 0.0 && v.abs() < (1u64 << 53) as f64).then_some(v as i64)
+}
+
+/// The families of one scrape, as the registry's collector.
+#[derive(Debug)]
+struct MetricFamilies(Vec<MetricFamily>);
+
 impl Exposition {
     fn new(array: &str) -> Self {
         Exposition {
-            out: String::new(),
-            array: format!("array=\"{}\"", label_value(array)),
+            array: array.to_string(),
+            families: Vec::new(),
         }
-    }
-
-    fn labels(&self, extra: &[(&str, String)]) -> String {
-        let mut l = format!("{{{}", self.array);
-        for (k, v) in extra {
-            l += &format!(",{k}=\"{}\"", label_value(v));
-        }
-        l + "}"
     }
 
     fn metric(&mut self, name: &str, kind: &str, help: &str, samples: Vec<Sample>) {
-        use std::fmt::Write;
-        let _ = write!(
-            self.out,
-            "# HELP lamina_{name} {help}\n# TYPE lamina_{name} {kind}\n"
-        );
-        for (labels, v) in samples {
-            let _ = writeln!(self.out, "lamina_{name}{} {v}", self.labels(&labels));
-        }
+        let (name, values) = match kind {
+            "counter" => (
+                name.strip_suffix("_total")
+                    .expect("a counter's name ends in _total"),
+                Values::Counter(samples),
+            ),
+            "gauge" => (name, Values::Gauge(samples)),
+            _ => panic!("metric kind {kind}"),
+        };
+        self.families.push(MetricFamily {
+            name: name.to_string(),
+            help: help.to_string(),
+            values,
+        });
     }
 
     /// One sample without labels of its own.
     fn one(&mut self, name: &str, kind: &str, help: &str, v: f64) {
         self.metric(name, kind, help, vec![(vec![], v)]);
     }
+
+    /// The exposition as text: every family, each sample with `array` too.
+    fn finish(self) -> String {
+        let mut registry = prometheus_client::registry::Registry::with_prefix_and_labels(
+            "lamina",
+            [(
+                std::borrow::Cow::Borrowed("array"),
+                std::borrow::Cow::Owned(label_value(&self.array)),
+            )]
+            .into_iter(),
+        );
+        registry.register_collector(Box::new(MetricFamilies(self.families)));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry)
+            .expect("writing to a String does not fail");
+        out
+    }
 }
 
 /// Everything a running server exposes: the array's metrics and the NBD server's.
 pub fn running_metrics_text(s: &StatusReport) -> String {
-    metrics_text(s) + &server_metrics_text(&s.array_name, &lamina_nbd::stats::snapshot())
+    let mut e = Exposition::new(&s.array_name);
+    array_metrics(&mut e, s);
+    server_metrics(&mut e, &lamina_nbd::stats::snapshot());
+    e.finish()
+}
+
+/// The array's metrics, from a status report of a stopped array.
+pub fn metrics_text(s: &StatusReport) -> String {
+    let mut e = Exposition::new(&s.array_name);
+    array_metrics(&mut e, s);
+    e.finish()
 }
 
 /// The array's metrics, from a status report (a running server's or a stopped
 /// array's).
-pub fn metrics_text(s: &StatusReport) -> String {
-    let mut e = Exposition::new(&s.array_name);
+fn array_metrics(e: &mut Exposition, s: &StatusReport) {
     let vol = |f: &dyn Fn(&lamina_core::VolumeStatus) -> f64| -> Vec<Sample> {
         s.volumes
             .iter()
@@ -485,15 +612,13 @@ pub fn metrics_text(s: &StatusReport) -> String {
     for (name, kind, help, f) in per_volume {
         e.metric(name, kind, help, vol(&f));
     }
-    e.out
 }
 
 /// The NBD server's metrics: connections, and per volume and kind of request the
 /// requests, errors, bytes and a latency histogram (from the request read to its
 /// completion). Only a running server has them.
-pub fn server_metrics_text(array: &str, snap: &lamina_nbd::stats::Snapshot) -> String {
+fn server_metrics(e: &mut Exposition, snap: &lamina_nbd::stats::Snapshot) {
     use lamina_nbd::stats::{bucket_bound, OP_NAMES};
-    let mut e = Exposition::new(array);
     let help = "NBD connections in the transmission phase.";
     e.one("nbd_connections", "gauge", help, snap.connections as f64);
     let per_op = |f: &dyn Fn(&lamina_nbd::stats::OpTotals) -> f64| -> Vec<Sample> {
@@ -527,40 +652,30 @@ pub fn server_metrics_text(array: &str, snap: &lamina_nbd::stats::Snapshot) -> S
     for (name, help, f) in counters {
         e.metric(name, "counter", help, per_op(&f));
     }
-    // The histogram, per series: cumulative buckets, the sum, and the count, which
-    // is the last bucket's total (read in the same pass, so +Inf equals it even
-    // while requests complete during the scrape).
-    let help = "NBD request latency, from the request read to its completion.";
-    e.metric("nbd_request_duration_seconds", "histogram", help, vec![]);
+    // Per series: the buckets, the sum, and the count, which is the buckets' total
+    // (read in the same pass, so +Inf equals it even while requests complete
+    // during the scrape).
+    let mut series = Vec::new();
     for (volume, t) in &snap.exports {
         for (op, o) in OP_NAMES.iter().zip(&t.ops) {
-            use std::fmt::Write;
-            let series = vec![("volume", volume.clone()), ("op", op.to_string())];
-            let mut cumulative = 0u64;
-            for (i, n) in o.buckets.iter().enumerate() {
-                cumulative += n;
-                let le = bucket_bound(i).map_or("+Inf".to_string(), |b| format!("{b}"));
-                let mut l = series.clone();
-                l.push(("le", le));
-                let l = e.labels(&l);
-                let _ = writeln!(
-                    e.out,
-                    "lamina_nbd_request_duration_seconds_bucket{l} {cumulative}"
-                );
-            }
-            let l = e.labels(&series);
-            let _ = writeln!(
-                e.out,
-                "lamina_nbd_request_duration_seconds_sum{l} {}",
-                o.seconds
-            );
-            let _ = writeln!(
-                e.out,
-                "lamina_nbd_request_duration_seconds_count{l} {cumulative}"
-            );
+            let buckets = o
+                .buckets
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (bucket_bound(i).unwrap_or(f64::MAX), n))
+                .collect();
+            series.push((
+                vec![("volume", volume.clone()), ("op", op.to_string())],
+                o.seconds,
+                buckets,
+            ));
         }
     }
-    e.out
+    e.families.push(MetricFamily {
+        name: "nbd_request_duration_seconds".into(),
+        help: "NBD request latency, from the request read to its completion.".into(),
+        values: Values::Histogram(series),
+    });
 }
 
 /// The fullness line of `status`: the state against the thresholds, and how far

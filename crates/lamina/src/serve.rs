@@ -184,32 +184,72 @@ fn tls_config(
 
 /// Serves Prometheus scrapes one at a time on this one thread: a scrape is small
 /// and rare, and a flood of them must not become a thread each. A client gets 2 s to
-/// send its request and to take the answer.
+/// send its request and to take the answer. Requests are parsed by `httparse`.
 fn serve_metrics(listener: TcpListener, rt: Runtime) {
     for conn in listener.incoming() {
         let Ok(mut conn) = conn else { continue };
         let timeout = Some(std::time::Duration::from_secs(2));
         let _ = conn.set_read_timeout(timeout);
         let _ = conn.set_write_timeout(timeout);
-        let mut buf = [0u8; 2048];
-        let n = conn.read(&mut buf).unwrap_or(0);
-        let req = String::from_utf8_lossy(&buf[..n]);
-        let (code, body) = if req.starts_with("GET /metrics") {
-            match rt.call(Request::Status) {
-                Ok(Some(s)) => ("200 OK", crate::output::running_metrics_text(&s)),
+        let (code, body) = match read_request_head(&mut conn) {
+            Some((method, path)) if path != "/metrics" => {
+                let _ = method;
+                ("404 Not Found", "try /metrics\n".to_string())
+            }
+            Some((method, _)) if method != "GET" && method != "HEAD" => {
+                ("405 Method Not Allowed", "GET /metrics\n".to_string())
+            }
+            Some((method, _)) => match rt.call(Request::Status) {
+                Ok(Some(s)) => {
+                    let body = crate::output::running_metrics_text(&s);
+                    (
+                        "200 OK",
+                        if method == "HEAD" {
+                            String::new()
+                        } else {
+                            body
+                        },
+                    )
+                }
                 _ => (
                     "503 Service Unavailable",
                     "engine unavailable\n".to_string(),
                 ),
-            }
-        } else {
-            ("404 Not Found", "try /metrics\n".to_string())
+            },
+            None => ("400 Bad Request", "not an HTTP request\n".to_string()),
         };
         let _ = write!(
             conn,
-            "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "HTTP/1.1 {code}\r\nContent-Type: {METRICS_CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
+    }
+}
+
+/// What the exposition is (OpenMetrics text, which Prometheus asks for first).
+const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Reads an HTTP request's head (at most 8 KiB, within the socket's timeout) and
+/// returns its method and path, or `None` if the client sent something else or
+/// too much, or stopped before the head was complete.
+fn read_request_head(conn: &mut impl Read) -> Option<(String, String)> {
+    let mut buf = [0u8; 8192];
+    let mut n = 0;
+    loop {
+        let got = conn.read(&mut buf[n..]).ok()?;
+        if got == 0 {
+            return None;
+        }
+        n += got;
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&buf[..n]) {
+            Ok(httparse::Status::Complete(_)) => {
+                return Some((req.method?.to_string(), req.path?.to_string()))
+            }
+            Ok(httparse::Status::Partial) if n < buf.len() => continue,
+            _ => return None,
+        }
     }
 }
 
@@ -534,5 +574,58 @@ pub fn run(a: ServeArgs) -> Result<()> {
             Ok(())
         }
         Err(e) => bail!("shutdown checkpoint failed: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_request_head;
+
+    /// A client that sends its bytes in the pieces given.
+    struct Pieces(Vec<&'static [u8]>);
+
+    impl std::io::Read for Pieces {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.0.is_empty() {
+                return Ok(0);
+            }
+            let p = self.0[0];
+            let n = p.len().min(buf.len());
+            buf[..n].copy_from_slice(&p[..n]);
+            if n == p.len() {
+                self.0.remove(0);
+            } else {
+                self.0[0] = &p[n..];
+            }
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_request_head_in_pieces_is_read_whole() {
+        let mut c = Pieces(vec![b"GET /met", b"rics HTTP/1.1\r\nHost: x\r\n", b"\r\n"]);
+        assert_eq!(
+            read_request_head(&mut c),
+            Some(("GET".into(), "/metrics".into()))
+        );
+    }
+
+    #[test]
+    fn garbage_a_cut_head_and_a_flood_are_refused() {
+        assert_eq!(
+            read_request_head(&mut Pieces(vec![b"\x16\x03\x01 tls"])),
+            None
+        );
+        assert_eq!(
+            read_request_head(&mut Pieces(vec![b"GET /metrics HTTP/1.1\r\n"])),
+            None
+        );
+        let long: &'static [u8] = Box::leak(
+            format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(9000))
+                .into_bytes()
+                .into_boxed_slice(),
+        );
+        let pieces = long.chunks(1000).collect();
+        assert_eq!(read_request_head(&mut Pieces(pieces)), None);
     }
 }

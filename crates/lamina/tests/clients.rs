@@ -354,6 +354,13 @@ fn prometheus_metrics() {
         1.0
     );
     assert_eq!(value(&body, "nbd_connections", ""), 1.0);
+    // OpenMetrics: typed families (a counter's samples end in _total), one # EOF.
+    assert!(
+        body.contains("Content-Type: application/openmetrics-text"),
+        "{body}"
+    );
+    assert!(body.contains("# TYPE lamina_user_bytes_written counter\n"));
+    assert!(body.ends_with("# EOF\n") && body.matches("# EOF").count() == 1);
     let op = |o: &str| format!(",volume=\"v\",op=\"{o}\"");
     assert_eq!(value(&body, "nbd_requests_total", &op("write")), 6.0);
     assert_eq!(
@@ -416,9 +423,10 @@ fn prometheus_metrics() {
                 .chars()
                 .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
                 .collect();
-            let base = name.trim_end_matches("_bucket");
             assert!(
-                body.contains(&format!("# TYPE {base} ")),
+                body.lines()
+                    .any(|l| l.starts_with(&format!("{name}{{"))
+                        || l.starts_with(&format!("{name} "))),
                 "the dashboard queries {name}, which the server does not expose"
             );
             used += 1;
