@@ -180,7 +180,7 @@ for round in $(seq "$ROUNDS"); do
     tps=-
     if [ "$PGIMAGE" != 0 ]; then
       rbd create --size "$PGIMAGE" rbd/pg
-      server pg qemu-nbd -f raw -k "$work/pg.sock" "rbd:rbd/pg:conf=$CEPH_CONF"
+      server pg qemu-nbd --persistent -f raw -k "$work/pg.sock" "rbd:rbd/pg:conf=$CEPH_CONF"
       qnbd=$!
       fuse_file pg-img "nbd+unix:///?socket=$work/pg.sock"
       pg_on_file "$file" "$work"
