@@ -38,6 +38,9 @@ pub struct MemberStatus {
     pub read_errors: u64,
     /// Blocks of this member that failed their checksum (and were rebuilt).
     pub checksum_errors: u64,
+    /// Writes, syncs and zone operations of this member that failed (striped
+    /// layouts: the first fails the member; JBOD: a failed write stops the array).
+    pub write_errors: u64,
     /// While rebuilding: the fraction of stripes done.
     pub rebuild_progress: Option<f64>,
 }
@@ -223,6 +226,7 @@ impl Engine {
                     bytes_read: m.bytes_read,
                     read_errors: m.read_errors,
                     checksum_errors: m.checksum_errors,
+                    write_errors: m.write_errors,
                     rebuild_progress: m
                         .rebuild_cursor
                         .map(|c| c as f64 / self.geo.segment_count.max(1) as f64),
@@ -239,6 +243,7 @@ impl Engine {
                     bytes_read: 0,
                     read_errors: 0,
                     checksum_errors: 0,
+                    write_errors: 0,
                     rebuild_progress: None,
                 })
                 .collect(),

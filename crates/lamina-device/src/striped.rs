@@ -128,6 +128,9 @@ pub struct MemberState {
     /// Blocks of this member that read back damaged (their checksum failed) and
     /// were rebuilt from parity.
     pub checksum_errors: u64,
+    /// Writes, syncs and zone operations of this member that failed (the first
+    /// fails the member; zpool's WRITE column).
+    pub write_errors: u64,
     pub bytes_written: u64,
     pub bytes_read: u64,
 }
@@ -154,6 +157,7 @@ pub struct Striped {
     failed: Vec<AtomicBool>,
     read_errors: Vec<AtomicU64>,
     checksum_errors: Vec<AtomicU64>,
+    write_errors: Vec<AtomicU64>,
     written: Vec<AtomicU64>,
     read_bytes: Vec<AtomicU64>,
     /// Bumped whenever a member fails, so the owner can notice and record it.
@@ -220,6 +224,7 @@ impl Striped {
                 .collect(),
             read_errors: (0..n).map(|_| AtomicU64::new(0)).collect(),
             checksum_errors: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            write_errors: (0..n).map(|_| AtomicU64::new(0)).collect(),
             written: (0..n).map(|_| AtomicU64::new(0)).collect(),
             read_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
             members: members.into_iter().map(RwLock::new).collect(),
@@ -281,6 +286,7 @@ impl Striped {
         self.slot_gen[i].fetch_add(1, Ordering::SeqCst);
         self.read_errors[i].store(0, Ordering::Relaxed);
         self.checksum_errors[i].store(0, Ordering::Relaxed);
+        self.write_errors[i].store(0, Ordering::Relaxed);
         self.rebuilt_below[i].store(from, Ordering::Release);
         self.failed[i].store(false, Ordering::SeqCst);
         drop(slot);
@@ -311,6 +317,13 @@ impl Striped {
             self.checksum_errors[member].fetch_add(1, Ordering::Relaxed);
             self.repairs.lock().unwrap().insert(s);
         }
+    }
+
+    /// A write, sync or zone operation of `member` failed: counted against it, and
+    /// the member is failed (the array serves on from parity while it can).
+    fn write_failed(&self, member: usize) {
+        self.write_errors[member].fetch_add(1, Ordering::Relaxed);
+        self.fail_member(member);
     }
 
     fn note_read_error(&self, member: usize, s: u64) {
@@ -381,7 +394,7 @@ impl Striped {
         if self.zoned && from == 0 {
             self.member(i)
                 .reset_zone(sh.member_offset(s, 0))
-                .inspect_err(|_| self.fail_member(i))?;
+                .inspect_err(|_| self.write_failed(i))?;
         }
         const BATCH: u64 = 64;
         let mut written = 0;
@@ -401,7 +414,7 @@ impl Striped {
                 let off = sh.member_offset(s, row);
                 self.member(i)
                     .write_at(cols[j], off)
-                    .inspect_err(|_| self.fail_member(i))?;
+                    .inspect_err(|_| self.write_failed(i))?;
                 Ok(())
             })?;
             self.written[i].fetch_add(len as u64, Ordering::Relaxed);
@@ -533,7 +546,7 @@ impl Striped {
                             st.parity_repaired += 1;
                         }
                     } else {
-                        self.fail_member(m);
+                        self.write_failed(m);
                     }
                 }
             }
@@ -630,7 +643,7 @@ impl Striped {
                 // error, and the array serves on degraded: recovery must not stop
                 // on it (the next open would meet it again).
                 if self.member(m).write_at(c, off).is_err() {
-                    self.fail_member(m);
+                    self.write_failed(m);
                     continue;
                 }
                 self.written[m].fetch_add(len as u64, Ordering::Relaxed);
@@ -672,7 +685,7 @@ impl Striped {
                 .write_at(block, sh.member_offset(s, row))
                 .is_err()
             {
-                self.fail_member(m);
+                self.write_failed(m);
                 continue;
             }
             self.written[m].fetch_add(BLOCK as u64, Ordering::Relaxed);
@@ -758,6 +771,7 @@ impl Striped {
                 failed: self.is_failed(i),
                 read_errors: self.read_errors[i].load(Ordering::Relaxed),
                 checksum_errors: self.checksum_errors[i].load(Ordering::Relaxed),
+                write_errors: self.write_errors[i].load(Ordering::Relaxed),
                 bytes_written: self.written[i].load(Ordering::Relaxed),
                 bytes_read: self.read_bytes[i].load(Ordering::Relaxed),
             })
@@ -810,7 +824,7 @@ impl Striped {
             // A member being rebuilt has its zone of a stripe not yet rebuilt
             // written (from its start) by the rebuild alone.
             if self.current(i, s) && f(&*self.member(i)).is_err() {
-                self.fail_member(i);
+                self.write_failed(i);
             }
         }
         if self.unavailable_count() > self.shape.parity {
@@ -878,7 +892,7 @@ impl Striped {
         if ok {
             self.written[member].fetch_add(len as u64, Ordering::Relaxed);
         } else {
-            self.fail_member(member);
+            self.write_failed(member);
         }
     }
 
@@ -1072,7 +1086,7 @@ impl BlockDevice for Striped {
                 }
                 None => {
                     if dev.sync().is_err() {
-                        self.fail_member(*i);
+                        self.write_failed(*i);
                     }
                 }
             }
@@ -1080,7 +1094,7 @@ impl BlockDevice for Striped {
         uring::run(&mut ops, true);
         for (op, i) in ops.iter().zip(batched) {
             if op.result.is_err() {
-                self.fail_member(i);
+                self.write_failed(i);
             }
         }
         if self.failed_count() > self.shape.parity {
@@ -1589,6 +1603,34 @@ mod tests {
         assert_eq!((st.rows_mismatched, st.parity_rewritten), (1, 0));
         assert!(a.is_failed(p));
         read_all(&a, &want);
+    }
+
+    /// A member whose write fails is failed with the error counted against it (as
+    /// zpool's WRITE column); one failed by hand counts none; a sync error counts
+    /// too; a replacement starts from zero.
+    #[test]
+    fn write_errors_are_counted_against_their_member() {
+        let (a, f) = array(3, 1);
+        let img = fill(&a);
+        let sh = a.shape();
+        f[2].fail(FaultOp::Write, 0, u64::MAX, u64::MAX);
+        let unit = sh.data * 2 * BLOCK;
+        a.write_at(&img[..unit], sh.data_offset).unwrap();
+        let st = a.member_states();
+        assert!(st[2].failed);
+        assert_eq!(st[2].write_errors, 1, "failed on its first write error");
+        assert_eq!(st.iter().map(|m| m.write_errors).sum::<u64>(), 1);
+        read_all(&a, &img);
+        a.fail_member(0);
+        assert_eq!(a.member_states()[0].write_errors, 0, "failed by hand");
+        let (b, g) = array(3, 1);
+        g[1].fail(FaultOp::Sync, 0, u64::MAX, u64::MAX);
+        b.sync().unwrap();
+        assert_eq!(b.member_states()[1].write_errors, 1);
+        assert!(b.is_failed(1));
+        b.replace(1, Arc::new(MemDevice::new("new", g[1].size_bytes())), 0)
+            .unwrap();
+        assert_eq!(b.member_states()[1].write_errors, 0);
     }
 
     /// Every stripe with a bad block stays on the repair list, however many there

@@ -384,6 +384,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                         bytes_read: m["bytes_read"].as_u64().unwrap_or(0),
                         read_errors: m["read_errors"].as_u64().unwrap_or(0),
                         checksum_errors: m["checksum_errors"].as_u64().unwrap_or(0),
+                        write_errors: m["write_errors"].as_u64().unwrap_or(0),
                         rebuild_progress: m["rebuild_progress"].as_f64(),
                     })
                     .collect()

@@ -221,7 +221,8 @@ write_amplification, gc_floor_waits (times user writes waited at the user floor
 for garbage collection to free a segment), gc_pace_waits (times they waited for GC
 to earn them room, between its start watermark and the floor), and volumes[] with the same per-volume keys (plus classes[]
 per heat class). Arrays: array.members[] (index, name, state ok/failed/rebuilding,
-bytes_written, bytes_read, read_errors, rebuild_progress), array.redundancy_left,
+bytes_written, bytes_read, read_errors, checksum_errors, write_errors,
+rebuild_progress), array.redundancy_left,
 array.wear_spread, pad_bytes_written, blocks_rebuilt_from_parity,
 segments_repaired. Zoned arrays: array.zones_open (zones held by open or closing
 segments) and array.zone_open_limit (0: none).";

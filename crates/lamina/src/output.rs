@@ -24,6 +24,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
                 "bytes_read": m.bytes_read,
                 "read_errors": m.read_errors,
                 "checksum_errors": m.checksum_errors,
+                "write_errors": m.write_errors,
                 "rebuild_progress": m.rebuild_progress,
             })).collect::<Vec<_>>(),
             "redundancy_left": s.redundancy_left,
@@ -124,6 +125,9 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             match (m.read_errors, m.checksum_errors) {
                 (0, 0) => String::new(),
                 (r, c) => format!(", errors repaired from parity: {r} read, {c} checksum"),
+            } + &match m.write_errors {
+                0 => String::new(),
+                w => format!(", {w} write error{}", if w == 1 { "" } else { "s" }),
             }
         );
     }
@@ -444,7 +448,7 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
         failed,
     );
     type MemberCounter = fn(&lamina_core::MemberStatus) -> u64;
-    let member_counters: [(&str, &str, MemberCounter); 4] = [
+    let member_counters: [(&str, &str, MemberCounter); 5] = [
         (
             "member_bytes_written_total",
             "Bytes written to each member device.",
@@ -464,6 +468,11 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
             "member_checksum_errors_total",
             "Blocks of each member that failed their checksum (and were rebuilt from parity).",
             |m| m.checksum_errors,
+        ),
+        (
+            "member_write_errors_total",
+            "Writes, syncs and zone operations of each member that failed (the first fails a member of a striped layout).",
+            |m| m.write_errors,
         ),
     ];
     for (name, help, f) in member_counters {
