@@ -17,8 +17,11 @@
 //! every transaction another session saw committed before the cut must still be
 //! there. With `synchronous_commit = on` a commit becomes visible to other sessions
 //! only once its WAL is flushed, so what a reader saw had been acknowledged as durable
-//! through every layer, Lamina included. At the end the cluster is shut down and
-//! `pg_checksums --check` reads every page.
+//! through every layer, Lamina included. That reader samples (every 30 ms); beside
+//! the load, a client also commits numbered rows one at a time and counts each
+//! whose commit PostgreSQL acknowledged to it: after the cut every acknowledged row
+//! must be there, with no gap below the highest. At the end the cluster is shut
+//! down and `pg_checksums --check` reads every page.
 
 mod common;
 use common::*;
@@ -394,7 +397,12 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    pg.clients
+        .sql("CREATE TABLE acks (n bigint PRIMARY KEY)")
+        .unwrap_or_else(|e| panic!("CREATE TABLE acks: {e}"));
+
     let mut committed = 0u64;
+    let mut acked_total = 0u64;
     for round in 0..rounds {
         // The load, and a reader that records how many transactions it saw committed.
         let mut bench = pg
@@ -420,6 +428,28 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
                 }
             })
         };
+        // One row at a time, each its own transaction: `psql -c` exits 0 only
+        // after the server acknowledged the commit.
+        let acked = Arc::new(AtomicU64::new(acked_total));
+        let acker = {
+            let (acked, stop) = (acked.clone(), stop.clone());
+            let clients = pg.clients.clone();
+            std::thread::spawn(move || {
+                let mut n = acked.load(Ordering::SeqCst);
+                while !stop.load(Ordering::SeqCst) {
+                    n += 1;
+                    if clients
+                        .sql(&format!("INSERT INTO acks VALUES ({n})"))
+                        .is_err()
+                    {
+                        // The cut came while this row was in flight: it may or
+                        // may not be there, and nothing after it is sent.
+                        break;
+                    }
+                    acked.store(n, Ordering::SeqCst);
+                }
+            })
+        };
         std::thread::sleep(Duration::from_millis(rng.gen_range(1500..6000)));
 
         // The power cut: the disk's cache first, then every process above it.
@@ -431,6 +461,8 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
         let _ = bench.wait();
         stop.store(true, Ordering::SeqCst);
         reader.join().unwrap();
+        acker.join().unwrap();
+        let acked_before = acked.load(Ordering::SeqCst);
         fs.take().unwrap().cut();
         unmount_fuse(&t);
         drop(lower_fuse);
@@ -448,6 +480,25 @@ fn postgres_survives_power_cuts_on_ext4_on_lamina() {
         fs = Some(stack);
         pg.start();
         let now = check_database(&pg, seen_committed, round);
+        let rows = pg
+            .clients
+            .sql("SELECT count(*), coalesce(max(n), 0) FROM acks")
+            .unwrap_or_else(|e| panic!("round {round}: acks: {e}"));
+        let (count, max) = rows
+            .split_once('|')
+            .and_then(|(c, m)| Some((c.parse::<u64>().ok()?, m.parse::<u64>().ok()?)))
+            .unwrap_or_else(|| panic!("round {round}: acks gave {rows:?}"));
+        assert!(
+            max >= acked_before && count == max,
+            "round {round}: {acked_before} rows were acknowledged committed before the \
+             power cut; after it the table holds {count} rows, the highest {max}"
+        );
+        assert!(
+            acked_before > acked_total,
+            "round {round}: no row was acknowledged during the load"
+        );
+        eprintln!("round {round}: {acked_before} rows acknowledged, {max} survived");
+        acked_total = max;
         eprintln!(
             "round {round}: {} transactions seen committed before the cut, {} after \
              recovery ({} in the round)",
