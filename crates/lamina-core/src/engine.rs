@@ -27,7 +27,7 @@ use crate::io::{IoCompletion, IoKind, IoOp};
 use crate::map::{decode, encode_buffer, encode_device, Entry, UNMAPPED};
 use crate::placement::Written;
 use crate::shared::{Shared, VolumeShared};
-use crate::types::{Pba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::types::{Lba, Pba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::superblock::Superblock;
 use lamina_format::unit::{
@@ -1378,7 +1378,7 @@ impl Engine {
                 &data[o..o + BLOCK_SIZE]
             } else {
                 // Partial block: merge with its current content.
-                if let Err(e) = self.shared.read_blocks(&vol_shared, lba, &mut block) {
+                if let Err(e) = self.shared.read_blocks(&vol_shared, Lba(lba), &mut block) {
                     return Err(EngineError::Io(format!(
                         "read-modify-write of block {lba}: {e}"
                     )));
@@ -1431,7 +1431,7 @@ impl Engine {
             Some(c) => c,
             None => {
                 let vol = self.volumes[volume as usize].as_ref().unwrap();
-                let prev = match decode(vol.shared.map.load(lba)) {
+                let prev = match decode(vol.shared.map.load(Lba(lba))) {
                     Entry::Device(pba) => Some(self.written_at(pba, vol.user_blocks)),
                     Entry::Buffer(slot) => {
                         Some(self.written_at(self.slot_pba(slot), vol.user_blocks))
@@ -1507,7 +1507,7 @@ impl Engine {
         let vol = self.volumes[volume as usize].as_mut().unwrap();
         // New contents have not been read (the engine's own read of a block it
         // merges into does not count either).
-        vol.shared.map.take_read(lba);
+        vol.shared.map.take_read(Lba(lba));
         vol.user_blocks += 1;
         let kept = vol.caps.user_class(class.take().unwrap_or(0));
         vol.classes[kept as usize].blocks += 1;
@@ -1522,7 +1522,7 @@ impl Engine {
         vol: &VolumeShared,
         lbas: std::ops::Range<u64>,
     ) -> Result<(), EngineError> {
-        let new_blocks = lbas.filter(|&l| vol.map.load(l) == UNMAPPED).count() as u64;
+        let new_blocks = lbas.filter(|&l| vol.map.load(Lba(l)) == UNMAPPED).count() as u64;
         self.space.admit(new_blocks)
     }
 
@@ -1569,7 +1569,7 @@ impl Engine {
                 let lba = lo / bs;
                 // An unmapped edge already reads as zeros; with `allocate` it is
                 // written all the same, so that it holds space.
-                if *allocate || vol_shared.map.load(lba) != UNMAPPED {
+                if *allocate || vol_shared.map.load(Lba(lba)) != UNMAPPED {
                     let mut class = None;
                     let stream = self.user_stream_for(*volume, lba, &mut class);
                     if self.ensure_unit(stream, 1, 0).is_err() {
@@ -1577,7 +1577,7 @@ impl Engine {
                     }
                     let mut block = [0u8; BLOCK_SIZE];
                     self.shared
-                        .read_blocks(&vol_shared, lba, &mut block)
+                        .read_blocks(&vol_shared, Lba(lba), &mut block)
                         .map_err(|e| EngineError::Io(format!("zeroing block {lba}: {e}")))?;
                     block[(lo - lba * bs) as usize..(hi - lba * bs) as usize].fill(0);
                     self.append_user(stream, *volume, lba, Some(&block), &mut class);
@@ -1615,10 +1615,10 @@ impl Engine {
             // Run by run: trimming the unwritten part of a thin volume costs
             // nothing per block.
             for lba in vol_shared.map.mapped_runs(full_first, full_end).flatten() {
-                let old = vol_shared.map.load(lba);
+                let old = vol_shared.map.load(Lba(lba));
                 if old != UNMAPPED {
-                    vol_shared.map.store(lba, UNMAPPED);
-                    vol_shared.map.take_read(lba);
+                    vol_shared.map.store(Lba(lba), UNMAPPED);
+                    vol_shared.map.take_read(Lba(lba));
                     self.unref(old);
                     self.space.unmapped(1);
                     self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
@@ -1716,8 +1716,8 @@ impl Engine {
         let seg = st.seg.unwrap() as usize;
         st.appended += 1;
         let vol = self.volumes[volume as usize].as_mut().unwrap();
-        let old = vol.shared.map.load(lba);
-        vol.shared.map.store(lba, encode_buffer(slot));
+        let old = vol.shared.map.load(Lba(lba));
+        vol.shared.map.store(Lba(lba), encode_buffer(slot));
         if old == UNMAPPED {
             vol.live_blocks += 1;
             self.space.mapped(1);
@@ -2000,7 +2000,7 @@ impl Engine {
                 let slot = self.shared.buffers.slot(u.buf, h as u32 + i as u32);
                 let current = self.volumes[r.volume() as usize]
                     .as_ref()
-                    .is_some_and(|v| v.shared.map.load(r.lba()) == encode_buffer(slot));
+                    .is_some_and(|v| v.shared.map.load(Lba(r.lba())) == encode_buffer(slot));
                 if current {
                     live += 1;
                 } else {
@@ -2260,9 +2260,9 @@ impl Engine {
             }
             let slot = self.shared.buffers.slot(buf, h + i);
             if let Some(v) = self.volumes[r.volume() as usize].as_ref() {
-                if v.shared.map.load(r.lba()) == encode_buffer(slot) {
+                if v.shared.map.load(Lba(r.lba())) == encode_buffer(slot) {
                     let pba = self.geo.pba(SegmentId(seg), offset + h + i);
-                    v.shared.map.store(r.lba(), encode_device(pba));
+                    v.shared.map.store(Lba(r.lba()), encode_device(pba));
                 }
             }
         }
@@ -2396,7 +2396,7 @@ impl Engine {
             let live = r.kind == kind::DATA
                 && self.volumes[r.volume() as usize]
                     .as_ref()
-                    .is_some_and(|v| v.shared.map.load(r.lba()) == encode_buffer(slot));
+                    .is_some_and(|v| v.shared.map.load(Lba(r.lba())) == encode_buffer(slot));
             if live {
                 // SAFETY: as above; the block stays in place until the buffer is
                 // recycled, which waits for readers' pins.

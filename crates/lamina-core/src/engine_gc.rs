@@ -32,7 +32,7 @@ use crate::gc::Candidate;
 use crate::io::{IoCompletion, IoKind};
 use crate::map::encode_device;
 use crate::segments::Origins;
-use crate::types::{Pba, SegmentId, BLOCK_SIZE};
+use crate::types::{Lba, Pba, SegmentId, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
 
@@ -259,7 +259,7 @@ impl Engine {
                 .is_some_and(|v| {
                     v.deleting.is_none()
                         && r.lba() < v.shared.map.len()
-                        && v.shared.map.load(r.lba()) == encode_device(pba)
+                        && v.shared.map.load(Lba(r.lba())) == encode_device(pba)
                 })
     }
 
@@ -770,7 +770,7 @@ impl Engine {
                         let mut class = class as usize;
                         let read_hot = v
                             .read_hot_stream
-                            .is_some_and(|_| v.shared.map.was_read(r.lba()));
+                            .is_some_and(|_| v.shared.map.was_read(Lba(r.lba())));
                         if read_hot {
                             gc_stream = v.read_hot_stream.unwrap();
                             class = self.streams[gc_stream].class as usize;
@@ -782,7 +782,7 @@ impl Engine {
                         if read_hot {
                             // Cleared only once the block is on its way.
                             let v = self.volumes[volume as usize].as_ref().unwrap();
-                            v.shared.map.take_read(r.lba());
+                            v.shared.map.take_read(Lba(r.lba()));
                         }
                         let block = match &rebuilt {
                             Some(b) => Some(&b[..]),

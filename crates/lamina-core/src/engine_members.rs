@@ -140,6 +140,12 @@ impl Engine {
     /// Issues a step of the update under way to every member in service.
     fn sb_issue(&mut self, step: SbStep) {
         let members = self.sb_members();
+        if members.is_empty() && step != SbStep::Done {
+            // Every member failed while the update was under way: nothing can
+            // take it, and the update stays unfinished (the engine has failed).
+            self.fail("no member left in service to take the superblock".into());
+            return;
+        }
         match step {
             SbStep::Write { offset, .. } => {
                 self.sbw.issued(members.len());

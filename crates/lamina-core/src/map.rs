@@ -15,7 +15,7 @@
 //! updates it.
 
 use crate::sync::{fence, spin_wait, AtomicPtr, AtomicU64, Ordering};
-use crate::types::Pba;
+use crate::types::{Lba, Pba};
 
 pub const UNMAPPED: u32 = 0;
 pub const BAD: u32 = u32::MAX;
@@ -371,7 +371,8 @@ impl Map {
     }
 
     /// Notes that blocks `lba..lba + n` were read from the device.
-    pub fn mark_read(&self, lba: u64, n: u64) {
+    pub fn mark_read(&self, lba: Lba, n: u64) {
+        let Lba(lba) = lba;
         let mut l = lba;
         let end = (lba + n).min(self.len());
         while l < end {
@@ -401,13 +402,13 @@ impl Map {
     }
 
     /// Whether `lba` was read since its mark was last cleared.
-    pub fn was_read(&self, lba: u64) -> bool {
+    pub fn was_read(&self, Lba(lba): Lba) -> bool {
         self.read_word(lba)
             .is_some_and(|w| w.load(Ordering::Relaxed) & (1 << (lba % 64)) != 0)
     }
 
     /// Whether `lba` was read since the last call for it (and clears the mark).
-    pub fn take_read(&self, lba: u64) -> bool {
+    pub fn take_read(&self, Lba(lba): Lba) -> bool {
         let bit = 1u64 << (lba % 64);
         self.read_word(lba).is_some_and(|w| {
             w.load(Ordering::Relaxed) & bit != 0 && w.fetch_and(!bit, Ordering::Relaxed) & bit != 0
@@ -476,7 +477,7 @@ impl Map {
     /// there, or a reader racing a shrink, find nothing). A reader that then pins
     /// what it names re-reads it through [`crate::pins::Pins::pin_run`].
     #[inline]
-    pub fn load(&self, lba: u64) -> u32 {
+    pub fn load(&self, Lba(lba): Lba) -> u32 {
         if lba >= self.len() {
             return UNMAPPED;
         }
@@ -511,7 +512,7 @@ impl Map {
             return (false, end);
         }
         let end = end.min(len);
-        let mapped = self.load(lba) != UNMAPPED;
+        let mapped = self.load(Lba(lba)) != UNMAPPED;
         let mut at = lba + 1;
         while at < end {
             let page_start = at & !(PAGE_ENTRIES as u64 - 1);
@@ -578,7 +579,7 @@ impl Map {
 
     /// Stores an entry. Only the engine thread (or recovery, before serving) writes.
     #[inline]
-    pub fn store(&self, lba: u64, e: u32) {
+    pub fn store(&self, Lba(lba): Lba, e: u32) {
         assert!(lba < self.len(), "map index {lba} out of range");
         let page = if e == UNMAPPED {
             // Unmapping where nothing was mapped makes no page.
@@ -635,7 +636,7 @@ impl Map {
 
     /// Calls `f(lba, entry)` for every mapped entry, in LBA order, walking only the
     /// pages that exist (engine thread or recovery; `f` may store into the map).
-    pub fn for_each_mapped(&self, mut f: impl FnMut(u64, u32)) {
+    pub fn for_each_mapped(&self, mut f: impl FnMut(Lba, u32)) {
         let len = self.len();
         self.for_each_page(|page, p| {
             let first = page * PAGE_ENTRIES as u64;
@@ -645,7 +646,7 @@ impl Map {
             for i in 0..PAGE_ENTRIES.min((len - first) as usize) {
                 let c = self.raw(p, i);
                 if c != 0 {
-                    f(first + i as u64, self.decode_code(c));
+                    f(Lba(first + i as u64), self.decode_code(c));
                 }
             }
         });
@@ -714,12 +715,12 @@ mod tests {
             vec![5..9, 1023..1025, 3 * 1024..5 * 1024 + 1, 9 * 1024 + 1..n];
         for r in &mapped {
             for lba in r.clone() {
-                m.store(lba, encode_device(Pba(lba as u32)));
+                m.store(Lba(lba), encode_device(Pba(lba as u32)));
             }
         }
         // A page made and emptied again: unmapped, though it exists.
-        m.store(7 * 1024 + 3, encode_device(Pba(1)));
-        m.store(7 * 1024 + 3, UNMAPPED);
+        m.store(Lba(7 * 1024 + 3), encode_device(Pba(1)));
+        m.store(Lba(7 * 1024 + 3), UNMAPPED);
         let is_mapped = |lba: u64| mapped.iter().any(|r| r.contains(&lba));
         for start in [
             0, 4, 5, 8, 9, 1000, 1023, 1024, 1025, 2048, 3072, 5120, 7000, 9217,
@@ -769,11 +770,11 @@ mod tests {
                 }
             };
             for i in 0..5000 {
-                m.store(i, values(i));
+                m.store(Lba(i), values(i));
             }
             for i in 0..5000 {
                 assert_eq!(
-                    m.load(i),
+                    m.load(Lba(i)),
                     values(i),
                     "entry {i} at width {}",
                     m.entry_bits()
@@ -781,11 +782,11 @@ mod tests {
             }
             // Overwrite every other entry: neighbours (which may share a word) keep.
             for i in (0..5000).step_by(2) {
-                m.store(i, UNMAPPED);
+                m.store(Lba(i), UNMAPPED);
             }
             for i in 0..5000 {
                 let want = if i % 2 == 0 { UNMAPPED } else { values(i) };
-                assert_eq!(m.load(i), want);
+                assert_eq!(m.load(Lba(i)), want);
             }
         }
         assert_eq!(Map::new(1, (1 << 25) - 2000, 1024).entry_bits(), 25);
@@ -803,7 +804,7 @@ mod tests {
                     let mut n = 0u64;
                     while !stop.load(Ordering::Relaxed) {
                         for i in 0..4096 {
-                            let e = m.load(i);
+                            let e = m.load(Lba(i));
                             // Every value the writer stores is pba+1 with pba = k * 4096 + i.
                             if e != UNMAPPED {
                                 assert_eq!((e - 1) % 4096, i as u32, "torn entry {e:#x} at {i}");
@@ -818,7 +819,7 @@ mod tests {
         for k in 0..2000u32 {
             for i in 0..4096u32 {
                 m.store(
-                    i as u64,
+                    Lba(i as u64),
                     encode_device(Pba(k * 4096 % ((1 << 26) - 4096) + i)),
                 );
             }
@@ -837,17 +838,17 @@ mod tests {
         assert_eq!(m.pages_made(), 0);
         assert!(m.used_pages().is_empty());
         for lba in [0, 12345, blocks / 2, blocks - 1] {
-            assert_eq!(m.load(lba), UNMAPPED);
-            m.store(lba, UNMAPPED); // makes nothing
+            assert_eq!(m.load(Lba(lba)), UNMAPPED);
+            m.store(Lba(lba), UNMAPPED); // makes nothing
         }
         assert_eq!(m.pages_made(), 0);
         let far = [blocks - 1, blocks / 3, 5];
         for (i, &lba) in far.iter().enumerate() {
-            m.store(lba, encode_device(Pba(i as u32 + 7)));
+            m.store(Lba(lba), encode_device(Pba(i as u32 + 7)));
         }
         for (i, &lba) in far.iter().enumerate() {
-            assert_eq!(m.load(lba), encode_device(Pba(i as u32 + 7)));
-            assert_eq!(m.load(lba ^ 1), UNMAPPED);
+            assert_eq!(m.load(Lba(lba)), encode_device(Pba(i as u32 + 7)));
+            assert_eq!(m.load(Lba(lba ^ 1)), UNMAPPED);
         }
         assert_eq!(m.pages_made(), 3);
         let mut want: Vec<u32> = far
@@ -864,7 +865,7 @@ mod tests {
         );
         assert_eq!(out.iter().filter(|&&e| e != UNMAPPED).count(), 1);
         let mut seen = Vec::new();
-        m.for_each_mapped(|lba, e| seen.push((lba, e)));
+        m.for_each_mapped(|lba, e| seen.push((lba.0, e)));
         assert_eq!(
             seen,
             vec![
@@ -874,12 +875,16 @@ mod tests {
             ]
         );
         // Unmapped again: the page stays made, but checkpoints skip it.
-        m.store(5, UNMAPPED);
+        m.store(Lba(5), UNMAPPED);
         assert_eq!(m.used_pages().len(), 2);
         // Read marks live in the pages too.
-        m.mark_read(blocks - 2, 2);
-        assert!(m.was_read(blocks - 1) && m.take_read(blocks - 1) && !m.was_read(blocks - 1));
-        assert!(!m.was_read(77) && !m.take_read(77));
+        m.mark_read(Lba(blocks - 2), 2);
+        assert!(
+            m.was_read(Lba(blocks - 1))
+                && m.take_read(Lba(blocks - 1))
+                && !m.was_read(Lba(blocks - 1))
+        );
+        assert!(!m.was_read(Lba(77)) && !m.take_read(Lba(77)));
     }
 
     #[test]
@@ -899,11 +904,11 @@ mod tests {
                 .chain([0, blocks - 1])
                 .collect();
             for &l in &lbas {
-                m.store(l, encode_device(Pba((l % (1 << 20)) as u32)));
+                m.store(Lba(l), encode_device(Pba((l % (1 << 20)) as u32)));
             }
             for &l in &lbas {
                 assert_eq!(
-                    m.load(l),
+                    m.load(Lba(l)),
                     encode_device(Pba((l % (1 << 20)) as u32)),
                     "{l} of {blocks}"
                 );
@@ -926,7 +931,7 @@ mod tests {
         let m = Map::new(3000, 1 << 20, 16);
         let lbas = [0u64, 1, 1023, 1024, 2999];
         for &l in &lbas {
-            m.store(l, encode_device(Pba(l as u32 + 7)));
+            m.store(Lba(l), encode_device(Pba(l as u32 + 7)));
         }
         let mut far = Vec::new();
         for (i, blocks) in [
@@ -944,18 +949,18 @@ mod tests {
             assert_eq!(m.len(), blocks);
             for &l in &lbas {
                 assert_eq!(
-                    m.load(l),
+                    m.load(Lba(l)),
                     encode_device(Pba(l as u32 + 7)),
                     "{l} at {blocks}"
                 );
             }
             for &(l, e) in &far {
-                assert_eq!(m.load(l), e, "{l} at {blocks}");
+                assert_eq!(m.load(Lba(l)), e, "{l} at {blocks}");
             }
-            assert_eq!(m.load(blocks - 1), UNMAPPED);
+            assert_eq!(m.load(Lba(blocks - 1)), UNMAPPED);
             let l = blocks - 1 - 10 * i as u64;
             let e = encode_device(Pba(100 + i as u32));
-            m.store(l, e);
+            m.store(Lba(l), e);
             far.push((l, e));
         }
         let mut mapped = Vec::new();
@@ -964,10 +969,10 @@ mod tests {
         assert!(mapped.windows(2).all(|w| w[0] < w[1]), "in LBA order");
         // Shrink below the far entries (after unmapping them, as the engine does).
         for &(l, _) in &far {
-            m.store(l, UNMAPPED);
+            m.store(Lba(l), UNMAPPED);
         }
         m.shrink(3000);
-        assert_eq!(m.load(5000), UNMAPPED, "beyond the end reads unmapped");
+        assert_eq!(m.load(Lba(5000)), UNMAPPED, "beyond the end reads unmapped");
         assert_eq!(m.allocation_run(2999, 9000), (true, 3000));
         assert_eq!(m.allocation_run(4000, 9000), (false, 9000));
         // Growing after a shrink to a size a lower tree would do keeps the tree
@@ -976,15 +981,15 @@ mod tests {
             m.grow(blocks);
             for &l in &lbas {
                 assert_eq!(
-                    m.load(l),
+                    m.load(Lba(l)),
                     encode_device(Pba(l as u32 + 7)),
                     "{l} at {blocks}"
                 );
             }
             assert_eq!(m.allocation_run(3000, blocks), (false, blocks));
-            m.store(blocks - 1, encode_device(Pba(9)));
-            assert_eq!(m.load(blocks - 1), encode_device(Pba(9)));
-            m.store(blocks - 1, UNMAPPED);
+            m.store(Lba(blocks - 1), encode_device(Pba(9)));
+            assert_eq!(m.load(Lba(blocks - 1)), encode_device(Pba(9)));
+            m.store(Lba(blocks - 1), UNMAPPED);
         }
         let mut n = 0;
         m.for_each_mapped(|_, _| n += 1);
@@ -998,7 +1003,7 @@ mod tests {
         use std::sync::Arc;
         let m = Arc::new(Map::new(2048, 1 << 20, 16));
         for l in 0..2048u64 {
-            m.store(l, encode_device(Pba(l as u32)));
+            m.store(Lba(l), encode_device(Pba(l as u32)));
         }
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let passes = Arc::new(AtomicU64::new(0));
@@ -1007,7 +1012,7 @@ mod tests {
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     for l in 0..2048u64 {
-                        assert_eq!(m.load(l), encode_device(Pba(l as u32)));
+                        assert_eq!(m.load(Lba(l)), encode_device(Pba(l as u32)));
                     }
                     passes.fetch_add(1, Ordering::Relaxed);
                 }
@@ -1017,7 +1022,7 @@ mod tests {
         while blocks < MAX_BLOCKS / 2 {
             blocks = blocks * 3 / 2 + 4096;
             m.grow(blocks);
-            m.store(blocks - 1, encode_device(Pba(5)));
+            m.store(Lba(blocks - 1), encode_device(Pba(5)));
             // Let the reader walk this tree before the next growth.
             let seen = passes.load(Ordering::Relaxed);
             while passes.load(Ordering::Relaxed) < seen + 2 && !reader.is_finished() {

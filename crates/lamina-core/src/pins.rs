@@ -18,6 +18,7 @@
 
 use crate::map::Map;
 use crate::sync::{fence, AtomicU32, Ordering};
+use crate::types::Lba;
 
 /// One pin counter per place (buffer unit or segment).
 pub struct Pins {
@@ -39,7 +40,7 @@ impl Pins {
     pub fn pin_run(&self, place: u32, map: &Map, lba: u64, first: u32, n: u64) -> u64 {
         self.pin(place);
         let mut valid = 0u64;
-        while valid < n && map.load(lba + valid) == first + valid as u32 {
+        while valid < n && map.load(Lba(lba + valid)) == first + valid as u32 {
             valid += 1;
         }
         if valid == 0 {

@@ -15,7 +15,7 @@ use crate::buffer::BufferPool;
 use crate::geometry::Geometry;
 use crate::map::{decode, Entry, Map};
 use crate::pins::Pins;
-use crate::types::{Pba, SegmentId, VolumeId, BLOCK_SIZE};
+use crate::types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
 use lamina_format::summary::SummaryHeader;
 use lamina_format::superblock::Layout;
@@ -548,12 +548,12 @@ impl Shared {
             if within == 0 && remaining >= BLOCK_SIZE {
                 let whole = remaining / BLOCK_SIZE;
                 let n = whole * BLOCK_SIZE;
-                self.read_blocks(vol, lba, &mut buf[pos..pos + n])?;
+                self.read_blocks(vol, Lba(lba), &mut buf[pos..pos + n])?;
                 pos += n;
                 off += n as u64;
             } else {
                 let mut scratch = [0u8; BLOCK_SIZE];
-                self.read_blocks(vol, lba, &mut scratch)?;
+                self.read_blocks(vol, Lba(lba), &mut scratch)?;
                 let n = (BLOCK_SIZE - within).min(remaining);
                 buf[pos..pos + n].copy_from_slice(&scratch[within..within + n]);
                 pos += n;
@@ -605,7 +605,7 @@ impl Shared {
         for run in vol.map.mapped_runs(offset / bs, end) {
             let (mut lba, run_end) = (run.start, run.end);
             while lba < run_end {
-                let e = vol.map.load(lba);
+                let e = vol.map.load(Lba(lba));
                 let Entry::Device(pba) = decode(e) else {
                     lba += 1;
                     continue;
@@ -666,7 +666,7 @@ impl Shared {
         if first + n > vol.map.len() {
             return None; // the waiting path reports it
         }
-        let e = vol.map.load(first);
+        let e = vol.map.load(Lba(first));
         let Entry::Device(pba) = decode(e) else {
             return None;
         };
@@ -720,7 +720,7 @@ impl Shared {
                 .is_ok();
         self.seg_pins.unpin(seg.0);
         if !ok {
-            return self.read_blocks(vol, first_lba, buf);
+            return self.read_blocks(vol, Lba(first_lba), buf);
         }
         self.count_read(vol, first_lba, (buf.len() / BLOCK_SIZE) as u64);
         self.read_stats
@@ -736,7 +736,7 @@ impl Shared {
         let mut n = 1u64;
         while n < max
             && seg_off as u64 + n < self.geo.segment_blocks as u64
-            && vol.map.load(lba + n) == e + n as u32
+            && vol.map.load(Lba(lba + n)) == e + n as u32
         {
             n += 1;
         }
@@ -748,7 +748,7 @@ impl Shared {
     fn count_read(&self, vol: &VolumeShared, lba: u64, n: u64) {
         self.read_stats.blocks_read.fetch_add(n, Ordering::Relaxed);
         if self.track_reads.load(Ordering::Relaxed) {
-            vol.map.mark_read(lba, n);
+            vol.map.mark_read(Lba(lba), n);
         }
     }
 
@@ -767,10 +767,10 @@ impl Shared {
     pub fn read_blocks(
         &self,
         vol: &VolumeShared,
-        first: u64,
+        first: Lba,
         out: &mut [u8],
     ) -> Result<(), ReadError> {
-        self.read_blocks_inner(vol, first, out, false).map(|_| ())
+        self.read_blocks_inner(vol, first.0, out, false).map(|_| ())
     }
 
     /// [`Shared::read_blocks`]; with `nowait`, `Ok(false)` when a device read would
@@ -796,7 +796,7 @@ impl Shared {
         while i < nblocks {
             let lba = first + i;
             let dst_off = i as usize * BLOCK_SIZE;
-            let e = vol.map.load(lba);
+            let e = vol.map.load(Lba(lba));
             match decode(e) {
                 Entry::Unmapped => {
                     out[dst_off..dst_off + BLOCK_SIZE].fill(0);
@@ -981,7 +981,12 @@ impl Shared {
     /// Whether the unit header before `pba` names it as block `lba` of `vol` (fsck:
     /// the map checked against the log without reading data). On layouts with
     /// parity a header damaged on one member is rebuilt, as reads do.
-    pub fn check_owner(&self, vol: &VolumeShared, lba: u64, pba: Pba) -> Result<(), ReadError> {
+    pub fn check_owner(
+        &self,
+        vol: &VolumeShared,
+        Lba(lba): Lba,
+        pba: Pba,
+    ) -> Result<(), ReadError> {
         let (seg, seg_off) = self.geo.split(pba);
         if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
             self.load_unit_starts(seg)?;
@@ -1236,7 +1241,7 @@ mod tests {
         );
         let mapped = |lba: u64| (4..10).contains(&lba) || (1500..2100).contains(&lba);
         for lba in (0..blocks).filter(|&l| mapped(l)) {
-            vol.map.store(lba, encode_device(Pba(lba as u32)));
+            vol.map.store(Lba(lba), encode_device(Pba(lba as u32)));
         }
         let extents = |offset: u64, length: u64, max: usize, max_extent: u64| {
             let mut v = Vec::new();

@@ -26,6 +26,12 @@ pub struct VolumeId(pub u16);
 /// incarnations all take their version from it; it never repeats, even across crashes.
 pub type Version = u64;
 
+impl fmt::Display for Lba {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 impl fmt::Display for SegmentId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "segment {}", self.0)

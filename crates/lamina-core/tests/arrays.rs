@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use lamina_core::{format, open, OpenMode, Request, VolumeId};
+use lamina_core::{format, open, Lba, OpenMode, Request, VolumeId};
 use lamina_device::fault::FaultDevice;
 use lamina_device::mem::MemDevice;
 use lamina_device::BlockDevice;
@@ -390,7 +390,7 @@ fn read_errors_are_served_from_parity_and_moved_away() {
     let sh = st.shape();
     let seg_blocks = e.shared().geo.segment_blocks as u64;
     let v = e.shared().volume_by_id(vol).unwrap();
-    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(0)) else {
+    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(Lba(0))) else {
         panic!("lba 0 not on a device");
     };
     let (seg, b) = (pba.0 as u64 / seg_blocks, pba.0 as u64 % seg_blocks);
@@ -410,7 +410,7 @@ fn read_errors_are_served_from_parity_and_moved_away() {
     }
     assert!(e.status().segments_repaired > 0);
     verify(&e, vol, &model);
-    let moved = lamina_core::map::decode(v.map.load(0));
+    let moved = lamina_core::map::decode(v.map.load(Lba(0)));
     assert!(
         !matches!(moved, lamina_core::map::Entry::Device(p) if p.0 as u64 / seg_blocks == seg),
         "LBA 0 moved off the damaged stripe"
@@ -430,7 +430,8 @@ fn locate_block(e: &lamina_core::Engine, vol: VolumeId, lba: u64) -> (u64, usize
     let sh = st.shape();
     let seg_blocks = e.shared().geo.segment_blocks as u64;
     let v = e.shared().volume_by_id(vol).unwrap();
-    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(lba)) else {
+    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(Lba(lba)))
+    else {
         panic!("lba {lba} not on a device");
     };
     let (seg, b) = (pba.0 as u64 / seg_blocks, pba.0 as u64 % seg_blocks);
@@ -583,7 +584,7 @@ fn scrub_reports_a_damaged_unit_header() {
     assert_eq!(clean.damaged_headers, 0, "{clean:?}");
     // The first unit header of the (closed) segment holding LBA 0.
     let v = e.shared().volume_by_id(vol).unwrap();
-    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(0)) else {
+    let lamina_core::map::Entry::Device(pba) = lamina_core::map::decode(v.map.load(Lba(0))) else {
         panic!("lba 0 not on a device");
     };
     let geo = e.shared().geo.clone();

@@ -13,7 +13,7 @@
 
 use lamina_core::map::{encode_buffer, encode_device, Map};
 use lamina_core::pins::Pins;
-use lamina_core::Pba;
+use lamina_core::{Lba, Pba};
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 use loom::thread;
@@ -84,15 +84,15 @@ fn a_reader_never_copies_from_a_segment_gc_reuses() {
         let pins = Arc::new(Pins::new(2));
         let places = Arc::new(Places::new(2, 0));
         places.write(0, DATA);
-        map.store(0, encode_device(Pba(0)));
-        map.store(1, encode_device(Pba(1)));
+        map.store(Lba(0), encode_device(Pba(0)));
+        map.store(Lba(1), encode_device(Pba(1)));
 
         let gc = {
             let (map, pins, places) = (map.clone(), pins.clone(), places.clone());
             move || {
                 places.write(1, DATA); // the copy, then the remap
-                map.store(0, encode_device(Pba(SEG_BLOCKS)));
-                map.store(1, encode_device(Pba(SEG_BLOCKS + 1)));
+                map.store(Lba(0), encode_device(Pba(SEG_BLOCKS)));
+                map.store(Lba(1), encode_device(Pba(SEG_BLOCKS + 1)));
                 while pins.pinned(0) {
                     thread::yield_now();
                 }
@@ -102,7 +102,7 @@ fn a_reader_never_copies_from_a_segment_gc_reuses() {
         let reader = move || {
             let mut lba = 0u64;
             while lba < 2 {
-                let e = map.load(lba);
+                let e = map.load(Lba(lba));
                 let seg = (e - 1) / SEG_BLOCKS;
                 let valid = pins.pin_run(seg, &map, lba, e, 2 - lba);
                 if valid == 0 {
@@ -130,21 +130,21 @@ fn a_reader_never_copies_from_a_recycled_buffer() {
         let pins = Arc::new(Pins::new(1));
         let buffer = Arc::new(Places::new(1, DATA));
         let device = Arc::new(Places::new(1, 0));
-        map.store(5, encode_buffer(3));
+        map.store(Lba(5), encode_buffer(3));
 
         let engine = {
             let (map, pins, buffer, device) =
                 (map.clone(), pins.clone(), buffer.clone(), device.clone());
             move || {
                 device.write(0, DATA);
-                map.store(5, encode_device(Pba(7)));
+                map.store(Lba(5), encode_device(Pba(7)));
                 if !pins.pinned(0) {
                     buffer.write(0, REUSED);
                 }
             }
         };
         let reader = move || loop {
-            let e = map.load(5);
+            let e = map.load(Lba(5));
             if e == encode_buffer(3) {
                 if pins.pin_run(0, &map, 5, e, 1) == 0 {
                     continue;
@@ -175,14 +175,14 @@ fn a_straddling_entry_is_never_torn() {
         let writer = {
             let map = map.clone();
             move || {
-                map.store(9, a);
-                map.store(9, b);
+                map.store(Lba(9), a);
+                map.store(Lba(9), b);
             }
         };
         let reader = {
             let map = map.clone();
             move || {
-                let seen = map.load(9);
+                let seen = map.load(Lba(9));
                 assert!(
                     seen == 0 || seen == a || seen == b,
                     "torn entry {seen:#x} (values {a:#x}, {b:#x})"
@@ -190,7 +190,7 @@ fn a_straddling_entry_is_never_torn() {
             }
         };
         both(writer, reader);
-        assert_eq!(map.load(9), b);
+        assert_eq!(map.load(Lba(9)), b);
     });
 }
 
@@ -203,18 +203,18 @@ fn a_reader_that_does_not_look_again_is_caught() {
         let map = Arc::new(map());
         let pins = Arc::new(Pins::new(2));
         let places = Arc::new(Places::new(2, DATA));
-        map.store(0, encode_device(Pba(0)));
+        map.store(Lba(0), encode_device(Pba(0)));
         let gc = {
             let (map, pins, places) = (map.clone(), pins.clone(), places.clone());
             move || {
-                map.store(0, encode_device(Pba(SEG_BLOCKS)));
+                map.store(Lba(0), encode_device(Pba(SEG_BLOCKS)));
                 if !pins.pinned(0) {
                     places.write(0, REUSED);
                 }
             }
         };
         let reader = move || {
-            let e = map.load(0);
+            let e = map.load(Lba(0));
             let seg = (e - 1) / SEG_BLOCKS;
             pins.pin(seg);
             assert_eq!(places.read(seg), DATA);

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use lamina_core::map::{decode, Entry};
-use lamina_core::{EngineConfig, VolumeId};
+use lamina_core::{EngineConfig, Lba, VolumeId};
 use lamina_device::mem::MemDevice;
 use lamina_device::BlockDevice;
 use rand::{Rng, SeedableRng};
@@ -47,7 +47,7 @@ fn run(geometry_aware: bool) -> (f64, f64) {
         let v = e.shared().volume_by_id(vol).unwrap();
         let (mut sum, mut n) = (0f64, 0f64);
         for lba in (0..blocks).filter(|&l| is_hot(l) == hot) {
-            if let Entry::Device(p) = decode(v.map.load(lba)) {
+            if let Entry::Device(p) = decode(v.map.load(Lba(lba))) {
                 sum += p.0 as f64;
                 n += 1.0;
             }

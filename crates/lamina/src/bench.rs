@@ -775,7 +775,7 @@ fn geometry_run(capacity: u64, zone: u64, io: u64, rounds: u32, on: bool) -> Res
     let mean = order
         .iter()
         .map(
-            |&x| match lamina_core::map::decode(vol.map.load(x * io / bs)) {
+            |&x| match lamina_core::map::decode(vol.map.load(lamina_core::Lba(x * io / bs))) {
                 lamina_core::map::Entry::Device(p) => p.0 as f64 * bs as f64 / capacity as f64,
                 _ => 0.0,
             },

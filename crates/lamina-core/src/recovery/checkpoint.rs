@@ -10,7 +10,7 @@ use crate::error::EngineError;
 use crate::map::{BAD, UNMAPPED};
 use crate::segments::Origins;
 use crate::shared::{Shared, VolumeShared};
-use crate::types::{SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::types::{Lba, SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_format::checkpoint::{
     CheckpointHeader, CheckpointMeta, SegmentState, VolumeRecord, MAP_ENTRIES_PER_PAGE,
 };
@@ -126,7 +126,7 @@ pub(super) fn load(
                         v.name
                     )));
                 }
-                vs.map.store(lba, e);
+                vs.map.store(Lba(lba), e);
             }
         }
         volumes.push((vs, v.clone()));

@@ -13,7 +13,7 @@ use crate::geometry::Geometry;
 use crate::map::{encode_device, BAD, UNMAPPED};
 use crate::segments::{Origins, ORIGIN_SLOTS};
 use crate::shared::{Shared, VolumeShared};
-use crate::types::SegmentId;
+use crate::types::{Lba, SegmentId};
 use lamina_format::checkpoint::{SegmentState, VolumeRecord};
 use lamina_format::unit::{kind, StreamKind};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -107,7 +107,7 @@ pub(super) fn replay(
             Ev::Data { volume, lba, pba } => {
                 if let Some(v) = vol_of(volume) {
                     if lba < v.map.len() {
-                        v.map.store(lba, encode_device(crate::types::Pba(pba)));
+                        v.map.store(Lba(lba), encode_device(crate::types::Pba(pba)));
                     }
                 }
             }
@@ -121,7 +121,7 @@ pub(super) fn replay(
                     // unwritten petabytes costs its pages, not its blocks.
                     let end = start.saturating_add(count).min(v.map.len());
                     for lba in v.map.mapped_runs(start, end).flatten() {
-                        v.map.store(lba, UNMAPPED);
+                        v.map.store(Lba(lba), UNMAPPED);
                     }
                 }
             }
@@ -432,8 +432,8 @@ mod tests {
         let geo = &shared.geo;
         let ckpt = checkpoint_with_volume(&shared, 10, 64);
         let map = &ckpt.volumes[0].0.map;
-        map.store(9, at(geo, 2, 1)); // as of the checkpoint
-        map.store(30, at(geo, 2, 2));
+        map.store(Lba(9), at(geo, 2, 1)); // as of the checkpoint
+        map.store(Lba(30), at(geo, 2, 2));
         // Segment 5 (met first by the walk) holds the newer copy of block 3, and a
         // trim (version 16) of blocks 4..6, written after block 4's copy in segment 6.
         let newer = unit(
@@ -475,20 +475,20 @@ mod tests {
         let torn: HashSet<(u32, u32, usize)> = [(6, 0, 2)].into_iter().collect();
         let mut report = RecoveryReport::default();
         let r = replay(geo, &walk, &torn, &ckpt, &mut report);
-        assert_eq!(map.load(3), at(geo, 5, 1), "the newer copy wins");
+        assert_eq!(map.load(Lba(3)), at(geo, 5, 1), "the newer copy wins");
         assert_eq!(
-            map.load(4),
+            map.load(Lba(4)),
             UNMAPPED,
             "the later trim wins over the older copy"
         );
-        assert_eq!(map.load(5), UNMAPPED);
+        assert_eq!(map.load(Lba(5)), UNMAPPED);
         assert_eq!(
-            map.load(9),
+            map.load(Lba(9)),
             at(geo, 2, 1),
             "a torn block keeps the checkpoint's copy"
         );
         assert_eq!(
-            map.load(30),
+            map.load(Lba(30)),
             at(geo, 2, 2),
             "a released incarnation replays nothing"
         );
@@ -574,16 +574,16 @@ mod tests {
         let mut segs: Vec<Seg> = (0..8).map(|_| Seg::free(0)).collect();
         segs[2] = seg(SegState::Closed, 1, 64);
         segs[3] = seg(SegState::Closed, 2, 64);
-        map.store(0, at(geo, 2, 1));
-        map.store(1, at(geo, 2, 2));
-        map.store(2, at(geo, 6, 1)); // segment 6 is free
-        map.store(3, BAD);
+        map.store(Lba(0), at(geo, 2, 1));
+        map.store(Lba(1), at(geo, 2, 2));
+        map.store(Lba(2), at(geo, 6, 1)); // segment 6 is free
+        map.store(Lba(3), BAD);
         let mut report = RecoveryReport::default();
         let live = count_live(geo, &ckpt.volumes, &mut segs, &mut report);
         assert_eq!(live, vec![4], "bad blocks are still the volume's");
         assert_eq!(segs[2].valid, 2);
         assert_eq!(segs[3].state, SegState::Free, "closed with nothing valid");
-        assert_eq!(map.load(2), BAD);
+        assert_eq!(map.load(Lba(2)), BAD);
         assert_eq!(report.warnings.len(), 1, "{:?}", report.warnings);
     }
 

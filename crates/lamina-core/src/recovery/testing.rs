@@ -6,7 +6,7 @@ use super::walk::{Found, FoundUnit, Walk};
 use super::{assemble, format, open, FormatParams, OpenMode, RecoveryReport};
 use crate::engine::{Engine, EngineConfig, Request, Token};
 use crate::shared::{Shared, VolumeShared};
-use crate::types::{VolumeId, BLOCK_SIZE};
+use crate::types::{Lba, VolumeId, BLOCK_SIZE};
 use lamina_device::mem::MemDevice;
 use lamina_device::BlockDevice;
 use lamina_format::checkpoint::{CheckpointMeta, VolumeRecord};
@@ -85,7 +85,7 @@ pub fn write(e: &mut Engine, volume: VolumeId, lba: u64, blocks: usize, fill: u8
 
 /// Every entry of `map`, in LBA order.
 pub fn entries(map: &crate::map::Map) -> Vec<u32> {
-    (0..map.len()).map(|lba| map.load(lba)).collect()
+    (0..map.len()).map(|lba| map.load(Lba(lba))).collect()
 }
 
 /// The first phases of recovery on `devs`, read-only: what the later ones take.
