@@ -68,11 +68,23 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
         }
         "volume-resize" => {
             let name = req.get("name").and_then(|v| v.as_str());
-            let size = req.get("size").and_then(|v| v.as_u64());
             let force = req.get("force").and_then(|v| v.as_bool()) == Some(true);
-            match (name, size) {
-                (Some(name), Some(size)) => resize_volume(rt, name, size, force),
-                _ => Err("volume-resize needs \"name\" and \"size\"".into()),
+            let target = match (
+                req.get("size").and_then(|v| v.as_u64()),
+                req.get("grow").and_then(|v| v.as_u64()),
+                req.get("shrink").and_then(|v| v.as_u64()),
+            ) {
+                (Some(n), None, None) => Some(NewSize::Absolute(n)),
+                (None, Some(n), None) => Some(NewSize::Grow(n)),
+                (None, None, Some(n)) => Some(NewSize::Shrink(n)),
+                _ => None,
+            };
+            match (name, target) {
+                (Some(name), Some(target)) => resize_volume(rt, name, target, force),
+                _ => Err(
+                    "volume-resize needs \"name\" and one of \"size\", \"grow\" or \"shrink\""
+                        .into(),
+                ),
             }
         }
         "volume-rename" => {
@@ -443,12 +455,45 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
 /// Resizes a volume of the running server; with `force`, a shrink first trims
 /// what lies beyond the new end (the engine refuses to drop mapped blocks). The
 /// size is checked before anything is trimmed.
-fn resize_volume(rt: &Runtime, name: &str, size: u64, force: bool) -> Result<Value, String> {
+/// A volume's new size: as given, or relative to its size when the server applies it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NewSize {
+    Absolute(u64),
+    Grow(u64),
+    Shrink(u64),
+}
+
+impl NewSize {
+    /// The size this asks for, from the volume's size `old`; `None` if it cannot be.
+    pub fn from(self, old: u64) -> Option<u64> {
+        match self {
+            NewSize::Absolute(n) => Some(n),
+            NewSize::Grow(d) => old.checked_add(d),
+            NewSize::Shrink(d) => old.checked_sub(d),
+        }
+        .filter(|&n| n > 0)
+    }
+}
+
+/// Resizes a volume. One resize at a time, from reading the size to the new size
+/// being durable: a relative size is applied to the size the volume has then, so
+/// two `+1G` at once grow it by 2 GiB (computed by each client from the size it
+/// had read, one increment was lost), and a forced shrink trims exactly the tail
+/// it then cuts off.
+fn resize_volume(rt: &Runtime, name: &str, target: NewSize, force: bool) -> Result<Value, String> {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let v = rt
         .shared
         .volume(name)
         .ok_or_else(|| format!("no volume named {name:?}"))?;
     let old = v.size_bytes();
+    let size = target.from(old).ok_or_else(|| {
+        format!(
+            "the volume of {} cannot take that size",
+            crate::size::human(old)
+        )
+    })?;
     lamina_core::check_volume_size(size).map_err(|e| e.to_string())?;
     if force && size < old {
         rt.call(lamina_core::trim_tail(v.id, size, old))

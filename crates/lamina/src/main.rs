@@ -1206,40 +1206,55 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             }
         }
         VolumeCmd::Resize { args, size, force } => {
+            use admin::NewSize;
             let (dir, name) = dir_and_name(args)?;
-            let (st, _) = get_status(&dir)?;
-            let (old, id) = st
-                .volumes
-                .iter()
-                .find(|v| v.name == name)
-                .map(|v| (v.size_bytes, lamina_core::VolumeId(v.id)))
-                .ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))?;
-            let new = match (size.strip_prefix('+'), size.strip_prefix('-')) {
-                (Some(d), _) => old.checked_add(size_arg("--size", d)?),
-                (_, Some(d)) => old.checked_sub(size_arg("--size", d)?),
-                _ => Some(size_arg("--size", &size)?),
-            }
-            .filter(|&n| n > 0)
-            .ok_or_else(|| {
+            let target = match (size.strip_prefix('+'), size.strip_prefix('-')) {
+                (Some(d), _) => NewSize::Grow(size_arg("--size", d)?),
+                (_, Some(d)) => NewSize::Shrink(size_arg("--size", d)?),
+                _ => NewSize::Absolute(size_arg("--size", &size)?),
+            };
+            let cannot = |old: u64| {
                 anyhow::anyhow!(
                     "--size {size}: the volume of {} cannot take that",
                     human(old)
                 )
-            })?;
-            // Checked before a forced shrink trims anything.
-            lamina_core::check_volume_size(new)?;
-            let req = json!({"op": "volume-resize", "name": name, "size": new, "force": force});
-            if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
-                let mut reqs = Vec::new();
-                if force && new < old {
-                    reqs.push(lamina_core::trim_tail(id, new, old));
+            };
+            // A running server applies a relative size to the size the volume has
+            // when it gets there (two at once both count).
+            let (field, n) = match target {
+                NewSize::Absolute(n) => ("size", n),
+                NewSize::Grow(n) => ("grow", n),
+                NewSize::Shrink(n) => ("shrink", n),
+            };
+            let req = json!({"op": "volume-resize", "name": name, field: n, "force": force});
+            let (old, new) = match admin::request(&admin_socket(&dir)?, &req)? {
+                Some(v) => (
+                    v["old_size"].as_u64().unwrap_or(0),
+                    v["size"].as_u64().unwrap_or(0),
+                ),
+                None => {
+                    let (st, _) = get_status(&dir)?;
+                    let (old, id) = st
+                        .volumes
+                        .iter()
+                        .find(|v| v.name == name)
+                        .map(|v| (v.size_bytes, lamina_core::VolumeId(v.id)))
+                        .ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))?;
+                    let new = target.from(old).ok_or_else(|| cannot(old))?;
+                    // Checked before a forced shrink trims anything.
+                    lamina_core::check_volume_size(new)?;
+                    let mut reqs = Vec::new();
+                    if force && new < old {
+                        reqs.push(lamina_core::trim_tail(id, new, old));
+                    }
+                    reqs.push(Request::ResizeVolume {
+                        name: name.clone(),
+                        size_bytes: new,
+                    });
+                    offline_all(&dir, reqs)?;
+                    (old, new)
                 }
-                reqs.push(Request::ResizeVolume {
-                    name: name.clone(),
-                    size_bytes: new,
-                });
-                offline_all(&dir, reqs)?;
-            }
+            };
             println!(
                 "resized volume {name:?} from {} to {}",
                 human(old),

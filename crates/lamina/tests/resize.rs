@@ -119,6 +119,55 @@ fn volumes_grow_and_shrink_online_and_keep_their_size() {
     assert_eq!(volume_size(&dir), 32 * MIB);
 }
 
+/// Relative resizes sent at once all count: each is applied to the size the
+/// volume has when the server gets to it (they were computed by each client from
+/// the size it had read, so that two "+4M" at once grew the volume by 4 MiB, and
+/// both said they had).
+#[test]
+fn relative_resizes_at_once_all_count() {
+    let t = TempDir::new("resize-race");
+    let dir = small_array(&t, "16M");
+    let s = Server::start(&dir);
+    let outs: Vec<_> = std::thread::scope(|sc| {
+        let grows: Vec<_> = (0..4)
+            .map(|_| sc.spawn(|| resize(&dir, "+4M", &[])))
+            .collect();
+        let shrink = sc.spawn(|| resize(&dir, "-2M", &[]));
+        grows
+            .into_iter()
+            .chain([shrink])
+            .map(|h| h.join().unwrap())
+            .collect()
+    });
+    for o in &outs {
+        assert!(o.status.success(), "{o:?}");
+    }
+    assert_eq!(volume_size(&dir), (16 + 4 * 4 - 2) * MIB);
+    // Each says what it did, from the size it found: the five steps chain.
+    let mut steps: Vec<(String, String)> = outs
+        .iter()
+        .map(|o| {
+            let line = String::from_utf8_lossy(&o.stdout).to_string();
+            let (from, to) = line
+                .trim()
+                .split_once(" from ")
+                .and_then(|(_, r)| r.split_once(" to "))
+                .unwrap_or_else(|| panic!("{line}"));
+            (from.to_string(), to.to_string())
+        })
+        .collect();
+    let mut at = "16.0 MiB".to_string();
+    while let Some(i) = steps.iter().position(|(from, _)| *from == at) {
+        at = steps.swap_remove(i).1;
+    }
+    assert!(
+        steps.is_empty(),
+        "steps that do not chain: {steps:?} after {at}"
+    );
+    assert_eq!(at, "30.0 MiB");
+    s.stop();
+}
+
 #[test]
 fn offline_resize_to_petabytes_and_a_quick_delete() {
     let t = TempDir::new("resize-thin");
