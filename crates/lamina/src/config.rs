@@ -205,22 +205,52 @@ impl VolumeEngine {
     }
 }
 
-/// The header lines `[engine.volumes.NAME]` may be written as.
-fn volume_headers(name: &str) -> [String; 2] {
-    [
-        format!("[engine.volumes.{name}]"),
-        format!("[engine.volumes.\"{name}\"]"),
-    ]
+/// Volume `name`'s table in the configuration document (`[engine.volumes.NAME]`,
+/// or however the file writes it: dotted keys, an inline table), made (with
+/// `engine` and `engine.volumes` as implicit tables when missing) if `create`.
+fn volume_table<'a>(
+    doc: &'a mut toml_edit::DocumentMut,
+    name: &str,
+    create: bool,
+) -> Result<Option<&'a mut dyn toml_edit::TableLike>> {
+    use toml_edit::{Item, Table};
+    let implicit = || {
+        let mut t = Table::new();
+        t.set_implicit(true);
+        Item::Table(t)
+    };
+    let exists = doc
+        .get("engine")
+        .and_then(|e| e.get("volumes"))
+        .and_then(|v| v.get(name))
+        .is_some();
+    if !exists && !create {
+        return Ok(None);
+    }
+    let not_table = |what: &str| anyhow::anyhow!("{what} in lamina.toml is not a table");
+    let engine = doc
+        .entry("engine")
+        .or_insert_with(implicit)
+        .as_table_like_mut()
+        .ok_or_else(|| not_table("engine"))?;
+    let volumes = engine
+        .entry("volumes")
+        .or_insert_with(implicit)
+        .as_table_like_mut()
+        .ok_or_else(|| not_table("engine.volumes"))?;
+    let vol = volumes
+        .entry(name)
+        .or_insert_with(|| Item::Table(Table::new()))
+        .as_table_like_mut()
+        .ok_or_else(|| not_table(&format!("engine.volumes.{name}")))?;
+    Ok(Some(vol))
 }
 
-/// Whether `line` is the header of volume `name`'s section, in any of the ways
-/// TOML lets one write it: bare, double or single quoted, spaces inside the
-/// brackets, a comment after it. (Names hold no '#', quote or space.)
-fn is_volume_header(line: &str, name: &str) -> bool {
-    let code = line.split('#').next().unwrap_or("");
-    let squeezed: String = code.chars().filter(|c| !c.is_whitespace()).collect();
-    let [bare, quoted] = volume_headers(name);
-    squeezed == bare || squeezed == quoted || squeezed == quoted.replace('"', "'")
+fn read_document(path: &std::path::Path) -> Result<toml_edit::DocumentMut> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    text.parse()
+        .with_context(|| format!("{} does not parse as TOML", path.display()))
 }
 
 /// Replaces the file at `path` with `text`: written beside it, synced, renamed.
@@ -235,65 +265,52 @@ fn replace_file(path: &std::path::Path, text: &str) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
 }
 
-/// The header to write for volume `name`: a '.' in a bare key would split it, so
-/// such names are quoted.
-fn volume_header(name: &str) -> String {
-    let [bare, quoted] = volume_headers(name);
-    if name.contains('.') {
-        quoted
-    } else {
-        bare
-    }
-}
-
 /// Sets keys of volume `name`'s section (`[engine.volumes.NAME]`) in the
-/// configuration file at `path`: each `(key, Some(value))` replaces the key's line
-/// or adds one (value as TOML, e.g. `5000` or `"100M"`), each `(key, None)`
-/// removes it. The section is added at the end when missing. Every other line
-/// stays as it is, comments included; the result must parse as a configuration
-/// before it replaces the file.
+/// configuration file at `path`: each `(key, Some(value))` replaces the key's value
+/// or adds the key (value as TOML, e.g. `5000` or `"100M"`), each `(key, None)`
+/// removes it. The section is added at the end when missing. The edit goes through
+/// `toml_edit`, so everything else stays as it is, comments included (a comment
+/// after a replaced value too); the result must parse as a configuration before it
+/// replaces the file.
 pub fn set_volume_keys(
     path: &std::path::Path,
     name: &str,
     keys: &[(&str, Option<String>)],
 ) -> Result<()> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
-    let key_of = |l: &str| {
-        let t = l.trim_start();
-        t.split_once('=')
-            .map(|(k, _)| k.trim().trim_matches(['"', '\'']).to_string())
-            .filter(|_| !t.starts_with('#') && !t.starts_with('['))
-    };
-    let start = lines.iter().position(|l| is_volume_header(l, name));
-    let start = match start {
-        Some(s) => s,
-        None if keys.iter().all(|(_, v)| v.is_none()) => return Ok(()),
-        None => {
-            if lines.last().is_some_and(|l| !l.trim().is_empty()) {
-                lines.push(String::new());
-            }
-            lines.push(volume_header(name));
-            lines.len() - 1
-        }
+    let mut doc = read_document(path)?;
+    let create = keys.iter().any(|(_, v)| v.is_some());
+    let Some(section) = volume_table(&mut doc, name, create)? else {
+        return Ok(());
     };
     for (key, value) in keys {
-        let end = (start + 1..lines.len())
-            .find(|&i| lines[i].trim_start().starts_with('['))
-            .unwrap_or(lines.len());
-        let at = (start + 1..end).find(|&i| key_of(&lines[i]).as_deref() == Some(key));
-        match (at, value) {
-            (Some(i), Some(v)) => lines[i] = format!("{key} = {v}"),
-            (Some(i), None) => {
-                lines.remove(i);
+        match value {
+            Some(v) => {
+                let mut new: toml_edit::Value = v.parse().with_context(|| {
+                    format!(
+                        "{key} = {v} is not a TOML value; {} left as it was",
+                        path.display()
+                    )
+                })?;
+                match section.get_mut(key) {
+                    // In place: the key as it was written, and what surrounds the
+                    // value (a comment after it).
+                    Some(item) => {
+                        if let Some(old) = item.as_value() {
+                            *new.decor_mut() = old.decor().clone();
+                        }
+                        *item = toml_edit::Item::Value(new);
+                    }
+                    None => {
+                        section.insert(key, toml_edit::Item::Value(new));
+                    }
+                }
             }
-            (None, Some(v)) => lines.insert(start + 1, format!("{key} = {v}")),
-            (None, None) => {}
+            None => {
+                section.remove(key);
+            }
         }
     }
-    let mut out = lines.join("\n");
-    out.push('\n');
+    let out = doc.to_string();
     toml::from_str::<Config>(&out).with_context(|| {
         format!(
             "the edited {} would not parse; left as it was",
@@ -304,31 +321,29 @@ pub fn set_volume_keys(
 }
 
 /// Renames the section of volume `name` (`[engine.volumes.NAME]`) in the
-/// configuration file at `path` to `new_name`, leaving every other line as it is
-/// (comments included). True when there was such a section.
+/// configuration file at `path` to `new_name`, in place, with its comments (through
+/// `toml_edit`; a name with a '.' is quoted). True when there was such a section.
 pub fn rename_volume_section(path: &std::path::Path, name: &str, new_name: &str) -> Result<bool> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let mut changed = false;
-    let mut out = String::with_capacity(text.len());
-    for line in text.split_inclusive('\n') {
-        let body = line.trim_end_matches(['\n', '\r']);
-        if is_volume_header(body, name) {
-            out.push_str(&volume_header(new_name));
-            if let Some(at) = body.find('#') {
-                out.push_str("  ");
-                out.push_str(&body[at..]);
-            }
-            out.push_str(&line[body.len()..]);
-            changed = true;
-        } else {
-            out.push_str(line);
-        }
+    let mut doc = read_document(path)?;
+    let Some(volumes) = doc
+        .get_mut("engine")
+        .and_then(|e| e.get_mut("volumes"))
+        .and_then(|v| v.as_table_like_mut())
+    else {
+        return Ok(false);
+    };
+    if volumes.contains_key(new_name) {
+        bail!(
+            "{} already has a section for {new_name:?}; {name:?}'s stays as it is",
+            path.display()
+        );
     }
-    if changed {
-        replace_file(path, &out)?;
-    }
-    Ok(changed)
+    let Some(section) = volumes.remove(name) else {
+        return Ok(false);
+    };
+    volumes.insert(new_name, section);
+    replace_file(path, &doc.to_string())?;
+    Ok(true)
 }
 
 fn default_admin() -> PathBuf {
@@ -570,12 +585,12 @@ mod tests {
     }
 
     /// Keys are replaced, added and removed in the section however its header is
-    /// written; comments and other sections stay; a missing section is added; the
-    /// result parses.
+    /// written; comments (after a replaced value too) and other sections stay; a
+    /// missing section is added; the result parses.
     #[test]
     fn volume_keys_are_edited_in_place() {
         let (p, head) = file(
-            "# web tier\n[ engine.volumes.\"web.1\" ]  # the frontends\n\"iops_limit\" = 10\nclassifier = \"sepbit\"\n\n[engine.volumes.db]\niops_limit = 7\n",
+            "# web tier\n[ engine.volumes.\"web.1\" ]  # the frontends\n\"iops_limit\" = 10  # cap\nclassifier = \"sepbit\"\n\n[engine.volumes.db]\niops_limit = 7\n",
         );
         set_volume_keys(
             &p,
@@ -589,7 +604,7 @@ mod tests {
         let t = std::fs::read_to_string(&p).unwrap();
         assert_eq!(
             t,
-            format!("{head}# web tier\n[ engine.volumes.\"web.1\" ]  # the frontends\nbandwidth_limit = \"10M\"\niops_limit = 500\nclassifier = \"sepbit\"\n\n[engine.volumes.db]\niops_limit = 7\n")
+            format!("{head}# web tier\n[ engine.volumes.\"web.1\" ]  # the frontends\n\"iops_limit\" = 500  # cap\nclassifier = \"sepbit\"\nbandwidth_limit = \"10M\"\n\n[engine.volumes.db]\niops_limit = 7\n")
         );
         set_volume_keys(&p, "db", &[("iops_limit", None)]).unwrap();
         set_volume_keys(&p, "new", &[("iops_limit", Some("3".into()))]).unwrap();
@@ -605,16 +620,47 @@ mod tests {
         assert_eq!(c.engine.volumes["web.1"].iops_limit, Some(500));
         // A value that would not parse leaves the file as it was.
         assert!(set_volume_keys(&p, "db", &[("iops_limit", Some("\"x".into()))]).is_err());
+        assert!(set_volume_keys(&p, "db", &[("iops_limit", Some("\"x\"".into()))]).is_err());
         assert_eq!(std::fs::read_to_string(&p).unwrap(), t);
-        // Renaming finds the header written any way, and quotes a dotted name.
+        // Renaming finds the header written any way, keeps its comment, and quotes
+        // a dotted name; a name already taken is refused.
         assert!(rename_volume_section(&p, "web.1", "web2").unwrap());
         assert!(rename_volume_section(&p, "new", "new.x").unwrap());
+        assert!(!rename_volume_section(&p, "none", "other").unwrap());
+        assert!(rename_volume_section(&p, "db", "web2").is_err());
         let t = std::fs::read_to_string(&p).unwrap();
         assert!(
-            t.contains("[engine.volumes.web2]  # the frontends\n"),
+            t.contains(
+                "# web tier\n[engine.volumes.web2]  # the frontends\n\"iops_limit\" = 500  # cap\n"
+            ),
             "{t}"
         );
         assert!(t.contains("[engine.volumes.\"new.x\"]\n"), "{t}");
+        let _ = std::fs::remove_dir_all(p.parent().unwrap());
+    }
+
+    /// Sections written as dotted keys or inline tables are edited where they are
+    /// (the line-based editor added a second [engine.volumes.NAME], which then
+    /// failed to parse), and no [engine] or [engine.volumes] is needed beforehand.
+    #[test]
+    fn volume_keys_in_any_toml_form() {
+        let (p, head) =
+            file("volumes.db.iops_limit = 7\nvolumes.web = { classifier = \"none\" }\n");
+        set_volume_keys(&p, "db", &[("iops_limit", Some("8".into()))]).unwrap();
+        set_volume_keys(&p, "web", &[("iops_limit", Some("9".into()))]).unwrap();
+        let t = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(
+            t,
+            format!("{head}volumes.db.iops_limit = 8\nvolumes.web = {{ classifier = \"none\" , iops_limit = 9 }}\n")
+        );
+        let c: Config = toml::from_str(&t).unwrap();
+        assert_eq!(c.engine.volumes["web"].iops_limit, Some(9));
+        std::fs::write(&p, "devices = [\"d.img\"]\n").unwrap();
+        set_volume_keys(&p, "v", &[("iops_limit", Some("1".into()))]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            "devices = [\"d.img\"]\n\n[engine.volumes.v]\niops_limit = 1\n"
+        );
         let _ = std::fs::remove_dir_all(p.parent().unwrap());
     }
 }
