@@ -415,6 +415,11 @@ struct ArrayCreateArgs {
     /// Overwrite devices that belong to another Lamina array.
     #[arg(long)]
     force: bool,
+    /// Do not discard the devices' data areas first. By default they are discarded
+    /// (TRIM on an SSD, holes in a file), as mkfs does, so that a drive's own
+    /// garbage collection does not keep copying what it held before.
+    #[arg(long)]
+    no_discard: bool,
     /// Emulate zoned devices on the files: `smr` (host-managed SMR) or `zns`,
     /// with settings `zone=SIZE,cap=SIZE,conv=N,open=N,active=N` (for example
     /// `zns,zone=4M,cap=3M`). A segment becomes one zone (per data member), the
@@ -1068,6 +1073,7 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
         write_unit_blocks: size_in_blocks("write unit", &a.write_unit)?,
         overprovision: a.overprovision,
         force: a.force,
+        discard: !a.no_discard,
     };
     create_array(&dir, &specs, params, a.zoned.as_deref(), a.tcp)?;
     let (engine, _) = open_array(&dir, OpenMode::ReadOnly)?;

@@ -190,3 +190,43 @@ fn arrays_are_listed_exported_imported_and_destroyed() {
         .collect();
     assert!(!names.contains(&"e".to_string()), "{names:?}");
 }
+
+/// `array create` discards its devices' data areas first, as mkfs does (a file's
+/// old contents become holes, an SSD learns its blocks are free), not with
+/// --no-discard, and not at all on a device that belongs to another array: that is
+/// refused before anything is discarded, and the other array still serves its data.
+#[test]
+fn array_create_discards_old_contents_but_never_another_array() {
+    use std::os::unix::fs::MetadataExt;
+    let t = TempDir::new("create-discard");
+    let allocated = |p: &Path| std::fs::metadata(p).unwrap().blocks() * 512;
+    let old = vec![0x5au8; 192 << 20];
+    let (a, b) = (t.join("a.img"), t.join("b.img"));
+    std::fs::write(&a, &old).unwrap();
+    std::fs::write(&b, &old).unwrap();
+    let create = |dir: &str, dev: &Path, extra: &[&str]| {
+        let (dir, dev) = (t.join(dir), dev.to_str().unwrap().to_string());
+        let mut args = vec!["array", "create", dir.to_str().unwrap(), "--device", &dev];
+        args.extend_from_slice(extra);
+        lamina_output(&args)
+    };
+    assert!(create("one", &a, &[]).status.success());
+    assert!(
+        allocated(&a) < 8 << 20,
+        "{} bytes still allocated after create",
+        allocated(&a)
+    );
+    assert!(create("two", &b, &["--no-discard"]).status.success());
+    assert!(allocated(&b) >= 190 << 20, "--no-discard discarded");
+    // A device of another array: refused, and nothing of it discarded.
+    create_volume(&t.join("one"), "v", "64M");
+    let s = Server::start(&t.join("one"));
+    write_blocks(&s.sock);
+    s.stop();
+    let before = allocated(&a);
+    let out = create("three", &a, &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already belongs to Lamina array"));
+    assert_eq!(allocated(&a), before);
+    check_blocks(&t.join("one"));
+}

@@ -190,6 +190,12 @@ pub fn format(
         for d in devices {
             empty_zones(&**d)?;
         }
+    } else if params.discard {
+        // Only now: the devices were checked for another array's superblock above,
+        // and everything about the new one is known to be right.
+        for d in devices {
+            discard_data_area(&**d, data_offset);
+        }
     }
     for off in SUPERBLOCK_OFFSETS {
         for (i, d) in devices.iter().enumerate() {
@@ -276,4 +282,24 @@ fn zoned_layout(
         }
     }
     Ok(Some(first))
+}
+
+/// Discards `[data_offset, end)` of `d` in pieces of 1 GiB (a device-wide discard
+/// of a large SSD can take long in one call). Advisory, as on mkfs: a device that
+/// does not take it is left as it is, with a warning.
+fn discard_data_area(d: &dyn BlockDevice, data_offset: u64) {
+    const PIECE: u64 = 1 << 30;
+    let end = d.size_bytes();
+    let mut at = data_offset;
+    while at < end {
+        let len = PIECE.min(end - at);
+        if let Err(e) = d.discard(at, len) {
+            tracing::warn!(
+                "{}: discard at array creation failed ({e}); its old contents stay",
+                d.describe()
+            );
+            return;
+        }
+        at += len;
+    }
 }

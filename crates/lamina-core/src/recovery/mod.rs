@@ -60,6 +60,10 @@ pub struct FormatParams {
     pub overprovision: f64,
     /// Overwrite devices that already hold a Lamina superblock.
     pub force: bool,
+    /// Discard each member's data area before the first superblock is written (as
+    /// mkfs does): an SSD then knows every block is free, a file's old contents
+    /// become holes. Zoned members are emptied (reset) instead, always.
+    pub discard: bool,
 }
 
 impl Default for FormatParams {
@@ -71,6 +75,7 @@ impl Default for FormatParams {
             write_unit_blocks: 128,
             overprovision: 0.10,
             force: false,
+            discard: false,
         }
     }
 }
