@@ -191,37 +191,39 @@ fn serve_metrics(listener: TcpListener, rt: Runtime) {
         let timeout = Some(std::time::Duration::from_secs(2));
         let _ = conn.set_read_timeout(timeout);
         let _ = conn.set_write_timeout(timeout);
-        let (code, body) = match read_request_head(&mut conn) {
-            Some((method, path)) if path != "/metrics" => {
-                let _ = method;
-                ("404 Not Found", "try /metrics\n".to_string())
+        let (code, body, head_only) = match read_request_head(&mut conn) {
+            Some((_, path)) if path != "/metrics" => {
+                ("404 Not Found", "try /metrics\n".to_string(), false)
             }
-            Some((method, _)) if method != "GET" && method != "HEAD" => {
-                ("405 Method Not Allowed", "GET /metrics\n".to_string())
-            }
+            Some((method, _)) if method != "GET" && method != "HEAD" => (
+                "405 Method Not Allowed",
+                "GET /metrics\n".to_string(),
+                false,
+            ),
             Some((method, _)) => match rt.call(Request::Status) {
-                Ok(Some(s)) => {
-                    let body = crate::output::running_metrics_text(&s);
-                    (
-                        "200 OK",
-                        if method == "HEAD" {
-                            String::new()
-                        } else {
-                            body
-                        },
-                    )
-                }
+                Ok(Some(s)) => (
+                    "200 OK",
+                    crate::output::running_metrics_text(&s),
+                    method == "HEAD",
+                ),
                 _ => (
                     "503 Service Unavailable",
                     "engine unavailable\n".to_string(),
+                    false,
                 ),
             },
-            None => ("400 Bad Request", "not an HTTP request\n".to_string()),
+            None => (
+                "400 Bad Request",
+                "not an HTTP request\n".to_string(),
+                false,
+            ),
         };
+        // HEAD gets the headers GET would, the length of its body included.
         let _ = write!(
             conn,
-            "HTTP/1.1 {code}\r\nContent-Type: {METRICS_CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
+            "HTTP/1.1 {code}\r\nContent-Type: {METRICS_CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+            body.len(),
+            if head_only { "" } else { &body }
         );
     }
 }

@@ -354,6 +354,31 @@ fn prometheus_metrics() {
         1.0
     );
     assert_eq!(value(&body, "nbd_connections", ""), 1.0);
+    // HEAD: GET's headers, its length included, and no body; other methods and
+    // paths are refused.
+    let ask = |req: &[u8]| {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(req).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let head = ask(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    let (headers, rest) = head.split_once("\r\n\r\n").unwrap();
+    assert!(
+        headers.starts_with("HTTP/1.1 200") && rest.is_empty(),
+        "{head}"
+    );
+    let length: usize = headers
+        .lines()
+        .find_map(|l| l.strip_prefix("Content-Length: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(length > 1000, "{headers}");
+    assert!(ask(b"POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405"));
+    assert!(ask(b"GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+    assert!(ask(b"hello\r\n\r\n").starts_with("HTTP/1.1 400"));
     // OpenMetrics: typed families (a counter's samples end in _total), one # EOF.
     assert!(
         body.contains("Content-Type: application/openmetrics-text"),
