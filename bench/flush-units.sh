@@ -23,6 +23,8 @@ cargo build --release --quiet --manifest-path "$here/Cargo.toml"
 bin="$here/target/release/lamina"
 source "$here/bench/lib.sh"
 bench_workdir 0 lamina-flush-units
+# On the way out, whatever run is left: its nbdfuse first, then the servers.
+trap 'for m in "$work"/fs*/m; do fusermount3 -u -z "$m" 2>/dev/null || true; done; bench_cleanup' EXIT
 
 echo "| fio fsync= | write IOPS | drive WA | drive read-modify-writes (64 KiB units) | host MiB written |"
 echo "|---:|---:|---:|---:|---:|"
@@ -32,6 +34,7 @@ for fs in $FSYNCS; do
   "$bin" emulate --ssd "qlc,iu=64K,capacity=$DRIVE" --aged --backing "$w/q.img" \
     --unix "$w/q.sock" >"$w/q.out" 2>"$w/q.err" &
   drive=$!
+  pids+=($drive)
   wait_sock "$w/q.sock"
   nbdfuse "$w/m/disk" "nbd+unix:///ssd?socket=$w/q.sock" &
   wait_file "$w/m/disk"
@@ -39,6 +42,7 @@ for fs in $FSYNCS; do
   "$bin" volume create "$w/arr" v --size "$VOL" >/dev/null
   "$bin" serve "$w/arr" >"$w/serve.log" 2>&1 &
   server=$!
+  pids+=($server)
   uri="nbd+unix:///v?socket=$w/arr/nbd.sock"
   for _ in $(seq 100); do nbdinfo --size "$uri" >/dev/null 2>&1 && break; sleep 0.1; done
   iops=$(fio --name=w --ioengine=nbd --uri="$uri" --rw=randwrite --bs=4k --iodepth=32 \

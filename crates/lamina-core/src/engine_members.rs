@@ -146,9 +146,11 @@ impl Engine {
             self.fail("no member left in service to take the superblock".into());
             return;
         }
+        if step != SbStep::Done {
+            self.sbw.issued(members.len());
+        }
         match step {
             SbStep::Write { offset, .. } => {
-                self.sbw.issued(members.len());
                 for d in members {
                     let mut sb = self.sb.clone();
                     sb.device_index = d as u32;
@@ -170,7 +172,6 @@ impl Engine {
                 }
             }
             SbStep::Sync => {
-                self.sbw.issued(members.len());
                 for d in members {
                     let gen = self.slot_gen(d);
                     self.submit_io(
@@ -245,7 +246,7 @@ impl Engine {
                 tracing::warn!("{what} to the replaced member {d} failed: {e}");
             }
             Some(st) => {
-                st.fail_member(d);
+                st.write_failed(d);
                 tracing::error!("{what} failed: {e}; member {d} is now failed");
                 if st.redundancy_left() < 0 {
                     self.fail(format!("{what} failed: {e}; too many members failed"));

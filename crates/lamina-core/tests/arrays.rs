@@ -841,3 +841,27 @@ fn scrub_beside_writes_and_segment_reuse_reports_no_false_errors() {
         assert_eq!(clean.stats.checksum_errors, 0, "{layout:?} {clean:?}");
     }
 }
+
+/// A member whose superblock write fails (the engine writes superblocks itself,
+/// not through the striped device's data path) is failed with the error counted
+/// against it, as a failed data write would be: a failed member with no write
+/// error is one failed by decision.
+#[test]
+fn a_failed_superblock_write_counts_against_its_member() {
+    use lamina_device::fault::FaultOp;
+    let f = members(4, 16);
+    format_devices(&dyn_devs(&f), &layout_params(Layout::Said5));
+    let mut e = open_rw(&dyn_devs(&f), small_config());
+    create_volume(&mut e, "v", 2 << 20);
+    // Only the superblocks' megabyte: data writes to the member still succeed.
+    f[2].fail(FaultOp::Write, 0, 1 << 20, u64::MAX);
+    assert!(call(&mut e, Request::Checkpoint).result.is_ok());
+    let st = e.status();
+    assert_eq!(st.members[2].state, "failed");
+    assert_eq!(st.members[2].write_errors, 1);
+    assert!(st
+        .members
+        .iter()
+        .enumerate()
+        .all(|(i, m)| i == 2 || m.write_errors == 0));
+}

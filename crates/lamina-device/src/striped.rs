@@ -320,8 +320,10 @@ impl Striped {
     }
 
     /// A write, sync or zone operation of `member` failed: counted against it, and
-    /// the member is failed (the array serves on from parity while it can).
-    fn write_failed(&self, member: usize) {
+    /// the member is failed (the array serves on from parity while it can). Also
+    /// for such errors met outside this device (the engine's superblock writes,
+    /// recovery's syncs); [`Striped::fail_member`] alone is a failure by decision.
+    pub fn write_failed(&self, member: usize) {
         self.write_errors[member].fetch_add(1, Ordering::Relaxed);
         self.fail_member(member);
     }

@@ -48,7 +48,7 @@ pub(super) fn open_devices(
         match (&striped, member) {
             (Some(st), Some(i)) => {
                 report.warnings.push(format!("{e}: member {i} failed"));
-                st.fail_member(i);
+                st.write_failed(i);
             }
             // A device that is not a member any more (unreadable, replaced): it is
             // already out of the array.
