@@ -14,13 +14,25 @@ use lamina_core::recovery::MEMBER_FAILED;
 use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 pub use lamina_format::superblock::uuid_hex;
 
+/// How long a scan waits for devices to give their labels before it goes on
+/// without those that have not (a disk that stopped answering, an NBD device
+/// whose server is gone): they are reported as unreadable, with this reason.
+pub const LABEL_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The label on `path`: its newest valid superblock, `None` if it has none.
 /// Reads with plain `pread`s (no lock, no O_DIRECT), so it may look at devices
-/// an array holds open.
+/// an array holds open. Only files and block devices are opened: opening a FIFO
+/// would wait for a writer, a character device could be anything.
 pub fn read_label(path: &Path) -> Result<Option<Superblock>> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot look at {}", path.display()))?;
+    if !(meta.is_file() || meta.file_type().is_block_device()) {
+        bail!("{} is not a file or a block device", path.display());
+    }
     let f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut best: Option<Superblock> = None;
     let mut b = vec![0u8; 4096];
@@ -139,21 +151,37 @@ pub fn candidates(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 /// twice (a loop device over its file, multipath legs and their map, the legs of
 /// a mirror): the slot is left empty and both are named, rather than guess.
 pub fn scan(devices: &[PathBuf]) -> Scan {
-    let mut labelled: Vec<(PathBuf, Superblock)> = Vec::new();
+    scan_with(devices, LABEL_TIMEOUT, read_label)
+}
+
+/// [`scan`] with the time allowed and the way labels are read given.
+fn scan_with(
+    devices: &[PathBuf],
+    timeout: Duration,
+    read: fn(&Path) -> Result<Option<Superblock>>,
+) -> Scan {
     let mut seen = Vec::new();
-    let mut unreadable = Vec::new();
+    let mut unique = Vec::new();
     for d in devices {
         // The same file under two names is looked at once; the name kept is the
         // one given (a /dev/disk/by-id name stays one).
         let canon = d.canonicalize().unwrap_or_else(|_| d.clone());
-        if seen.contains(&canon) {
-            continue;
+        if !seen.contains(&canon) {
+            seen.push(canon);
+            unique.push(d.clone());
         }
-        seen.push(canon);
-        match read_label(d) {
-            Ok(Some(sb)) => labelled.push((d.clone(), sb)),
-            Ok(None) => {}
-            Err(e) => unreadable.push((d.clone(), format!("{e:#}"))),
+    }
+    let mut labelled: Vec<(PathBuf, Superblock)> = Vec::new();
+    let mut unreadable = Vec::new();
+    for (d, label) in unique.iter().zip(read_all(&unique, timeout, read)) {
+        match label {
+            Some(Ok(Some(sb))) => labelled.push((d.clone(), sb)),
+            Some(Ok(None)) => {}
+            Some(Err(e)) => unreadable.push((d.clone(), format!("{e:#}"))),
+            None => unreadable.push((
+                d.clone(),
+                format!("did not answer within {} s", timeout.as_secs_f64()),
+            )),
         }
     }
     let mut found: Vec<Found> = Vec::new();
@@ -220,6 +248,47 @@ pub fn scan(devices: &[PathBuf]) -> Scan {
     }
 }
 
+/// Every device's label, read at once, one thread each: a device that does not
+/// answer (a read stuck in the kernel cannot be interrupted) holds up neither
+/// the others nor the scan, which gives it up (`None`) at `timeout` after the
+/// start and leaves its thread behind. Results come back in `devices`' order.
+fn read_all(
+    devices: &[PathBuf],
+    timeout: Duration,
+    read: fn(&Path) -> Result<Option<Superblock>>,
+) -> Vec<Option<Result<Option<Superblock>>>> {
+    let deadline = Instant::now() + timeout;
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (i, d) in devices.iter().enumerate() {
+        let (to_scan, d) = (tx.clone(), d.clone());
+        let spawned = std::thread::Builder::new()
+            .name("label".into())
+            .spawn(move || {
+                let _ = to_scan.send((i, read(&d)));
+            });
+        if let Err(e) = spawned {
+            let _ = tx.send((
+                i,
+                Err(anyhow::anyhow!("cannot start a thread to read it: {e}")),
+            ));
+        }
+    }
+    drop(tx);
+    let mut out: Vec<Option<Result<Option<Superblock>>>> = devices.iter().map(|_| None).collect();
+    let mut left = devices.len();
+    while left > 0 {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(wait) {
+            Ok((i, r)) => {
+                out[i] = Some(r);
+                left -= 1;
+            }
+            Err(_) => break,
+        }
+    }
+    out
+}
+
 /// Checks that the devices of a directory's configuration carry the array its
 /// lamina.toml names (`array_uuid`; nothing to check when it names none): a
 /// configuration copied or edited to point at another array's devices says so,
@@ -279,4 +348,63 @@ pub fn wipe_label(f: &std::fs::File, path: &Path) -> Result<()> {
     f.sync_all()
         .with_context(|| format!("cannot sync {}", path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slow_or_empty(p: &Path) -> Result<Option<Superblock>> {
+        if p.ends_with("stuck") {
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        if p.ends_with("bad") {
+            bail!("input/output error");
+        }
+        Ok(None)
+    }
+
+    /// A device that does not answer is given up at the timeout and named; the
+    /// others are read meanwhile, and the scan does not wait for the stuck one.
+    #[test]
+    fn a_device_that_does_not_answer_is_reported_not_waited_for() {
+        let devices: Vec<PathBuf> = ["/x/a", "/x/stuck", "/x/bad", "/x/b"]
+            .iter()
+            .map(PathBuf::from)
+            .collect();
+        let t = Instant::now();
+        let scan = scan_with(&devices, Duration::from_millis(300), slow_or_empty);
+        let took = t.elapsed();
+        assert!(took >= Duration::from_millis(300), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert!(scan.arrays.is_empty());
+        let names: Vec<_> = scan
+            .unreadable
+            .iter()
+            .map(|(p, e)| format!("{}: {e}", p.display()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "/x/stuck: did not answer within 0.3 s",
+                "/x/bad: input/output error"
+            ]
+        );
+    }
+
+    /// A FIFO is refused, not opened (opening it would wait for a writer).
+    #[test]
+    fn a_fifo_is_refused_without_being_opened() {
+        let dir = std::env::temp_dir().join(format!("lamina-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("f");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = read_label(&fifo).unwrap_err();
+        assert!(
+            format!("{e}").contains("not a file or a block device"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -1074,8 +1074,30 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
         overprovision: a.overprovision,
         force: a.force,
         discard: !a.no_discard,
+        progress: None,
     };
-    create_array(&dir, &specs, params, a.zoned.as_deref(), a.tcp)?;
+    // Drawn only on a terminal (indicatif hides it otherwise), and only once the
+    // discard has begun: nothing shows for small or refused devices.
+    let pb = indicatif::ProgressBar::new(1);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "discarding members {bar:40} {bytes}/{total_bytes}  {elapsed}",
+        )
+        .unwrap(),
+    );
+    let bar = pb.clone();
+    let params = FormatParams {
+        progress: Some(lamina_core::recovery::Progress(std::sync::Arc::new(
+            move |done, total| {
+                bar.set_length(total);
+                bar.set_position(done);
+            },
+        ))),
+        ..params
+    };
+    let created = create_array(&dir, &specs, params, a.zoned.as_deref(), a.tcp);
+    pb.finish_and_clear();
+    created?;
     let (engine, _) = open_array(&dir, OpenMode::ReadOnly)?;
     let s = engine.status();
     println!(

@@ -193,8 +193,18 @@ pub fn format(
     } else if params.discard {
         // Only now: the devices were checked for another array's superblock above,
         // and everything about the new one is known to be right.
+        let total: u64 = devices
+            .iter()
+            .map(|d| d.size_bytes().saturating_sub(data_offset))
+            .sum();
+        let mut done = 0;
         for d in devices {
-            discard_data_area(&**d, data_offset);
+            discard_data_area(&**d, data_offset, &mut |n| {
+                done += n;
+                if let Some(p) = &params.progress {
+                    (p.0)(done, total);
+                }
+            });
         }
     }
     for off in SUPERBLOCK_OFFSETS {
@@ -287,7 +297,9 @@ fn zoned_layout(
 /// Discards `[data_offset, end)` of `d` in pieces of 1 GiB (a device-wide discard
 /// of a large SSD can take long in one call). Advisory, as on mkfs: a device that
 /// does not take it is left as it is, with a warning.
-fn discard_data_area(d: &dyn BlockDevice, data_offset: u64) {
+/// `advanced` is told the bytes of each piece as it goes (and the rest at once
+/// when the device refuses, so that progress still reaches the total).
+fn discard_data_area(d: &dyn BlockDevice, data_offset: u64, advanced: &mut dyn FnMut(u64)) {
     const PIECE: u64 = 1 << 30;
     let end = d.size_bytes();
     let mut at = data_offset;
@@ -298,8 +310,44 @@ fn discard_data_area(d: &dyn BlockDevice, data_offset: u64) {
                 "{}: discard at array creation failed ({e}); its old contents stay",
                 d.describe()
             );
+            advanced(end - at);
             return;
         }
         at += len;
+        advanced(len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{testing, Progress};
+    use super::*;
+    use crate::types::BLOCK_SIZE;
+    use lamina_device::mem::MemDevice;
+    use std::sync::{Arc, Mutex};
+
+    /// The discard at creation tells its progress over every member, rising to
+    /// the members' data areas in all.
+    #[test]
+    fn the_discard_at_creation_reports_progress_to_the_total() {
+        let size = (1 << 20) + 40 * 64 * BLOCK_SIZE as u64;
+        let devices: Vec<Arc<dyn BlockDevice>> = (0..2)
+            .map(|i| Arc::new(MemDevice::new(format!("mem{i}"), size)) as Arc<dyn BlockDevice>)
+            .collect();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        let params = FormatParams {
+            discard: true,
+            progress: Some(Progress(Arc::new(move |d, t| {
+                s.lock().unwrap().push((d, t))
+            }))),
+            ..testing::params()
+        };
+        format(&devices, &params, [7; 16], &[[1; 16], [2; 16]], 0).unwrap();
+        let seen = seen.lock().unwrap();
+        let total = seen.last().unwrap().1;
+        assert_eq!(seen.last().unwrap().0, total, "{seen:?}");
+        assert!(total > size && total < 2 * size, "{total}");
+        assert!(seen.windows(2).all(|w| w[0].0 <= w[1].0), "{seen:?}");
     }
 }

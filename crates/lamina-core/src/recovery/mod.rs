@@ -64,6 +64,19 @@ pub struct FormatParams {
     /// mkfs does): an SSD then knows every block is free, a file's old contents
     /// become holes. Zoned members are emptied (reset) instead, always.
     pub discard: bool,
+    /// Told how the discard goes, as (bytes done, bytes in all) over every member:
+    /// on a large SSD it takes a while.
+    pub progress: Option<Progress>,
+}
+
+/// A callback for long work, with (done, total).
+#[derive(Clone)]
+pub struct Progress(pub std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Progress")
+    }
 }
 
 impl Default for FormatParams {
@@ -76,6 +89,7 @@ impl Default for FormatParams {
             overprovision: 0.10,
             force: false,
             discard: false,
+            progress: None,
         }
     }
 }
