@@ -158,6 +158,24 @@ pub struct SegmentRecord {
     pub erase_count: u32,
 }
 
+impl SegmentRecord {
+    /// A free segment that was never written.
+    pub fn never_written() -> Self {
+        SegmentRecord {
+            state: SegmentState::Free,
+            stream_kind: 0,
+            stream_class: 0,
+            has_summary: 0,
+            volume: 0,
+            write_ptr: 0,
+            data_blocks: 0,
+            incarnation: 0,
+            close_version: 0,
+            erase_count: 0,
+        }
+    }
+}
+
 /// One stream head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamRecord {
@@ -545,18 +563,7 @@ mod tests {
                     close_version: 20,
                     erase_count: 2,
                 },
-                SegmentRecord {
-                    state: SegmentState::Free,
-                    stream_kind: 0,
-                    stream_class: 0,
-                    has_summary: 0,
-                    volume: 0,
-                    write_ptr: 0,
-                    data_blocks: 0,
-                    incarnation: 0,
-                    close_version: 0,
-                    erase_count: 0,
-                },
+                SegmentRecord::never_written(),
             ],
             free_queue: vec![1],
             streams: vec![StreamRecord {

@@ -6,9 +6,11 @@ use crate::config::{Config, EXPORTED_FILE};
 use crate::labels::{self, Found};
 use crate::{absolute, admin, admin_socket, open_array};
 use anyhow::{bail, Context, Result};
-use lamina_core::OpenMode;
+use lamina_core::{GrowParams, OpenMode};
+use lamina_device::BlockDevice;
 use serde_json::json;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// `lamina array list [PATH...]`.
 pub fn list(paths: &[PathBuf], as_json: bool) -> Result<()> {
@@ -270,6 +272,95 @@ fn refuse_if_served(dir: &Path, what: &str) -> Result<()> {
             dir.display()
         );
     }
+    Ok(())
+}
+
+/// `lamina array grow DIR --device PATH[:SIZE]...` (see `lamina_core::grow` for
+/// the order of its steps).
+pub fn grow(
+    dir: &Path,
+    specs: &[(PathBuf, Option<u64>)],
+    force: bool,
+    discard: bool,
+) -> Result<()> {
+    let dir = absolute(dir)?;
+    let cfg = Config::load(&dir)?;
+    refuse_if_served(&dir, "grow it")?;
+    let (members, ec) = crate::open_config_devices(&dir, OpenMode::ReadWrite)?;
+    let mut seen: std::collections::HashSet<PathBuf> = cfg
+        .devices
+        .iter()
+        .map(|p| {
+            let p = Config::resolve(&dir, p);
+            p.canonicalize().unwrap_or(p)
+        })
+        .collect();
+    let mut created = crate::Created::default();
+    let mut paths = Vec::new();
+    let mut new: Vec<Arc<dyn BlockDevice>> = Vec::new();
+    for (p, size) in specs {
+        let (abs, dev) =
+            crate::open_new_device(p, *size, &mut seen, &mut created).map_err(|e| {
+                if format!("{e}").contains("listed twice") {
+                    anyhow::anyhow!(
+                        "device {} is listed twice or is already a member",
+                        p.display()
+                    )
+                } else {
+                    e
+                }
+            })?;
+        new.push(Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?));
+        paths.push(abs);
+    }
+    let uuids: Vec<[u8; 16]> = new.iter().map(|_| crate::random_uuid()).collect();
+    let (pb, progress) = crate::discard_bar("new devices");
+    let params = GrowParams {
+        force,
+        discard,
+        progress: Some(progress),
+    };
+    let before = cfg.devices.len();
+    let committed = std::cell::Cell::new(false);
+    let mut commit = || {
+        crate::config::add_devices(&Config::path(&dir), &paths)
+            .map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))?;
+        committed.set(true);
+        Ok(())
+    };
+    let grown = lamina_core::grow(members, &ec, &new, &uuids, &params, &mut commit);
+    pb.finish_and_clear();
+    if committed.get() {
+        // lamina.toml names the new files now: they stay whatever happens next.
+        created.keep();
+    } else {
+        drop(created);
+    }
+    let sb = grown.map_err(|e| {
+        let e = anyhow::Error::from(e);
+        if committed.get() {
+            e.context(format!(
+                "the grow stopped after {} named the new devices: the array opens with them, and the next read-write open (`lamina serve`) rewrites every member's superblock",
+                Config::path(&dir).display()
+            ))
+        } else {
+            e
+        }
+    })?;
+    drop(new); // its lock, before the array is opened again to report
+
+    let (engine, _) = open_array(&dir, OpenMode::ReadOnly)?;
+    let s = engine.status();
+    println!(
+        "array {:?} in {} grew from {before} to {} devices: capacity {}, usable {} ({} segments of {})",
+        sb.array_name,
+        dir.display(),
+        sb.devices.len(),
+        crate::size::human(s.capacity_bytes),
+        crate::size::human(s.usable_bytes),
+        s.segment_count,
+        crate::size::human(s.segment_size_bytes)
+    );
     Ok(())
 }
 

@@ -253,6 +253,18 @@ fn read_document(path: &std::path::Path) -> Result<toml_edit::DocumentMut> {
         .with_context(|| format!("{} does not parse as TOML", path.display()))
 }
 
+/// Writes an edited configuration back, if it still parses as one.
+fn write_document(path: &std::path::Path, doc: &toml_edit::DocumentMut) -> Result<()> {
+    let out = doc.to_string();
+    toml::from_str::<Config>(&out).with_context(|| {
+        format!(
+            "the edited {} would not parse; left as it was",
+            path.display()
+        )
+    })?;
+    replace_file(path, &out)
+}
+
 /// Replaces the file at `path` with `text`: written beside it, synced, renamed.
 fn replace_file(path: &std::path::Path, text: &str) -> Result<()> {
     use std::io::Write;
@@ -262,7 +274,29 @@ fn replace_file(path: &std::path::Path, text: &str) -> Result<()> {
     f.write_all(text.as_bytes())
         .and_then(|()| f.sync_all())
         .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
+    // The rename itself durable too: `array grow` writes the members' superblocks
+    // only after the file names the new devices.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .with_context(|| format!("cannot sync {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Adds `new` to the `devices` list of the configuration file at `path`, in place
+/// (through `toml_edit`, so comments and layout stay), and makes it durable.
+pub fn add_devices(path: &std::path::Path, new: &[PathBuf]) -> Result<()> {
+    let mut doc = read_document(path)?;
+    let list = doc
+        .get_mut("devices")
+        .and_then(|d| d.as_array_mut())
+        .with_context(|| format!("{} has no devices list", path.display()))?;
+    for p in new {
+        list.push(p.display().to_string());
+    }
+    write_document(path, &doc)
 }
 
 /// Sets keys of volume `name`'s section (`[engine.volumes.NAME]`) in the
@@ -310,14 +344,7 @@ pub fn set_volume_keys(
             }
         }
     }
-    let out = doc.to_string();
-    toml::from_str::<Config>(&out).with_context(|| {
-        format!(
-            "the edited {} would not parse; left as it was",
-            path.display()
-        )
-    })?;
-    replace_file(path, &out)
+    write_document(path, &doc)
 }
 
 /// Renames the section of volume `name` (`[engine.volumes.NAME]`) in the

@@ -244,6 +244,22 @@ enum ArrayCmd {
     /// the server runs).
     #[command(long_about = ARRAY_REPLACE_ABOUT)]
     Replace(ArrayReplaceArgs),
+    /// Add devices to a JBOD array (as `zpool add`, `vgextend`): its capacity
+    /// grows by theirs; nothing stored moves.
+    #[command(long_about = ARRAY_GROW_ABOUT)]
+    Grow {
+        dir: PathBuf,
+        /// A device to add: PATH, or PATH:SIZE to create a sparse file. Repeat for
+        /// several.
+        #[arg(long = "device", value_name = "PATH[:SIZE]", required = true)]
+        devices: Vec<String>,
+        /// Take devices that hold another array's superblock.
+        #[arg(long)]
+        force: bool,
+        /// Do not discard the new devices first.
+        #[arg(long)]
+        no_discard: bool,
+    },
     /// List the arrays that devices hold (as `mdadm --examine --scan`).
     ///
     /// PATHs are devices, or directories whose files and block devices are looked
@@ -305,6 +321,31 @@ enum ArrayCmd {
         quiet: bool,
     },
 }
+
+const ARRAY_GROW_ABOUT: &str = "\
+Add one or more devices to the JBOD array in DIR. Their segments are numbered
+after the existing ones, so nothing stored moves; they join the free space at
+once, and the allocator, which prefers the least-written member, fills them
+first. Each new device's data area is discarded first (--no-discard to skip it),
+as at creation.
+
+The server must be stopped (the array is opened here: what the last run left is
+recovered and checkpointed first). The new devices are labelled, then recorded in
+DIR/lamina.toml, then the old members' superblocks name them. Stopped before
+lamina.toml changed, the array is as it was and the same command can be run again;
+stopped after, the array opens grown, and its first read-write open (`lamina
+serve`) writes the new superblock to every member.
+
+Striped layouts (said0, said5, said6) would have to restripe every live segment
+over the new member count, and zoned arrays to match zones: both are refused.
+
+EXIT STATUS
+    0  the array grew
+    1  it did not (the message says why; nothing changed unless it says so)
+    2  bad usage
+
+EXAMPLE
+    lamina array grow /srv/tank --device /dev/sdc --device /dev/sdd";
 
 const ARRAY_SCRUB_ABOUT: &str = "\
 Read every segment that holds data, check each data block against the CRC-32C its
@@ -561,6 +602,16 @@ fn main() {
         Cmd::Array(ArrayCmd::Create(a)) => array_create(a),
         Cmd::Array(ArrayCmd::Fail { dir, device }) => array_fail(&dir, &device),
         Cmd::Array(ArrayCmd::Replace(a)) => array_replace(a),
+        Cmd::Array(ArrayCmd::Grow {
+            dir,
+            devices,
+            force,
+            no_discard,
+        }) => devices
+            .iter()
+            .map(|d| parse_device(d))
+            .collect::<Result<Vec<_>>>()
+            .and_then(|specs| arrays::grow(&dir, &specs, force, !no_discard)),
         Cmd::Array(ArrayCmd::Scrub { dir, json, quiet }) => array_scrub(&dir, json, quiet),
         Cmd::Array(ArrayCmd::List { paths, json }) => arrays::list(&paths, json),
         Cmd::Array(ArrayCmd::Import {
@@ -944,39 +995,7 @@ pub fn create_array(
     let mut devices: Vec<Arc<dyn BlockDevice>> = Vec::new();
     let mut paths = Vec::new();
     for (p, size) in device_specs {
-        let abs = absolute(p)?;
-        let canon = abs.canonicalize().unwrap_or(abs.clone());
-        if !seen.insert(canon) {
-            bail!("device {} is listed twice", p.display());
-        }
-        let dev = if abs.exists() {
-            let d = FileDevice::open(&abs, DevMode::ReadWrite)?;
-            if let Some(s) = size {
-                if !d.is_block_device() && d.size_bytes() != *s {
-                    bail!(
-                        "{} exists with {} bytes, not the {} given; omit :SIZE to use it as it is",
-                        abs.display(),
-                        d.size_bytes(),
-                        s
-                    );
-                }
-            }
-            d
-        } else {
-            let Some(s) = size else {
-                bail!(
-                    "{} does not exist; give PATH:SIZE to create a sparse file",
-                    abs.display()
-                );
-            };
-            if let Some(parent) = abs.parent() {
-                created.dirs(parent)?;
-            }
-            // (`exists` is false for a dangling link too, which is not ours.)
-            let d = FileDevice::create_sparse(&abs, *s)?;
-            created.files.push(abs.clone());
-            d
-        };
+        let (abs, dev) = open_new_device(p, *size, &mut seen, &mut created)?;
         match zoned {
             Some(spec) => {
                 // Its zone state file is ours to remove only if it was not there.
@@ -1008,10 +1027,75 @@ pub fn create_array(
     Ok(())
 }
 
+/// A progress bar for discarding `what`, and the callback that moves it. Drawn
+/// only on a terminal (indicatif hides it otherwise); finish it with
+/// `finish_and_clear`.
+pub(crate) fn discard_bar(what: &str) -> (indicatif::ProgressBar, lamina_core::recovery::Progress) {
+    let pb = indicatif::ProgressBar::new(1);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "discarding {what} {{bar:40}} {{bytes}}/{{total_bytes}}  {{elapsed}}"
+        ))
+        .unwrap(),
+    );
+    let bar = pb.clone();
+    let progress = lamina_core::recovery::Progress(Arc::new(move |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    }));
+    (pb, progress)
+}
+
+/// Opens the device a user named for a new member: PATH as it is, or PATH:SIZE,
+/// which makes a sparse file of SIZE (remembered in `created`) unless it exists
+/// with that size. `seen` holds the devices named before: one named twice is
+/// refused.
+pub(crate) fn open_new_device(
+    p: &Path,
+    size: Option<u64>,
+    seen: &mut std::collections::HashSet<PathBuf>,
+    created: &mut Created,
+) -> Result<(PathBuf, FileDevice)> {
+    let abs = absolute(p)?;
+    let canon = abs.canonicalize().unwrap_or(abs.clone());
+    if !seen.insert(canon) {
+        bail!("device {} is listed twice", p.display());
+    }
+    let dev = if abs.exists() {
+        let d = FileDevice::open(&abs, DevMode::ReadWrite)?;
+        if let Some(s) = size {
+            if !d.is_block_device() && d.size_bytes() != s {
+                bail!(
+                    "{} exists with {} bytes, not the {} given; omit :SIZE to use it as it is",
+                    abs.display(),
+                    d.size_bytes(),
+                    s
+                );
+            }
+        }
+        d
+    } else {
+        let Some(s) = size else {
+            bail!(
+                "{} does not exist; give PATH:SIZE to create a sparse file",
+                abs.display()
+            );
+        };
+        if let Some(parent) = abs.parent() {
+            created.dirs(parent)?;
+        }
+        // (`exists` is false for a dangling link too, which is not ours.)
+        let d = FileDevice::create_sparse(&abs, s)?;
+        created.files.push(abs.clone());
+        d
+    };
+    Ok((abs, dev))
+}
+
 /// Files and directories a command made, removed again when it fails (dropped
 /// without [`Created::keep`]).
 #[derive(Default)]
-struct Created {
+pub(crate) struct Created {
     files: Vec<PathBuf>,
     /// Outermost first.
     dirs: Vec<PathBuf>,
@@ -1030,7 +1114,7 @@ impl Created {
         Ok(())
     }
 
-    fn keep(mut self) {
+    pub(crate) fn keep(mut self) {
         self.files.clear();
         self.dirs.clear();
     }
@@ -1076,23 +1160,9 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
         discard: !a.no_discard,
         progress: None,
     };
-    // Drawn only on a terminal (indicatif hides it otherwise), and only once the
-    // discard has begun: nothing shows for small or refused devices.
-    let pb = indicatif::ProgressBar::new(1);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template(
-            "discarding members {bar:40} {bytes}/{total_bytes}  {elapsed}",
-        )
-        .unwrap(),
-    );
-    let bar = pb.clone();
+    let (pb, progress) = discard_bar("members");
     let params = FormatParams {
-        progress: Some(lamina_core::recovery::Progress(std::sync::Arc::new(
-            move |done, total| {
-                bar.set_length(total);
-                bar.set_position(done);
-            },
-        ))),
+        progress: Some(progress),
         ..params
     };
     let created = create_array(&dir, &specs, params, a.zoned.as_deref(), a.tcp);
@@ -1118,6 +1188,16 @@ pub fn open_array(
     dir: &Path,
     mode: OpenMode,
 ) -> Result<(lamina_core::Engine, lamina_core::RecoveryReport)> {
+    let (devices, ec) = open_config_devices(dir, mode)?;
+    Ok(lamina_core::open(devices, ec, mode)?)
+}
+
+/// The devices `dir`'s configuration lists, opened (one that cannot be is passed
+/// on as absent), and the engine settings it gives.
+pub(crate) fn open_config_devices(
+    dir: &Path,
+    mode: OpenMode,
+) -> Result<(Vec<Arc<dyn BlockDevice>>, lamina_core::EngineConfig)> {
     let cfg = Config::load(dir)?;
     let paths: Vec<PathBuf> = cfg
         .devices
@@ -1150,8 +1230,7 @@ pub fn open_array(
             }
         }
     }
-    let ec = cfg.engine_config()?;
-    Ok(lamina_core::open(devices, ec, mode)?)
+    Ok((devices, cfg.engine_config()?))
 }
 
 fn admin_socket(dir: &Path) -> Result<PathBuf> {

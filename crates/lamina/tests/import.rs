@@ -230,3 +230,76 @@ fn array_create_discards_old_contents_but_never_another_array() {
     assert_eq!(allocated(&a), before);
     check_blocks(&t.join("one"));
 }
+
+/// `array grow` (as `zpool add`): refused while served, for a member, and for a
+/// striped array; adds a device to a JBOD array whose data stays and whose
+/// capacity grows; lamina.toml keeps its comments and names the new device, and
+/// `array list` finds both members.
+#[test]
+fn a_jbod_array_grows_by_a_device() {
+    let t = TempDir::new("grow");
+    let disks = t.join("disks");
+    let a = t.join("a");
+    let ad = a.to_str().unwrap();
+    let dev = |n: &str| format!("{}:32M", disks.join(n).display());
+    let geometry = ["--segment-size", "1M", "--write-unit", "128K"];
+    let d0 = dev("d0.img");
+    let mut args = vec!["array", "create", ad, "--device", d0.as_str()];
+    args.extend(geometry);
+    lamina(&args);
+    append_config(&a, "# kept: a comment of the administrator's\n");
+    create_volume(&a, "v", "16M");
+    let before = status_json(&a)["usable_bytes"].as_u64().unwrap();
+    let s = Server::start(&a);
+    write_blocks(&s.sock);
+    let d1 = dev("d1.img");
+    fails(&["array", "grow", ad, "--device", &d1], "is being served");
+    s.kill9();
+    assert!(!disks.join("d1.img").exists(), "nothing made by a refusal");
+
+    let out = lamina(&["array", "grow", ad, "--device", &d1]);
+    assert!(out.contains("grew from 1 to 2 devices"), "{out}");
+    let st = status_json(&a);
+    let after = st["usable_bytes"].as_u64().unwrap();
+    assert!(after > 2 * before - (4 << 20), "usable {before} -> {after}");
+    assert_eq!(st["array"]["members"].as_array().unwrap().len(), 2, "{st}");
+    let cfg = std::fs::read_to_string(a.join("lamina.toml")).unwrap();
+    assert!(
+        cfg.contains("# kept: a comment") && cfg.contains("d1.img"),
+        "{cfg}"
+    );
+    check_blocks(&a);
+    let found = list(&disks);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0]["state"], "complete");
+    assert_eq!(found[0]["members"].as_array().unwrap().len(), 2);
+
+    let d1_again = disks.join("d1.img").display().to_string();
+    fails(
+        &["array", "grow", ad, "--device", &d1_again],
+        "already a member",
+    );
+    // Striped arrays are refused, with nothing changed.
+    let b = t.join("b");
+    let bd = b.to_str().unwrap();
+    let mut args = vec!["array", "create", bd, "--layout", "said5"];
+    let ds: Vec<String> = (0..3).map(|i| dev(&format!("s{i}.img"))).collect();
+    for d in &ds {
+        args.extend(["--device", d.as_str()]);
+    }
+    args.extend(geometry);
+    lamina(&args);
+    let n = dev("s3.img");
+    fails(
+        &["array", "grow", bd, "--device", &n],
+        "only JBOD arrays grow",
+    );
+    assert!(!disks.join("s3.img").exists());
+    assert_eq!(
+        status_json(&b)["array"]["members"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+}

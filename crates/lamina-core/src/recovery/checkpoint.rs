@@ -12,7 +12,8 @@ use crate::segments::Origins;
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{Lba, SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_format::checkpoint::{
-    CheckpointHeader, CheckpointMeta, SegmentState, VolumeRecord, MAP_ENTRIES_PER_PAGE,
+    CheckpointHeader, CheckpointMeta, SegmentRecord, SegmentState, VolumeRecord,
+    MAP_ENTRIES_PER_PAGE,
 };
 use lamina_format::superblock::CheckpointRef;
 use lamina_format::unit::{kind, record_at, StreamKind, NO_SEGMENT};
@@ -86,17 +87,21 @@ pub(super) fn load(
             "checkpoint metadata fails its checksum".into(),
         ));
     }
-    let meta = CheckpointMeta::decode(&meta_bytes)?;
+    let mut meta = CheckpointMeta::decode(&meta_bytes)?;
     for s in &meta.skipped {
         report.warnings.push(format!("checkpoint: {s}"));
     }
-    if meta.segments.len() != nsegs {
+    if meta.segments.len() > nsegs {
         return Err(EngineError::Format(format!(
             "checkpoint lists {} segments, the array has {nsegs}",
             meta.segments.len()
         )));
     }
-    let limit = geo.segment_count * geo.segment_blocks;
+    // Nothing the checkpoint maps may lie in segments it does not list.
+    let limit = meta.segments.len() as u32 * geo.segment_blocks;
+    if meta.segments.len() < nsegs {
+        add_grown_segments(&mut meta, nsegs, report);
+    }
     let mut volumes = Vec::new();
     for v in &meta.volumes {
         if v.size_bytes / BLOCK_SIZE_U64 > crate::map::MAX_BLOCKS {
@@ -140,6 +145,20 @@ pub(super) fn load(
         meta,
         volumes,
     })
+}
+
+/// Segments added to a JBOD array since the checkpoint (`grow`): free and never
+/// written, they join the free queue at its end in index order. The walk then
+/// meets them where the engine took them, because the engine that wrote after
+/// this checkpoint started from the same queue.
+fn add_grown_segments(meta: &mut CheckpointMeta, nsegs: usize, report: &mut RecoveryReport) {
+    let old = meta.segments.len();
+    meta.segments.resize(nsegs, SegmentRecord::never_written());
+    meta.free_queue.extend(old as u32..nsegs as u32);
+    report.warnings.push(format!(
+        "the array has grown by {} segments since its checkpoint; they are free",
+        nsegs - old
+    ));
 }
 
 /// The segment table as the checkpoint recorded it: segments open at `C` count as

@@ -106,17 +106,12 @@ pub fn format(
     }
     if !params.force {
         for d in devices {
-            for off in SUPERBLOCK_OFFSETS {
-                let mut b = vec![0u8; BLOCK_SIZE];
-                if d.read_at(&mut b, off).is_ok() {
-                    if let Ok(sb) = Superblock::decode(&b) {
-                        return invalid(format!(
-                            "device {} already belongs to Lamina array {:?}; refusing to overwrite it",
-                            d.describe(),
-                            sb.array_name
-                        ));
-                    }
-                }
+            if let Some(sb) = label_of(&**d) {
+                return invalid(format!(
+                    "device {} already belongs to Lamina array {:?}; refusing to overwrite it",
+                    d.describe(),
+                    sb.array_name
+                ));
             }
         }
     }
@@ -193,19 +188,7 @@ pub fn format(
     } else if params.discard {
         // Only now: the devices were checked for another array's superblock above,
         // and everything about the new one is known to be right.
-        let total: u64 = devices
-            .iter()
-            .map(|d| d.size_bytes().saturating_sub(data_offset))
-            .sum();
-        let mut done = 0;
-        for d in devices {
-            discard_data_area(&**d, data_offset, &mut |n| {
-                done += n;
-                if let Some(p) = &params.progress {
-                    (p.0)(done, total);
-                }
-            });
-        }
+        discard_all(devices, data_offset, params.progress.as_ref());
     }
     for off in SUPERBLOCK_OFFSETS {
         for (i, d) in devices.iter().enumerate() {
@@ -239,7 +222,7 @@ pub(crate) fn empty_zones(d: &dyn BlockDevice) -> Result<(), EngineError> {
 
 /// The zone layout shared by the devices of a new array, if they are zoned; an
 /// error says why a set of devices cannot make one.
-fn zoned_layout(
+pub(super) fn zoned_layout(
     devices: &[Arc<dyn BlockDevice>],
 ) -> Result<Option<lamina_device::ZoneLayout>, EngineError> {
     let invalid = |m: String| Err(EngineError::Invalid(m));
@@ -292,6 +275,37 @@ fn zoned_layout(
         }
     }
     Ok(Some(first))
+}
+
+/// A Lamina superblock on `d` (either copy), if it has one.
+pub(super) fn label_of(d: &dyn BlockDevice) -> Option<Superblock> {
+    SUPERBLOCK_OFFSETS.iter().find_map(|&off| {
+        let mut b = vec![0u8; BLOCK_SIZE];
+        d.read_at(&mut b, off).ok()?;
+        Superblock::decode(&b).ok()
+    })
+}
+
+/// Discards the data areas of `devices`, telling `progress` the bytes done over
+/// all of them.
+pub(super) fn discard_all(
+    devices: &[Arc<dyn BlockDevice>],
+    data_offset: u64,
+    progress: Option<&super::Progress>,
+) {
+    let total: u64 = devices
+        .iter()
+        .map(|d| d.size_bytes().saturating_sub(data_offset))
+        .sum();
+    let mut done = 0;
+    for d in devices {
+        discard_data_area(&**d, data_offset, &mut |n| {
+            done += n;
+            if let Some(p) = progress {
+                (p.0)(done, total);
+            }
+        });
+    }
 }
 
 /// Discards `[data_offset, end)` of `d` in pieces of 1 GiB (a device-wide discard

@@ -1,0 +1,206 @@
+//! Growing a JBOD array by new members (`lamina array grow`, issue 15): what the
+//! array held stays, the new segments are used, a crash after the grow loses
+//! nothing acknowledged, and a grow that stops anywhere leaves an array that opens.
+
+mod common;
+use common::*;
+use lamina_core::{grow, EngineError, GrowParams};
+use lamina_device::fault::{FaultDevice, FaultOp};
+use lamina_device::mem::MemDevice;
+use lamina_format::superblock::{Layout, SUPERBLOCK_OFFSETS};
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+fn mem(name: &str, segments: u64) -> Arc<FaultDevice> {
+    Arc::new(FaultDevice::new(Arc::new(MemDevice::new(
+        name,
+        device_bytes(segments),
+    ))))
+}
+
+/// Random overwrites over `lbas` blocks, flushed every 50 and at the end.
+fn churn(
+    e: &mut lamina_core::Engine,
+    vol: lamina_core::VolumeId,
+    model: &mut HashMap<u64, u64>,
+    lbas: u64,
+    writes: u64,
+    seed: u64,
+) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    overwrite(e, vol, model, writes, 50, |_| rng.gen_range(0..lbas));
+}
+
+fn one(d: &Arc<FaultDevice>) -> Vec<Arc<dyn lamina_device::BlockDevice>> {
+    dyn_devs(std::slice::from_ref(d))
+}
+
+fn usable(e: &lamina_core::Engine) -> u64 {
+    e.status().usable_bytes
+}
+
+#[test]
+fn a_jbod_array_grows_and_keeps_what_it_held() {
+    let a = mem("a", 24);
+    format_devices(&one(&a), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&one(&a), small_config());
+    // Larger than the one-device array can hold: thin.
+    let vol = create_volume(&mut e, "v", 8 << 20);
+    let before = usable(&e);
+    let mut model = HashMap::new();
+    churn(&mut e, vol, &mut model, 600, 1500, 1);
+    // No clean shutdown: the grow starts from a crash.
+    drop(e);
+
+    let b = mem("b", 40);
+    let mut committed = 0;
+    let sb = grow(
+        one(&a),
+        &small_config(),
+        &one(&b),
+        &[[0x42; 16]],
+        &GrowParams::default(),
+        &mut || {
+            committed += 1;
+            Ok(())
+        },
+    )
+    .expect("grow");
+    assert_eq!(committed, 1);
+    assert_eq!(sb.devices.len(), 2);
+    assert_eq!(sb.devices[1].first_segment, sb.devices[0].segment_count);
+
+    let all = dyn_devs(&[a.clone(), b.clone()]);
+    let mut e = open_rw(&all, small_config());
+    verify_model(&e, vol, &model);
+    let after = usable(&e);
+    assert!(after > 2 * before, "usable {before} -> {after}");
+    // More distinct blocks than the one-device array could hold.
+    let lbas = before / BS as u64 + 400;
+    churn(&mut e, vol, &mut model, lbas, 3 * lbas, 2);
+    let st = e.status();
+    assert!(
+        st.members.iter().all(|m| m.bytes_written > 0),
+        "both members written: {:?}",
+        st.members
+            .iter()
+            .map(|m| m.bytes_written)
+            .collect::<Vec<_>>()
+    );
+    verify_model(&e, vol, &model);
+    drop(e); // a crash after the grow
+    let e = open_rw(&all, small_config());
+    verify_model(&e, vol, &model);
+    // Opened without the new member, the array says which one is missing.
+    let err = lamina_core::open(one(&a), small_config(), lamina_core::OpenMode::ReadOnly)
+        .err()
+        .expect("refused without its new member");
+    assert!(
+        err.to_string().contains("members [1] were not given"),
+        "{err}"
+    );
+}
+
+/// A grow stopped before its commit (lamina.toml not updated) leaves the array
+/// as it was, and the same device is taken again by the next grow; one stopped
+/// between the old members' superblock writes opens with every member.
+#[test]
+fn a_grow_stopped_anywhere_leaves_an_array_that_opens() {
+    let a = mem("a", 24);
+    format_devices(&one(&a), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&one(&a), small_config());
+    let vol = create_volume(&mut e, "v", 4 << 20);
+    let mut model = HashMap::new();
+    churn(&mut e, vol, &mut model, 500, 800, 3);
+    drop(e);
+    let b = mem("b", 24);
+    let err = grow(
+        one(&a),
+        &small_config(),
+        &one(&b),
+        &[[0x42; 16]],
+        &GrowParams::default(),
+        &mut || Err(EngineError::Io("lamina.toml: disk full".into())),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("disk full"), "{err}");
+    let e = open_rw(&one(&a), small_config());
+    assert_eq!(e.superblock().devices.len(), 1);
+    verify_model(&e, vol, &model);
+    drop(e);
+
+    // Again with the same device; the old member's first superblock copy fails
+    // to be written, as a crash between the members' writes would leave it.
+    let sb_end = SUPERBLOCK_OFFSETS[0] + 4096;
+    let err = grow(
+        one(&a),
+        &small_config(),
+        &one(&b),
+        &[[0x43; 16]],
+        &GrowParams::default(),
+        &mut || {
+            a.fail(FaultOp::Write, SUPERBLOCK_OFFSETS[0], sb_end, 1);
+            Ok(())
+        },
+    )
+    .unwrap_err();
+    assert!(!err.to_string().is_empty());
+    a.heal();
+    let all = dyn_devs(&[a.clone(), b.clone()]);
+    let mut e = open_rw(&all, small_config());
+    assert_eq!(e.superblock().devices.len(), 2);
+    verify_model(&e, vol, &model);
+    churn(&mut e, vol, &mut model, 1000, 1500, 4);
+    drop(e);
+    let e = open_rw(&all, small_config());
+    verify_model(&e, vol, &model);
+}
+
+#[test]
+fn what_cannot_be_added_is_refused() {
+    let a = mem("a", 24);
+    format_devices(&one(&a), &layout_params(Layout::Jbod));
+    let try_grow = |members: &[Arc<FaultDevice>], new: &[Arc<FaultDevice>], force: bool| {
+        let uuids: Vec<[u8; 16]> = (0..new.len()).map(|i| [0x50 + i as u8; 16]).collect();
+        grow(
+            dyn_devs(members),
+            &small_config(),
+            &dyn_devs(new),
+            &uuids,
+            &GrowParams {
+                force,
+                ..Default::default()
+            },
+            &mut || Ok(()),
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
+    };
+    // A member of this array, a device of another one, one too small.
+    assert!(
+        try_grow(std::slice::from_ref(&a), std::slice::from_ref(&a), false)
+            .contains("already a member")
+    );
+    let other = mem("other", 24);
+    let mut p = layout_params(Layout::Jbod);
+    p.name = "other".into();
+    lamina_core::format(&one(&other), &p, [9; 16], &[[9; 16]], 0).unwrap();
+    let e = try_grow(
+        std::slice::from_ref(&a),
+        std::slice::from_ref(&other),
+        false,
+    );
+    assert!(e.contains("belongs to Lamina array \"other\""), "{e}");
+    let tiny = Arc::new(FaultDevice::new(Arc::new(MemDevice::new("tiny", 1 << 20))));
+    assert!(try_grow(std::slice::from_ref(&a), &[tiny], false).contains("too small"));
+    // Striped layouts are not grown.
+    let s: Vec<_> = (0..3).map(|i| mem(&format!("s{i}"), 16)).collect();
+    format_devices(&dyn_devs(&s), &layout_params(Layout::Said5));
+    let e = try_grow(&s, &[mem("n", 16)], false);
+    assert!(e.contains("only JBOD arrays grow"), "{e}");
+    // Nothing was changed by a refusal: the first array opens with one member.
+    let e = open_rw(&one(&a), small_config());
+    assert_eq!(e.superblock().devices.len(), 1);
+}
