@@ -323,30 +323,15 @@ pub fn grow(
     let before = cfg.devices.len();
     let committed = std::cell::Cell::new(false);
     let mut commit = || {
-        crate::config::add_devices(&Config::path(&dir), &paths)
+        let all: Vec<PathBuf> = cfg.devices.iter().chain(&paths).cloned().collect();
+        crate::config::set_devices(&Config::path(&dir), &all)
             .map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))?;
         committed.set(true);
         Ok(())
     };
     let grown = lamina_core::grow(members, &ec, &new, &uuids, &params, &mut commit);
     pb.finish_and_clear();
-    if committed.get() {
-        // lamina.toml names the new files now: they stay whatever happens next.
-        created.keep();
-    } else {
-        drop(created);
-    }
-    let sb = grown.map_err(|e| {
-        let e = anyhow::Error::from(e);
-        if committed.get() {
-            e.context(format!(
-                "the grow stopped after {} named the new devices: the array opens with them, and the next read-write open (`lamina serve`) rewrites every member's superblock",
-                Config::path(&dir).display()
-            ))
-        } else {
-            e
-        }
-    })?;
+    let sb = settle(grown, committed.get(), created, &dir, "grow")?;
     drop(new); // its lock, before the array is opened again to report
 
     let (engine, _) = open_array(&dir, OpenMode::ReadOnly)?;
@@ -362,6 +347,155 @@ pub fn grow(
         crate::size::human(s.segment_size_bytes)
     );
     Ok(())
+}
+
+/// `lamina array replace DIR --old N --new PATH[:SIZE]` on a JBOD array: member
+/// `old` is copied to the new device (see `lamina_core::replace`).
+#[allow(clippy::too_many_arguments)]
+pub fn replace_jbod(
+    dir: &Path,
+    old: usize,
+    old_name: &str,
+    path: &Path,
+    size: Option<u64>,
+    force: bool,
+    quiet: bool,
+    as_json: bool,
+) -> Result<()> {
+    let cfg = Config::load(dir)?;
+    refuse_if_served(dir, "replace a JBOD member (it is copied offline)")?;
+    let (members, ec) = crate::open_config_devices(dir, OpenMode::ReadWrite)?;
+    let resolved: Vec<PathBuf> = cfg
+        .devices
+        .iter()
+        .map(|p| Config::resolve(dir, p))
+        .collect();
+    let mut seen: std::collections::HashSet<PathBuf> = resolved
+        .iter()
+        .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone()))
+        .collect();
+    let mut created = crate::Created::default();
+    let (abs, dev) = crate::open_new_device(path, size, &mut seen, &mut created).map_err(|e| {
+        if format!("{e}").contains("listed twice") {
+            anyhow::anyhow!("device {} is already a member", path.display())
+        } else {
+            e
+        }
+    })?;
+    let new: Arc<dyn BlockDevice> = Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?);
+    // The member's path in lamina.toml (`old_name`: as status names member `old`).
+    let old_path = crate::rebuild::member_path(old_name).to_string();
+    let (pb, progress) = crate::discard_bar("the new device");
+    let copy_bar = if quiet || as_json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(1)
+    };
+    copy_bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "copying member {old} {{bar:40}} {{bytes}}/{{total_bytes}}  {{elapsed}} (eta {{eta}})"
+        ))
+        .unwrap(),
+    );
+    let params = GrowParams {
+        force,
+        discard: true,
+        progress: Some(progress),
+    };
+    let committed = std::cell::Cell::new(false);
+    let mut commit = || {
+        let devices: Vec<PathBuf> = cfg
+            .devices
+            .iter()
+            .zip(&resolved)
+            .map(|(p, r)| {
+                if r.display().to_string() == old_path {
+                    abs.clone()
+                } else {
+                    p.clone()
+                }
+            })
+            .collect();
+        if !devices.contains(&abs) {
+            return Err(lamina_core::EngineError::Invalid(format!(
+                "member {old} ({old_path}) is not among the devices {} lists",
+                Config::path(dir).display()
+            )));
+        }
+        crate::config::set_devices(&Config::path(dir), &devices)
+            .map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))?;
+        committed.set(true);
+        Ok(())
+    };
+    let uuid = crate::random_uuid();
+    let r = lamina_core::replace(
+        members,
+        &ec,
+        old,
+        new.clone(),
+        uuid,
+        &params,
+        &mut |done, total| {
+            pb.finish_and_clear();
+            copy_bar.set_length(total);
+            copy_bar.set_position(done);
+        },
+        &mut commit,
+    );
+    pb.finish_and_clear();
+    copy_bar.finish_and_clear();
+    drop(new);
+    let r = settle(r, committed.get(), created, dir, "replace")?;
+    if as_json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "member": old,
+                "old": old_path,
+                "new": abs.display().to_string(),
+                "segments": r.segments,
+                "segments_copied": r.segments_copied,
+                "bytes_copied": r.bytes_copied,
+            })
+        );
+    } else {
+        println!(
+            "member {old} moved from {old_path} to {}: {} of its {} segments held data ({} copied)",
+            abs.display(),
+            r.segments_copied,
+            r.segments,
+            crate::size::human(r.bytes_copied)
+        );
+    }
+    Ok(())
+}
+
+/// The end of a grow or replace: files made for new devices stay once lamina.toml
+/// names them (`committed`), whatever happened next, and go otherwise; an error
+/// after the commit says that the array opens with the change.
+fn settle<T>(
+    r: Result<T, lamina_core::EngineError>,
+    committed: bool,
+    created: crate::Created,
+    dir: &Path,
+    what: &str,
+) -> Result<T> {
+    if committed {
+        created.keep();
+    } else {
+        drop(created);
+    }
+    r.map_err(|e| {
+        let e = anyhow::Error::from(e);
+        if committed {
+            e.context(format!(
+                "the {what} stopped after {} named the new devices: the array opens with them, and the next read-write open (`lamina serve`) rewrites every member's superblock",
+                Config::path(dir).display()
+            ))
+        } else {
+            e
+        }
+    })
 }
 
 /// `lamina array export DIR`.

@@ -285,15 +285,18 @@ fn replace_file(path: &std::path::Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// Adds `new` to the `devices` list of the configuration file at `path`, in place
-/// (through `toml_edit`, so comments and layout stay), and makes it durable.
-pub fn add_devices(path: &std::path::Path, new: &[PathBuf]) -> Result<()> {
+/// Sets the `devices` list of the configuration file at `path` to `devices`, in
+/// place (through `toml_edit`, so comments and the rest stay), and makes it
+/// durable: `array grow` and `array replace` write members' superblocks only
+/// after it.
+pub fn set_devices(path: &std::path::Path, devices: &[PathBuf]) -> Result<()> {
     let mut doc = read_document(path)?;
     let list = doc
         .get_mut("devices")
         .and_then(|d| d.as_array_mut())
         .with_context(|| format!("{} has no devices list", path.display()))?;
-    for p in new {
+    list.clear();
+    for p in devices {
         list.push(p.display().to_string());
     }
     write_document(path, &doc)

@@ -370,6 +370,13 @@ said6) and rebuild its share of every stripe that holds data from the other
 members' data and parity. Free stripes are skipped: a log-structured array knows
 which stripes are in use, so a rebuild moves the used space, not the device size.
 
+On a JBOD array, move member N (healthy, or failing but still readable) to the new
+device, as `pvmove` onto a new disk: its segments that hold data are copied to the
+same offsets of the new device, which must be at least as large as the member's
+segments need, and takes its place; the old device keeps its contents. This runs
+with the server stopped. A segment the old device cannot read stops it with
+nothing changed: JBOD has no other copy.
+
 When `lamina serve` runs, the rebuild runs inside it while clients keep working,
 at most --rate bytes per second; this command shows its progress until it is done
 (or returns at once with --no-wait). Otherwise the rebuild runs here. Progress is
@@ -797,6 +804,15 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     let (before, running) = get_status(&dir)?;
     let old = member_arg(&before, "--old", &a.old)?;
     let old_name = before.members[old].name.clone();
+    if before.layout == "jbod" {
+        if rate.is_some() || a.whole_device || a.no_wait {
+            return Err(Usage(
+                "--rate, --whole-device and --no-wait are for rebuilds of striped members; a JBOD member is copied with the server stopped".into(),
+            )
+            .into());
+        }
+        return arrays::replace_jbod(&dir, old, &old_name, &path, size, a.force, a.quiet, a.json);
+    }
     let size = if rebuild::prepare_zoned(&old_name, &path, size)? {
         None
     } else {

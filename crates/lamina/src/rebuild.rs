@@ -175,5 +175,5 @@ pub fn update_config(dir: &Path, old_name: &str, new: &Path) -> Result<()> {
             || placeholder.as_ref() == Some(&r))
     });
     cfg.devices.push(PathBuf::from(&new));
-    cfg.save(dir)
+    crate::config::set_devices(&Config::path(dir), &cfg.devices)
 }

@@ -234,9 +234,10 @@ fn array_create_discards_old_contents_but_never_another_array() {
 /// `array grow` (as `zpool add`): refused while served, for a member, and for a
 /// striped array; adds a device to a JBOD array whose data stays and whose
 /// capacity grows; lamina.toml keeps its comments and names the new device, and
-/// `array list` finds both members.
+/// `array list` finds both members. `array replace` on JBOD then moves a member
+/// to another device.
 #[test]
-fn a_jbod_array_grows_by_a_device() {
+fn a_jbod_array_grows_and_moves_a_member() {
     let t = TempDir::new("grow");
     let disks = t.join("disks");
     let a = t.join("a");
@@ -279,6 +280,33 @@ fn a_jbod_array_grows_by_a_device() {
         &["array", "grow", ad, "--device", &d1_again],
         "already a member",
     );
+
+    // A member moved to a new device (as pvmove): refused while served, then
+    // copied; the old file is no longer needed.
+    let d2 = dev("d2.img");
+    let s = Server::start(&a);
+    fails(
+        &["array", "replace", ad, "--old", "0", "--new", &d2],
+        "is being served",
+    );
+    s.stop();
+    let out = lamina_output(&[
+        "array", "replace", ad, "--old", "0", "--new", &d2, "--rate", "1M",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("for rebuilds of striped members"), "{err}");
+    let out = lamina(&["array", "replace", ad, "--old", "0", "--new", &d2, "--json"]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(r["old"].as_str().unwrap().ends_with("d0.img"), "{r}");
+    assert!(r["segments_copied"].as_u64().unwrap() > 0, "{r}");
+    let cfg = std::fs::read_to_string(a.join("lamina.toml")).unwrap();
+    assert!(
+        cfg.contains("d2.img") && !cfg.contains("d0.img") && cfg.contains("# kept"),
+        "{cfg}"
+    );
+    std::fs::remove_file(disks.join("d0.img")).unwrap();
+    check_blocks(&a);
     // Striped arrays are refused, with nothing changed.
     let b = t.join("b");
     let bd = b.to_str().unwrap();

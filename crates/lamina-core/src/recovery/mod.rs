@@ -34,7 +34,7 @@ use std::sync::Arc;
 mod assemble;
 mod checkpoint;
 mod format;
-mod grow;
+mod jbod;
 mod replay;
 mod verify;
 mod walk;
@@ -45,7 +45,7 @@ mod testing;
 pub use assemble::{read_superblocks, MEMBER_FAILED, MEMBER_REBUILDING};
 pub(crate) use format::empty_zones;
 pub use format::format;
-pub use grow::{grow, GrowParams};
+pub use jbod::{grow, replace, GrowParams, ReplaceReport};
 
 /// Fewest segments an array may have: stream heads, GC reserve and checkpoint space
 /// need room to turn over.

@@ -1,10 +1,12 @@
-//! Growing a JBOD array by new members (`lamina array grow`, issue 15): what the
-//! array held stays, the new segments are used, a crash after the grow loses
-//! nothing acknowledged, and a grow that stops anywhere leaves an array that opens.
+//! Changing a JBOD array's members (issue 15): growing it by new devices (`lamina
+//! array grow`) and moving a member to a new device (`lamina array replace`).
+//! What the array held stays, the new segments are used, a crash afterwards loses
+//! nothing acknowledged, and a change that stops anywhere leaves an array that
+//! opens.
 
 mod common;
 use common::*;
-use lamina_core::{grow, EngineError, GrowParams};
+use lamina_core::{grow, replace, EngineError, GrowParams};
 use lamina_device::fault::{FaultDevice, FaultOp};
 use lamina_device::mem::MemDevice;
 use lamina_format::superblock::{Layout, SUPERBLOCK_OFFSETS};
@@ -203,4 +205,149 @@ fn what_cannot_be_added_is_refused() {
     // Nothing was changed by a refusal: the first array opens with one member.
     let e = open_rw(&one(&a), small_config());
     assert_eq!(e.superblock().devices.len(), 1);
+}
+
+fn replace_member(
+    members: &[Arc<FaultDevice>],
+    index: usize,
+    new: &Arc<FaultDevice>,
+    commit: &mut dyn FnMut() -> Result<(), EngineError>,
+) -> Result<lamina_core::ReplaceReport, EngineError> {
+    replace_watched(members, index, new, &mut || {}, commit)
+}
+
+/// `copying` runs each time a piece has been copied.
+fn replace_watched(
+    members: &[Arc<FaultDevice>],
+    index: usize,
+    new: &Arc<FaultDevice>,
+    copying: &mut dyn FnMut(),
+    commit: &mut dyn FnMut() -> Result<(), EngineError>,
+) -> Result<lamina_core::ReplaceReport, EngineError> {
+    let mut progress = Vec::new();
+    let r = replace(
+        dyn_devs(members),
+        &small_config(),
+        index,
+        new.clone(),
+        [0x77; 16],
+        &GrowParams::default(),
+        &mut |d, t| {
+            progress.push((d, t));
+            copying();
+        },
+        commit,
+    );
+    if let Ok(r) = &r {
+        assert_eq!(progress.last().map(|p| p.0), Some(r.bytes_copied));
+        assert!(progress.iter().all(|p| p.1 == r.bytes_copied));
+    }
+    r
+}
+
+/// A JBOD array of two members with a volume overwritten `writes` times (seeded),
+/// left as a crash would leave it.
+fn two_members_written(
+    writes: u64,
+    seed: u64,
+) -> (
+    Arc<FaultDevice>,
+    Arc<FaultDevice>,
+    lamina_core::VolumeId,
+    HashMap<u64, u64>,
+) {
+    let (a, b) = (mem("a", 24), mem("b", 24));
+    let both = [a.clone(), b.clone()];
+    format_devices(&dyn_devs(&both), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&dyn_devs(&both), small_config());
+    let vol = create_volume(&mut e, "v", 4 << 20);
+    let mut model = HashMap::new();
+    churn(&mut e, vol, &mut model, 700, writes, seed);
+    drop(e);
+    (a, b, vol, model)
+}
+
+/// A member moved to a new device: only its segments in use are copied, the old
+/// device is not needed afterwards, and nothing acknowledged is lost across
+/// crashes before and after.
+#[test]
+fn a_jbod_member_moves_to_a_new_device() {
+    let (a, b, vol, mut model) = two_members_written(2000, 5);
+    let both = [a.clone(), b.clone()];
+    let n = mem("n", 24);
+    let mut commits = 0;
+    let r = replace_member(&both, 0, &n, &mut || {
+        commits += 1;
+        Ok(())
+    })
+    .expect("replace");
+    assert_eq!(commits, 1);
+    assert_eq!(r.segments, 24);
+    assert!(
+        r.segments_copied > 0 && r.segments_copied < r.segments,
+        "{r:?}"
+    );
+    assert_eq!(r.superblock.devices[0].uuid, [0x77; 16]);
+    // The old device is gone: the array opens without it.
+    a.vanish();
+    let now = [n.clone(), b.clone()];
+    let mut e = open_rw(&dyn_devs(&now), small_config());
+    verify_model(&e, vol, &model);
+    churn(&mut e, vol, &mut model, 700, 2000, 6);
+    drop(e);
+    let e = open_rw(&dyn_devs(&now), small_config());
+    verify_model(&e, vol, &model);
+}
+
+/// A replace that stops before its commit, or on a segment the old device cannot
+/// read, leaves the array as it was; refusals change nothing.
+#[test]
+fn a_replace_that_cannot_finish_changes_nothing() {
+    let (a, b, vol, model) = two_members_written(1500, 7);
+    let both = [a.clone(), b.clone()];
+    let n = mem("n", 24);
+    let err = replace_member(&both, 1, &n, &mut || {
+        Err(EngineError::Io("lamina.toml: disk full".into()))
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("disk full"), "{err}");
+    // The old member turns unreadable once the copy has begun: no other copy,
+    // so refused.
+    let err = replace_watched(
+        &both,
+        1,
+        &n,
+        &mut || b.fail(FaultOp::Read, 1 << 20, device_bytes(24), u64::MAX),
+        &mut || Ok(()),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("cannot be read"), "{err}");
+    b.heal();
+    let small = mem("small", 20);
+    let err = replace_member(&both, 1, &small, &mut || Ok(())).unwrap_err();
+    assert!(
+        err.to_string().contains("is smaller than member 1"),
+        "{err}"
+    );
+    let err = replace_member(&both, 2, &n, &mut || Ok(())).unwrap_err();
+    assert!(err.to_string().contains("has no member 2"), "{err}");
+    let err = replace_member(&both, 1, &a, &mut || Ok(())).unwrap_err();
+    assert!(err.to_string().contains("already a member"), "{err}");
+    let e = open_rw(&dyn_devs(&both), small_config());
+    assert_eq!(
+        e.superblock().devices[1].uuid,
+        [2; 16],
+        "member 1 unchanged"
+    );
+    verify_model(&e, vol, &model);
+    drop(e);
+    // The device of the replace that stopped is taken again.
+    replace_member(&both, 1, &n, &mut || Ok(())).expect("replace");
+    let e = open_rw(&dyn_devs(&[a.clone(), n.clone()]), small_config());
+    verify_model(&e, vol, &model);
+    // Striped members are rebuilt from parity instead.
+    let s: Vec<_> = (0..3).map(|i| mem(&format!("s{i}"), 16)).collect();
+    format_devices(&dyn_devs(&s), &layout_params(Layout::Said5));
+    let err = replace_member(&s, 0, &mem("m", 16), &mut || Ok(())).unwrap_err();
+    assert!(err.to_string().contains("rebuilding from parity"), "{err}");
 }

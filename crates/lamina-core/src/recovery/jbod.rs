@@ -1,0 +1,365 @@
+//! Changing a JBOD array's members, with the array closed: adding devices
+//! (`lamina array grow`, as `zpool add` or `vgextend`) and moving a member to a
+//! new device (`lamina array replace` on JBOD, as `pvmove` onto a new disk).
+//!
+//! **Grow.** The new devices' segments are numbered after the existing ones, so
+//! nothing stored moves, and they join the free queue at its end.
+//! **Replace.** Every segment of the member that is not in the free queue is
+//! copied to the same offset of the new device, which takes the member's place
+//! (same segments, its own identity); the old device keeps its data and its old
+//! label, which names a member replaced since.
+//!
+//! **Order, so that a crash at any point leaves an array that opens.**
+//! 1. The array is opened read-write and closed: recovery replays what the last
+//!    run left and writes a checkpoint, so the array starts from a checkpoint of
+//!    everything (no replay ever spans the change; for a replace, no unit is
+//!    written after the segments are chosen for copying).
+//! 2. Each new device is discarded (optional), filled (replace) and labelled with
+//!    the new superblock (the new member table, generation + 1), both copies,
+//!    synced.
+//! 3. The caller's `commit` runs: it records the change where the array's
+//!    devices are listed (lamina.toml). Failing here, the old members still carry
+//!    the old superblock, and the array opens as it was from its old list; the new
+//!    devices' labels name members the array does not have, and a new grow or
+//!    replace takes them again.
+//! 4. The other members get the new superblock: copy 0 on every member, sync,
+//!    copy 1, sync. A crash in between leaves them one generation behind the new
+//!    devices; opening takes the newest superblock, which lists every member,
+//!    and a JBOD member's older label is still its own (the next superblock
+//!    update rewrites it).
+//! 5. The array is opened once more. After a grow, the checkpoint lists fewer
+//!    segments than the geometry, and [`super::checkpoint::load`] adds the new ones
+//!    as free, at the end of the free queue, in index order; the open's own
+//!    checkpoint then lists them all. Nothing is written to them before that
+//!    checkpoint commits (every read-write open writes one before it serves), so
+//!    no replay ever has to find units in segments its checkpoint does not list.
+//!
+//! Striped layouts would have to restripe every live segment over the new member
+//! count (grow), and replace their members by rebuilding from parity (the
+//! `rebuild` module). Zoned arrays are refused too (a new device's zones would
+//! have to match, and its conventional zones be placed).
+
+use super::{assemble, format, open, OpenMode, Progress};
+use crate::engine::{Engine, EngineConfig};
+use crate::error::EngineError;
+use crate::geometry::Geometry;
+use crate::types::{SegmentId, BLOCK_SIZE};
+use lamina_device::BlockDevice;
+use lamina_format::superblock::{DeviceEntry, Layout, Superblock, MAX_DEVICES, SUPERBLOCK_OFFSETS};
+use std::sync::Arc;
+
+/// How to add devices to an array (grow, replace).
+#[derive(Clone, Debug, Default)]
+pub struct GrowParams {
+    /// Take devices that carry another array's superblock.
+    pub force: bool,
+    /// Discard the new devices' data areas first (as at creation).
+    /// Told how the discard goes (bytes done, in all).
+    pub discard: bool,
+    pub progress: Option<Progress>,
+}
+
+/// Adds `new` (with identities `new_uuids`) to the JBOD array on `members`,
+/// opened with `cfg` (the array's own settings); returns the superblock the array
+/// now has. `commit` runs once the new devices carry the array's label and before
+/// the old members do (see the module's comment); an error from it stops the grow
+/// with the old members untouched.
+pub fn grow(
+    members: Vec<Arc<dyn BlockDevice>>,
+    cfg: &EngineConfig,
+    new: &[Arc<dyn BlockDevice>],
+    new_uuids: &[[u8; 16]],
+    params: &GrowParams,
+    commit: &mut dyn FnMut() -> Result<(), EngineError>,
+) -> Result<Superblock, EngineError> {
+    assert_eq!(new.len(), new_uuids.len());
+    if new.is_empty() {
+        return invalid("no device to add".into());
+    }
+    let (sb, members, ()) = checkpointed(members, cfg, "grow", |_| ())?;
+    if format::zoned_layout(new)?.is_some() {
+        return invalid("zoned devices cannot be added to an array yet".into());
+    }
+    if sb.devices.len() + new.len() > MAX_DEVICES {
+        return invalid(format!(
+            "an array holds at most {MAX_DEVICES} devices; {:?} has {} and {} were given",
+            sb.array_name,
+            sb.devices.len(),
+            new.len()
+        ));
+    }
+    for d in new {
+        check_new_device(&**d, &sb, params.force)?;
+    }
+    let mut grown = sb.clone();
+    let mut next = Geometry::from_superblock(&sb).segment_count;
+    for (d, uuid) in new.iter().zip(new_uuids) {
+        let segs = Geometry::segments_on_device(d.size_bytes(), sb.data_offset, sb.segment_blocks);
+        if segs == 0 {
+            return invalid(format!(
+                "device {} ({} bytes) is too small for one segment of {} bytes",
+                d.describe(),
+                d.size_bytes(),
+                sb.segment_blocks as u64 * BLOCK_SIZE as u64
+            ));
+        }
+        grown.devices.push(DeviceEntry {
+            uuid: *uuid,
+            size_bytes: d.size_bytes(),
+            segment_count: segs,
+            first_segment: next,
+            state: 0,
+            rebuild_cursor: 0,
+        });
+        next = next
+            .checked_add(segs)
+            .ok_or_else(|| EngineError::Invalid("array too large".into()))?;
+    }
+    if next as u64 * sb.segment_blocks as u64 >= crate::map::PBA_LIMIT as u64 {
+        return invalid(
+            "the array would exceed 16 TiB, the limit of 32-bit block addresses".into(),
+        );
+    }
+    grown.generation = sb.generation + 1;
+    if params.discard {
+        format::discard_all(new, sb.data_offset, params.progress.as_ref());
+    }
+    let first_new = sb.devices.len();
+    let labelled: Vec<(usize, Arc<dyn BlockDevice>)> = new
+        .iter()
+        .enumerate()
+        .map(|(j, d)| (first_new + j, d.clone()))
+        .collect();
+    let others: Vec<(usize, Arc<dyn BlockDevice>)> = members.into_iter().enumerate().collect();
+    switch(&grown, &labelled, &others, cfg, commit)
+}
+
+/// What [`replace`] copied.
+#[derive(Clone, Debug)]
+pub struct ReplaceReport {
+    pub superblock: Superblock,
+    /// Segments copied (those not in the free queue) and the member's segments.
+    pub segments_copied: u64,
+    pub segments: u64,
+    pub bytes_copied: u64,
+}
+
+/// Moves member `index` of the JBOD array on `members` to `new` (identity
+/// `new_uuid`), which must hold the member's segments: every segment not in the
+/// free queue is copied, at the same offset (`copied` is told bytes done and in
+/// all). The old device is left as it is. `commit` as for [`grow`].
+#[allow(clippy::too_many_arguments)]
+pub fn replace(
+    members: Vec<Arc<dyn BlockDevice>>,
+    cfg: &EngineConfig,
+    index: usize,
+    new: Arc<dyn BlockDevice>,
+    new_uuid: [u8; 16],
+    params: &GrowParams,
+    copied: &mut dyn FnMut(u64, u64),
+    commit: &mut dyn FnMut() -> Result<(), EngineError>,
+) -> Result<ReplaceReport, EngineError> {
+    let (sb, members, in_use) = checkpointed(members, cfg, "replace", |engine| {
+        let geo = &engine.shared().geo;
+        let mut free = vec![false; geo.segment_count as usize];
+        for &s in &engine.segments.free {
+            free[s as usize] = true;
+        }
+        match geo.devices.get(index) {
+            Some(span) => (span.first_segment..span.first_segment + span.segment_count)
+                .filter(|&s| !free[s as usize])
+                .collect(),
+            None => Vec::new(),
+        }
+    })?;
+    let Some(entry) = sb.devices.get(index) else {
+        return invalid(format!(
+            "array {:?} has no member {index} (it has {})",
+            sb.array_name,
+            sb.devices.len()
+        ));
+    };
+    if format::zoned_layout(std::slice::from_ref(&new))?.is_some() {
+        return invalid("a zoned device cannot replace a member yet".into());
+    }
+    check_new_device(&*new, &sb, params.force)?;
+    let seg_bytes = sb.segment_blocks as u64 * BLOCK_SIZE as u64;
+    let needed = sb.data_offset + entry.segment_count as u64 * seg_bytes;
+    if new.size_bytes() < needed {
+        return invalid(format!(
+            "device {} ({} bytes) is smaller than member {index}'s {} segments need ({needed} bytes)",
+            new.describe(),
+            new.size_bytes(),
+            entry.segment_count
+        ));
+    }
+    if params.discard {
+        format::discard_all(
+            std::slice::from_ref(&new),
+            sb.data_offset,
+            params.progress.as_ref(),
+        );
+    }
+    let geo = Geometry::from_superblock(&sb);
+    let old = &members[index];
+    let total = in_use.len() as u64 * seg_bytes;
+    // A segment at a time, in pieces of 1 MiB (segments may be 64 GiB stripes
+    // elsewhere; JBOD ones are whole on the device, but need not be small).
+    const PIECE: u64 = 1 << 20;
+    let mut buf = vec![0u8; PIECE.min(seg_bytes) as usize];
+    let mut done = 0;
+    for &seg in &in_use {
+        let (dev, start) = geo.locate(SegmentId(seg), 0);
+        debug_assert_eq!(dev, index);
+        let mut at = 0;
+        while at < seg_bytes {
+            let len = PIECE.min(seg_bytes - at) as usize;
+            old.read_at(&mut buf[..len], start + at).map_err(|e| {
+                EngineError::Io(format!(
+                    "member {index} ({}): segment {seg} cannot be read ({e}); JBOD has no other copy, nothing was changed",
+                    old.describe()
+                ))
+            })?;
+            new.write_at(&buf[..len], start + at)?;
+            at += len as u64;
+            done += len as u64;
+            copied(done, total);
+        }
+    }
+    new.sync()?;
+    let mut next = sb.clone();
+    next.generation = sb.generation + 1;
+    next.devices[index] = DeviceEntry {
+        uuid: new_uuid,
+        size_bytes: new.size_bytes(),
+        ..*entry
+    };
+    let others: Vec<(usize, Arc<dyn BlockDevice>)> = members
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i != index)
+        .collect();
+    let superblock = switch(&next, &[(index, new)], &others, cfg, commit)?;
+    Ok(ReplaceReport {
+        superblock,
+        segments_copied: in_use.len() as u64,
+        segments: entry.segment_count as u64,
+        bytes_copied: done,
+    })
+}
+
+fn invalid<T>(m: String) -> Result<T, EngineError> {
+    Err(EngineError::Invalid(m))
+}
+
+type Devices = Vec<Arc<dyn BlockDevice>>;
+
+/// Step 1: the array opened (recovery, a checkpoint) and closed; `look` sees the
+/// engine before it closes. Returns the superblock, the members in their order
+/// and what `look` found. Only JBOD arrays that are not zoned go on.
+fn checkpointed<T>(
+    members: Vec<Arc<dyn BlockDevice>>,
+    cfg: &EngineConfig,
+    what: &str,
+    look: impl FnOnce(&Engine) -> T,
+) -> Result<(Superblock, Devices, T), EngineError> {
+    let (engine, _) = open(members.clone(), cfg.clone(), OpenMode::ReadWrite)?;
+    let seen = look(&engine);
+    drop(engine);
+    let mut warnings = Vec::new();
+    let (sb, members) = assemble::read_superblocks(members, &mut warnings)?;
+    if sb.layout != Layout::Jbod {
+        let how = match what {
+            "grow" => "growing a striped layout means restriping every live segment over more members, which is not built (only JBOD arrays grow)",
+            _ => "a striped layout's member is replaced by failing it and rebuilding from parity (`array fail`, then `array replace`)",
+        };
+        return invalid(format!(
+            "array {:?} is {}: {how}",
+            sb.array_name,
+            sb.layout.name()
+        ));
+    }
+    if format::zoned_layout(&members)?.is_some() {
+        return invalid(format!("zoned arrays cannot {what} their members yet"));
+    }
+    Ok((sb, members, seen))
+}
+
+/// A device may join the array unless it is a member now, or (without `force`)
+/// carries another array's label. One that carries this array's label but is not a
+/// member (a grow or replace that stopped before its commit, a member replaced
+/// long ago) holds nothing the array needs.
+fn check_new_device(d: &dyn BlockDevice, sb: &Superblock, force: bool) -> Result<(), EngineError> {
+    let Some(other) = format::label_of(d) else {
+        return Ok(());
+    };
+    if other.array_uuid == sb.array_uuid {
+        let own = other.devices.get(other.device_index as usize);
+        if sb
+            .devices
+            .iter()
+            .any(|e| own.is_some_and(|o| o.uuid == e.uuid))
+        {
+            return invalid(format!(
+                "device {} is already a member of {:?}",
+                d.describe(),
+                sb.array_name
+            ));
+        }
+    } else if !force {
+        return invalid(format!(
+            "device {} already belongs to Lamina array {:?}; refusing to overwrite it",
+            d.describe(),
+            other.array_name
+        ));
+    }
+    Ok(())
+}
+
+/// Steps 2 (labels), 3, 4 and 5 of the module's comment: `labelled` get `next`
+/// first, then `commit` runs, then `others`, one copy at a time; then the array
+/// is opened on all of them for a checkpoint under the new table.
+fn switch(
+    next: &Superblock,
+    labelled: &[(usize, Arc<dyn BlockDevice>)],
+    others: &[(usize, Arc<dyn BlockDevice>)],
+    cfg: &EngineConfig,
+    commit: &mut dyn FnMut() -> Result<(), EngineError>,
+) -> Result<Superblock, EngineError> {
+    for (i, d) in labelled {
+        for off in SUPERBLOCK_OFFSETS {
+            write_label(&**d, next, *i, off)?;
+        }
+        d.sync()?;
+    }
+    commit()?;
+    for off in SUPERBLOCK_OFFSETS {
+        for (i, d) in others {
+            write_label(&**d, next, *i, off)?;
+        }
+        for (_, d) in others {
+            d.sync()?;
+        }
+    }
+    let all: Vec<Arc<dyn BlockDevice>> = others
+        .iter()
+        .chain(labelled)
+        .map(|(_, d)| d.clone())
+        .collect();
+    let (engine, _) = open(all, cfg.clone(), OpenMode::ReadWrite)?;
+    let sb = engine.superblock().clone();
+    drop(engine);
+    Ok(sb)
+}
+
+fn write_label(
+    d: &dyn BlockDevice,
+    sb: &Superblock,
+    index: usize,
+    off: u64,
+) -> Result<(), EngineError> {
+    let mut s = sb.clone();
+    s.device_index = index as u32;
+    d.write_at(&s.encode()[..], off)?;
+    Ok(())
+}
