@@ -175,7 +175,7 @@ pub enum Request {
     /// without data.
     WriteBlocks {
         volume: VolumeId,
-        lba: u64,
+        lba: Lba,
         count: u32,
     },
     /// Create a volume (replies once a checkpoint records it).
@@ -473,7 +473,7 @@ pub(crate) enum Purpose {
 pub(crate) enum Pending {
     Write {
         token: Token,
-        volume: u16,
+        volume: VolumeId,
         offset: u64,
         data: Vec<u8>,
         /// Blocks already applied.
@@ -485,7 +485,7 @@ pub(crate) enum Pending {
     },
     Zero {
         token: Token,
-        volume: u16,
+        volume: VolumeId,
         offset: u64,
         length: u64,
         fua: bool,
@@ -499,8 +499,8 @@ pub(crate) enum Pending {
     /// A metadata-only write (simulation).
     Blocks {
         token: Token,
-        volume: u16,
-        lba: u64,
+        volume: VolumeId,
+        lba: Lba,
         count: u64,
         done: u64,
         class: Option<u8>,
@@ -742,6 +742,21 @@ impl Engine {
 
     // ---------------------------------------------------------------- versions
 
+    /// The state of volume `v`, which a request or a record names only while the
+    /// engine holds it (a request is checked against the volumes when it arrives,
+    /// and a volume with requests in progress is not deleted).
+    pub(crate) fn vol(&self, v: VolumeId) -> &Vol {
+        self.volumes[v.0 as usize]
+            .as_ref()
+            .expect("a volume the engine holds")
+    }
+
+    pub(crate) fn vol_mut(&mut self, v: VolumeId) -> &mut Vol {
+        self.volumes[v.0 as usize]
+            .as_mut()
+            .expect("a volume the engine holds")
+    }
+
     pub(crate) fn take_version(&mut self) -> Version {
         let v = self.next_version;
         assert!(
@@ -816,7 +831,7 @@ impl Engine {
                 } else {
                     self.pending.push_back(Pending::Write {
                         token,
-                        volume: volume.0,
+                        volume,
                         offset,
                         data,
                         done: 0,
@@ -840,7 +855,7 @@ impl Engine {
                 } else {
                     self.pending.push_back(Pending::Zero {
                         token,
-                        volume: volume.0,
+                        volume,
                         offset,
                         length,
                         fua,
@@ -869,14 +884,16 @@ impl Engine {
                         )),
                         None,
                     );
-                } else if let Err(e) =
-                    self.check_io(volume, lba * BLOCK_SIZE_U64, count as u64 * BLOCK_SIZE_U64)
-                {
+                } else if let Err(e) = self.check_io(
+                    volume,
+                    lba.0 * BLOCK_SIZE_U64,
+                    count as u64 * BLOCK_SIZE_U64,
+                ) {
                     self.reply(token, Err(e), None);
                 } else {
                     self.pending.push_back(Pending::Blocks {
                         token,
-                        volume: volume.0,
+                        volume,
                         lba,
                         count: count as u64,
                         done: 0,
@@ -1337,11 +1354,7 @@ impl Engine {
         let bs = BLOCK_SIZE_U64;
         let first_lba = *offset / bs;
         let last_lba = (*offset + data.len() as u64 - 1) / bs;
-        let vol_shared = self.volumes[*volume as usize]
-            .as_ref()
-            .unwrap()
-            .shared
-            .clone();
+        let vol_shared = self.vol(*volume).shared.clone();
         if !*checked_space {
             self.check_space(&vol_shared, first_lba..last_lba + 1)?;
             *checked_space = true;
@@ -1362,7 +1375,7 @@ impl Engine {
             unreachable!()
         };
         while first_lba + *done <= last_lba {
-            let lba = first_lba + *done;
+            let lba = Lba(first_lba + *done);
             let stream = self.user_stream_for(*volume, lba, &mut class_slot);
             if !self.room_for_user_block(stream) {
                 if let Pending::Write { class, .. } = p {
@@ -1370,7 +1383,7 @@ impl Engine {
                 }
                 return Ok(false);
             }
-            let block_start = lba * bs;
+            let block_start = lba.0 * bs;
             let src_lo = block_start.max(*offset);
             let src_hi = (block_start + bs).min(*offset + data.len() as u64);
             let data_slice: &[u8] = if src_lo == block_start && src_hi == block_start + bs {
@@ -1378,7 +1391,7 @@ impl Engine {
                 &data[o..o + BLOCK_SIZE]
             } else {
                 // Partial block: merge with its current content.
-                if let Err(e) = self.shared.read_blocks(&vol_shared, Lba(lba), &mut block) {
+                if let Err(e) = self.shared.read_blocks(&vol_shared, lba, &mut block) {
                     return Err(EngineError::Io(format!(
                         "read-modify-write of block {lba}: {e}"
                     )));
@@ -1410,7 +1423,7 @@ impl Engine {
             unreachable!()
         };
         while *done < *count {
-            let b = *lba + *done;
+            let b = Lba(lba.0 + *done);
             let stream = self.user_stream_for(*volume, b, class);
             if !self.room_for_user_block(stream) {
                 return Ok(false);
@@ -1426,23 +1439,23 @@ impl Engine {
     /// waiting for room keeps its class), else what the volume's classifier says,
     /// folded into the classes kept open now (the cache holds the classifier's
     /// class: the caps may change while the block waits).
-    fn user_stream_for(&mut self, volume: u16, lba: u64, class: &mut Option<u8>) -> usize {
+    fn user_stream_for(&mut self, volume: VolumeId, lba: Lba, class: &mut Option<u8>) -> usize {
         let c = match *class {
             Some(c) => c,
             None => {
-                let vol = self.volumes[volume as usize].as_ref().unwrap();
-                let prev = match decode(vol.shared.map.load(Lba(lba))) {
+                let vol = self.vol(volume);
+                let prev = match decode(vol.shared.map.load(lba)) {
                     Entry::Device(pba) => Some(self.written_at(pba, vol.user_blocks)),
                     Entry::Buffer(slot) => {
                         Some(self.written_at(self.slot_pba(slot), vol.user_blocks))
                     }
                     Entry::Unmapped | Entry::Bad => None,
                 };
-                let vol = self.volumes[volume as usize].as_mut().unwrap();
-                *class.insert(vol.classifier.classify_user(lba, vol.user_blocks, prev))
+                let vol = self.vol_mut(volume);
+                *class.insert(vol.classifier.classify_user(lba.0, vol.user_blocks, prev))
             }
         };
-        let vol = self.volumes[volume as usize].as_ref().unwrap();
+        let vol = self.vol(volume);
         vol.streams[vol.caps.user_class(c) as usize]
     }
 
@@ -1498,16 +1511,16 @@ impl Engine {
     fn append_user(
         &mut self,
         stream: usize,
-        volume: u16,
-        lba: u64,
+        volume: VolumeId,
+        lba: Lba,
         data: Option<&[u8]>,
         class: &mut Option<u8>,
     ) {
         self.append_data(stream, volume, lba, data, None);
-        let vol = self.volumes[volume as usize].as_mut().unwrap();
+        let vol = self.vol_mut(volume);
         // New contents have not been read (the engine's own read of a block it
         // merges into does not count either).
-        vol.shared.map.take_read(Lba(lba));
+        vol.shared.map.take_read(lba);
         vol.user_blocks += 1;
         let kept = vol.caps.user_class(class.take().unwrap_or(0));
         vol.classes[kept as usize].blocks += 1;
@@ -1544,11 +1557,7 @@ impl Engine {
         let (start, end) = (*offset, *offset + *length);
         let full_first = start.div_ceil(bs);
         let full_end = end / bs; // exclusive
-        let vol_shared = self.volumes[*volume as usize]
-            .as_ref()
-            .unwrap()
-            .shared
-            .clone();
+        let vol_shared = self.vol(*volume).shared.clone();
         if *allocate && *stage == 0 {
             // Allocated zeroes take space like a write: refuse up front, as writes do.
             self.check_space(&vol_shared, start / bs..end.div_ceil(bs))?;
@@ -1566,10 +1575,10 @@ impl Engine {
         while *stage < 2 {
             let (lo, hi) = edges[*stage as usize];
             if lo < hi {
-                let lba = lo / bs;
+                let lba = Lba(lo / bs);
                 // An unmapped edge already reads as zeros; with `allocate` it is
                 // written all the same, so that it holds space.
-                if *allocate || vol_shared.map.load(Lba(lba)) != UNMAPPED {
+                if *allocate || vol_shared.map.load(lba) != UNMAPPED {
                     let mut class = None;
                     let stream = self.user_stream_for(*volume, lba, &mut class);
                     if self.ensure_unit(stream, 1, 0).is_err() {
@@ -1577,9 +1586,9 @@ impl Engine {
                     }
                     let mut block = [0u8; BLOCK_SIZE];
                     self.shared
-                        .read_blocks(&vol_shared, Lba(lba), &mut block)
+                        .read_blocks(&vol_shared, lba, &mut block)
                         .map_err(|e| EngineError::Io(format!("zeroing block {lba}: {e}")))?;
-                    block[(lo - lba * bs) as usize..(hi - lba * bs) as usize].fill(0);
+                    block[(lo - lba.0 * bs) as usize..(hi - lba.0 * bs) as usize].fill(0);
                     self.append_user(stream, *volume, lba, Some(&block), &mut class);
                 }
             }
@@ -1590,7 +1599,7 @@ impl Engine {
             // space. Resumable: `stage - 2` blocks are done.
             static ZERO: [u8; BLOCK_SIZE] = [0; BLOCK_SIZE];
             while full_first + (*stage - 2) < full_end {
-                let lba = full_first + (*stage - 2);
+                let lba = Lba(full_first + (*stage - 2));
                 let stream = self.user_stream_for(*volume, lba, waiting);
                 if self.ensure_unit(stream, 1, 0).is_err() {
                     return Ok(false);
@@ -1621,7 +1630,7 @@ impl Engine {
                     vol_shared.map.take_read(Lba(lba));
                     self.unref(old);
                     self.space.unmapped(1);
-                    self.volumes[*volume as usize].as_mut().unwrap().live_blocks -= 1;
+                    self.vol_mut(*volume).live_blocks -= 1;
                 }
             }
             let mut lba = full_first;
@@ -1629,7 +1638,7 @@ impl Engine {
                 let n = (full_end - lba).min(u32::MAX as u64);
                 let v = self.take_version();
                 let st = &mut self.streams[ms];
-                st.extras.push(RawRecord::trim(*volume, lba, n as u32));
+                st.extras.push(RawRecord::trim(volume.0, lba, n as u32));
                 st.extras.push(RawRecord::version(v));
                 lba += n;
             }
@@ -1690,8 +1699,8 @@ impl Engine {
     pub(crate) fn append_data(
         &mut self,
         s: usize,
-        volume: u16,
-        lba: u64,
+        volume: VolumeId,
+        lba: Lba,
         data: Option<&[u8]>,
         crc: Option<u32>,
     ) {
@@ -1710,14 +1719,14 @@ impl Engine {
         };
         // SAFETY: header blocks are never read by clients.
         let hdr = unsafe { self.shared.buffers.blocks_mut(u.buf, 0, h) };
-        put_record(hdr, u.data as usize, &RawRecord::data(volume, lba, crc));
+        put_record(hdr, u.data as usize, &RawRecord::data(volume.0, lba.0, crc));
         let slot = self.shared.buffers.slot(u.buf, block);
         u.data += 1;
         let seg = st.seg.unwrap() as usize;
         st.appended += 1;
-        let vol = self.volumes[volume as usize].as_mut().unwrap();
-        let old = vol.shared.map.load(Lba(lba));
-        vol.shared.map.store(Lba(lba), encode_buffer(slot));
+        let vol = self.vol_mut(volume);
+        let old = vol.shared.map.load(lba);
+        vol.shared.map.store(lba, encode_buffer(slot));
         if old == UNMAPPED {
             vol.live_blocks += 1;
             self.space.mapped(1);
@@ -2401,7 +2410,13 @@ impl Engine {
                 // SAFETY: as above; the block stays in place until the buffer is
                 // recycled, which waits for readers' pins.
                 block.copy_from_slice(unsafe { self.shared.buffers.blocks(buf, h + i, 1) });
-                self.append_data(small, r.volume(), r.lba(), Some(&block), Some(r.b));
+                self.append_data(
+                    small,
+                    VolumeId(r.volume()),
+                    Lba(r.lba()),
+                    Some(&block),
+                    Some(r.b),
+                );
             }
         }
         // Nothing of the unit is live any more: it is dropped, its buffer recycled

@@ -32,7 +32,7 @@ use crate::gc::Candidate;
 use crate::io::{IoCompletion, IoKind};
 use crate::map::encode_device;
 use crate::segments::Origins;
-use crate::types::{Lba, Pba, SegmentId, BLOCK_SIZE};
+use crate::types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
 
@@ -788,7 +788,13 @@ impl Engine {
                             Some(b) => Some(&b[..]),
                             None => run_block(&batch_local[rp], &exact, at),
                         };
-                        self.append_data(gc_stream, volume, r.lba(), block, Some(r.b));
+                        self.append_data(
+                            gc_stream,
+                            VolumeId(volume),
+                            Lba(r.lba()),
+                            block,
+                            Some(r.b),
+                        );
                         // Date the moved block by when a user last wrote it.
                         let st = &mut self.streams[gc_stream];
                         let to = st.seg.expect("ensure_unit opened it");

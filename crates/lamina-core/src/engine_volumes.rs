@@ -369,7 +369,7 @@ impl Engine {
             // Requests accepted before but not yet applied must not land in the
             // tail (the map would no longer have room for them); elsewhere they
             // may go on.
-            let id = vol.shared.id.0;
+            let id = vol.shared.id;
             let bs = BLOCK_SIZE_U64;
             if self.pending.iter().any(|p| match p {
                 Pending::Write {
@@ -386,7 +386,7 @@ impl Engine {
                 } => *volume == id && offset + length > size_bytes,
                 Pending::Blocks {
                     volume, lba, count, ..
-                } => *volume == id && (lba + count) * bs > size_bytes,
+                } => *volume == id && (lba.0 + count) * bs > size_bytes,
             }) {
                 return Err(EngineError::Invalid(format!(
                     "volume {name:?} has requests in progress beyond {size_bytes} bytes"
@@ -419,7 +419,7 @@ impl Engine {
         if self.pending.iter().any(|p| match p {
             Pending::Write { volume, .. }
             | Pending::Zero { volume, .. }
-            | Pending::Blocks { volume, .. } => *volume == id.0,
+            | Pending::Blocks { volume, .. } => *volume == id,
         }) {
             return Err(EngineError::Invalid(format!(
                 "volume {name:?} has requests in progress"

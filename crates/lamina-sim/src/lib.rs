@@ -641,7 +641,7 @@ fn submit(engine: &mut Engine, volume: VolumeId, op: Op) {
             token,
             Request::WriteBlocks {
                 volume,
-                lba: op.lba,
+                lba: lamina_core::Lba(op.lba),
                 count: op.blocks,
             },
         );
