@@ -104,6 +104,57 @@ fn a_jbod_array_grows_and_keeps_what_it_held() {
     );
 }
 
+/// The re-open that ends a grow fails to commit its checkpoint (here: the new
+/// device refuses superblock writes once labelled, after the checkpoint's own
+/// blocks went to the new segments): the array still opens grown afterwards,
+/// from the checkpoint before, extended again the same way, its walk passing the
+/// uncommitted checkpoint's units, with nothing lost.
+#[test]
+fn a_grow_whose_last_open_fails_opens_grown() {
+    let a = mem("a", 20);
+    format_devices(&one(&a), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&one(&a), small_config());
+    let vol = create_volume(&mut e, "v", 8 << 20);
+    let mut model = HashMap::new();
+    // Fill the array nearly up, so that its free queue is short and the re-open's
+    // checkpoint reaches the new segments.
+    let lbas = usable(&e) / BS as u64 - 8;
+    churn(&mut e, vol, &mut model, lbas, 2 * lbas, 10);
+    drop(e);
+    let b = mem("b", 24);
+    let err = grow(
+        one(&a),
+        &small_config(),
+        &one(&b),
+        &[[0x42; 16]],
+        &GrowParams::default(),
+        &mut || {
+            // The re-open's first superblock update (both copies) goes through;
+            // the one that would commit its checkpoint does not.
+            b.fail_after(FaultOp::Write, 0, 1 << 20, 2, u64::MAX);
+            Ok(())
+        },
+    )
+    .unwrap_err();
+    assert!(!err.to_string().is_empty());
+    b.heal();
+    // The uncommitted checkpoint did reach the new device.
+    let mut area = vec![0u8; (device_bytes(24) - (1 << 20)) as usize];
+    lamina_device::BlockDevice::read_at(&*b, &mut area, 1 << 20).unwrap();
+    assert!(
+        area.iter().any(|&x| x != 0),
+        "nothing written to the new segments"
+    );
+    let all = dyn_devs(&[a.clone(), b.clone()]);
+    let mut e = open_rw(&all, small_config());
+    assert_eq!(e.superblock().devices.len(), 2);
+    verify_model(&e, vol, &model);
+    churn(&mut e, vol, &mut model, lbas + 300, 2 * lbas, 11);
+    drop(e);
+    let e = open_rw(&all, small_config());
+    verify_model(&e, vol, &model);
+}
+
 /// A grow stopped before its commit (lamina.toml not updated) leaves the array
 /// as it was, and the same device is taken again by the next grow; one stopped
 /// between the old members' superblock writes opens with every member.
@@ -288,12 +339,61 @@ fn a_jbod_member_moves_to_a_new_device() {
         "{r:?}"
     );
     assert_eq!(r.superblock.devices[0].uuid, [0x77; 16]);
+    // The old device, named again (a configuration restored, a disk renamed), is
+    // never taken for the member: it holds the member as it was.
+    let err = lamina_core::open(
+        dyn_devs(&both),
+        small_config(),
+        lamina_core::OpenMode::ReadOnly,
+    )
+    .err()
+    .expect("the old device refused");
+    assert!(
+        err.to_string().contains("has been replaced") && err.to_string().contains("[0]"),
+        "{err}"
+    );
+    // Named beside the new one, it is passed over.
+    let e = open_rw(
+        &dyn_devs(&[a.clone(), n.clone(), b.clone()]),
+        small_config(),
+    );
+    verify_model(&e, vol, &model);
+    drop(e);
     // The old device is gone: the array opens without it.
     a.vanish();
     let now = [n.clone(), b.clone()];
     let mut e = open_rw(&dyn_devs(&now), small_config());
     verify_model(&e, vol, &model);
     churn(&mut e, vol, &mut model, 700, 2000, 6);
+    drop(e);
+    let e = open_rw(&dyn_devs(&now), small_config());
+    verify_model(&e, vol, &model);
+}
+
+/// A replace that stops after its commit, between the other members' superblock
+/// writes, leaves an array that opens with the new device.
+#[test]
+fn a_replace_stopped_after_its_commit_opens_with_the_new_device() {
+    let (a, b, vol, mut model) = two_members_written(1500, 8);
+    let both = [a.clone(), b.clone()];
+    let n = mem("n", 24);
+    let err = replace_member(&both, 0, &n, &mut || {
+        b.fail(
+            FaultOp::Write,
+            SUPERBLOCK_OFFSETS[0],
+            SUPERBLOCK_OFFSETS[0] + 4096,
+            1,
+        );
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(!err.to_string().is_empty());
+    b.heal();
+    let now = [n.clone(), b.clone()];
+    let mut e = open_rw(&dyn_devs(&now), small_config());
+    assert_eq!(e.superblock().devices[0].uuid, [0x77; 16]);
+    verify_model(&e, vol, &model);
+    churn(&mut e, vol, &mut model, 700, 800, 9);
     drop(e);
     let e = open_rw(&dyn_devs(&now), small_config());
     verify_model(&e, vol, &model);

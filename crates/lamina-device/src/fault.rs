@@ -25,6 +25,8 @@ struct Fault {
     end: u64,
     /// Remaining times it fires; `u64::MAX` for ever.
     remaining: u64,
+    /// Matching accesses let through before it starts firing.
+    skip: u64,
 }
 
 pub struct FaultDevice {
@@ -62,11 +64,17 @@ impl FaultDevice {
 
     /// Fails `op` on any access overlapping `[start, end)`, `times` times.
     pub fn fail(&self, op: FaultOp, start: u64, end: u64, times: u64) {
+        self.fail_after(op, start, end, 0, times);
+    }
+
+    /// Like [`FaultDevice::fail`], but the first `skip` matching accesses succeed.
+    pub fn fail_after(&self, op: FaultOp, start: u64, end: u64, skip: u64, times: u64) {
         self.faults.lock().unwrap().push(Fault {
             op,
             start,
             end,
             remaining: times,
+            skip,
         });
     }
 
@@ -136,6 +144,10 @@ impl FaultDevice {
             let hit = f.op == op
                 && f.remaining > 0
                 && (op == FaultOp::Sync || (offset < f.end && end > f.start));
+            if hit && f.skip > 0 {
+                f.skip -= 1;
+                continue;
+            }
             if hit {
                 if f.remaining != u64::MAX {
                     f.remaining -= 1;

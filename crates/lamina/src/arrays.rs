@@ -324,10 +324,7 @@ pub fn grow(
     let committed = std::cell::Cell::new(false);
     let mut commit = || {
         let all: Vec<PathBuf> = cfg.devices.iter().chain(&paths).cloned().collect();
-        crate::config::set_devices(&Config::path(&dir), &all)
-            .map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))?;
-        committed.set(true);
-        Ok(())
+        write_devices(&dir, &all, &paths, &committed)
     };
     let grown = lamina_core::grow(members, &ec, &new, &uuids, &params, &mut commit);
     pb.finish_and_clear();
@@ -422,10 +419,7 @@ pub fn replace_jbod(
                 Config::path(dir).display()
             )));
         }
-        crate::config::set_devices(&Config::path(dir), &devices)
-            .map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))?;
-        committed.set(true);
-        Ok(())
+        write_devices(dir, &devices, std::slice::from_ref(&abs), &committed)
     };
     let uuid = crate::random_uuid();
     let r = lamina_core::replace(
@@ -468,6 +462,22 @@ pub fn replace_jbod(
         );
     }
     Ok(())
+}
+
+/// The commit of a grow or replace: lamina.toml's device list becomes `devices`.
+/// `committed` says whether the file names `new` afterwards, even when the write
+/// reports an error (the rename went through, a sync after it failed): files
+/// made for new devices must then stay.
+fn write_devices(
+    dir: &Path,
+    devices: &[PathBuf],
+    new: &[PathBuf],
+    committed: &std::cell::Cell<bool>,
+) -> Result<(), lamina_core::EngineError> {
+    let r = crate::config::set_devices(&Config::path(dir), devices);
+    let named = Config::load(dir).is_ok_and(|c| new.iter().all(|p| c.devices.contains(p)));
+    committed.set(named);
+    r.map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))
 }
 
 /// The end of a grow or replace: files made for new devices stay once lamina.toml

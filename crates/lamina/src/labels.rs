@@ -283,7 +283,14 @@ fn read_all(
                 out[i] = Some(r);
                 left -= 1;
             }
-            Err(_) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => break,
+            // Every reader is done, and some sent nothing: they failed.
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                for o in out.iter_mut().filter(|o| o.is_none()) {
+                    *o = Some(Err(anyhow::anyhow!("the thread reading it failed")));
+                }
+                break;
+            }
         }
     }
     out

@@ -169,6 +169,7 @@ pub fn read_superblocks(
             d.describe()
         ));
     }
+    let mut replaced = Vec::new();
     for (d, sb) in readable.iter().zip(&per_device) {
         if sb.array_uuid != newest.array_uuid {
             return Err(EngineError::Invalid(format!(
@@ -180,16 +181,20 @@ pub fn read_superblocks(
         }
         let i = sb.device_index as usize;
         // A device that was replaced keeps an old superblock naming it member i;
-        // the newest table holds the replacement's identity.
-        if tolerated > 0
-            && i < newest.devices.len()
+        // the newest table holds the replacement's identity. On every layout: a
+        // JBOD member moved to a new device (`array replace`) leaves the old one
+        // with its data as it was, which must never be taken for the member again
+        // (a configuration restored or a disk renamed would name it).
+        if i < newest.devices.len()
             && sb.devices.get(i).map(|e| e.uuid) != Some(newest.devices[i].uuid)
         {
-            warnings.push(format!(
+            let why = format!(
                 "{} was member {i} of {:?} but has been replaced; ignored",
                 d.describe(),
                 newest.array_name
-            ));
+            );
+            warnings.push(why.clone());
+            replaced.push(why);
             continue;
         }
         if i >= ordered.len() {
@@ -230,11 +235,15 @@ pub fn read_superblocks(
             ))));
         }
     } else if !missing.is_empty() {
-        return Err(EngineError::Invalid(format!(
+        let mut m = format!(
             "array {:?} has {} devices; members {missing:?} were not given",
             newest.array_name,
             ordered.len()
-        )));
+        );
+        if !replaced.is_empty() {
+            m += &format!(" ({})", replaced.join("; "));
+        }
+        return Err(EngineError::Invalid(m));
     }
     Ok((newest, ordered.into_iter().map(|d| d.unwrap()).collect()))
 }

@@ -91,7 +91,11 @@ pub(super) fn load(
     for s in &meta.skipped {
         report.warnings.push(format!("checkpoint: {s}"));
     }
-    if meta.segments.len() > nsegs {
+    // Only a JBOD array grows (`array grow`); on any other a shorter list is as
+    // wrong as a longer one.
+    if meta.segments.len() > nsegs
+        || (meta.segments.len() < nsegs && geo.layout != lamina_format::superblock::Layout::Jbod)
+    {
         return Err(EngineError::Format(format!(
             "checkpoint lists {} segments, the array has {nsegs}",
             meta.segments.len()
