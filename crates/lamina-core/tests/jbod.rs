@@ -451,3 +451,210 @@ fn a_replace_that_cannot_finish_changes_nothing() {
     let err = replace_member(&s, 0, &mem("m", 16), &mut || Ok(())).unwrap_err();
     assert!(err.to_string().contains("rebuilding from parity"), "{err}");
 }
+
+// ---------------------------------------------------------------- power cuts
+
+use lamina_device::crash::{CrashDevice, PowerCut};
+use lamina_device::{BlockDevice, DeviceError};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A device of a machine that loses power after a number of writes and syncs,
+/// counted over all its devices: from then on every operation fails (nothing more
+/// reaches any disk), and the [`CrashDevice`]s below say what survived.
+struct Dying {
+    inner: Arc<CrashDevice>,
+    left: Arc<AtomicU64>,
+}
+
+impl Dying {
+    fn dead(&self, op: &'static str) -> DeviceError {
+        DeviceError::Injected {
+            device: self.inner.describe(),
+            op,
+            offset: 0,
+        }
+    }
+    fn step(&self, op: &'static str) -> Result<(), DeviceError> {
+        self.left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .map(|_| ())
+            .map_err(|_| self.dead(op))
+    }
+}
+
+impl BlockDevice for Dying {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
+        if self.left.load(Ordering::SeqCst) == 0 {
+            return Err(self.dead("read"));
+        }
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), DeviceError> {
+        self.step("write")?;
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> Result<(), DeviceError> {
+        self.step("sync")?;
+        self.inner.sync()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.step("discard")?;
+        self.inner.discard(offset, len)
+    }
+}
+
+type Devs = Vec<Arc<dyn BlockDevice>>;
+
+/// An array's devices as a power cut leaves them, for a new run.
+fn after_cut(devs: &[Arc<CrashDevice>], rng: &mut impl Rng) -> Devs {
+    devs.iter()
+        .map(|d| {
+            let image = d.power_cut(
+                rng,
+                PowerCut {
+                    keep_probability: 0.5,
+                },
+            );
+            Arc::new(CrashDevice::from_image(d.describe(), image)) as Arc<dyn BlockDevice>
+        })
+        .collect()
+}
+
+/// A JBOD array of `members` crash devices with a volume written and flushed;
+/// returns the members' durable images and the model.
+fn written_images(
+    members: usize,
+    seed: u64,
+) -> (Vec<Vec<u8>>, lamina_core::VolumeId, HashMap<u64, u64>) {
+    let devs: Vec<Arc<CrashDevice>> = (0..members)
+        .map(|i| Arc::new(CrashDevice::new(format!("m{i}"), device_bytes(24))))
+        .collect();
+    format_devices(&dyn_devs(&devs), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&dyn_devs(&devs), small_config());
+    let vol = create_volume(&mut e, "v", 4 << 20);
+    let mut model = HashMap::new();
+    let lbas = 300 * members as u64;
+    churn(&mut e, vol, &mut model, lbas, 2 * lbas, seed);
+    drop(e);
+    // Everything written was flushed: the durable layers hold it.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let images = devs
+        .iter()
+        .map(|d| {
+            d.power_cut(
+                &mut rng,
+                PowerCut {
+                    keep_probability: 0.0,
+                },
+            )
+        })
+        .collect();
+    (images, vol, model)
+}
+
+/// A grow or a replace of the first member by the last device, with a commit.
+type Change =
+    dyn Fn(Devs, Arc<dyn BlockDevice>, &mut dyn FnMut() -> Result<(), EngineError>) -> bool;
+
+/// Runs `change` on devices made from `images` (and a new empty one) until the
+/// power goes after `steps` writes and syncs. Returns the crash devices (members
+/// first, then the new one), whether the commit ran, and the steps left over.
+fn cut_during(
+    images: &[Vec<u8>],
+    steps: u64,
+    change: &Change,
+) -> (Vec<Arc<CrashDevice>>, bool, u64) {
+    let left = Arc::new(AtomicU64::new(steps));
+    let crash: Vec<Arc<CrashDevice>> = images
+        .iter()
+        .enumerate()
+        .map(|(i, img)| Arc::new(CrashDevice::from_image(format!("m{i}"), img.clone())))
+        .chain(std::iter::once(Arc::new(CrashDevice::new(
+            "new",
+            device_bytes(24),
+        ))))
+        .collect();
+    let dying: Devs = crash
+        .iter()
+        .map(|d| {
+            Arc::new(Dying {
+                inner: d.clone(),
+                left: left.clone(),
+            }) as Arc<dyn BlockDevice>
+        })
+        .collect();
+    let mut committed = false;
+    let n = dying.len();
+    change(dying[..n - 1].to_vec(), dying[n - 1].clone(), &mut || {
+        committed = true;
+        Ok(())
+    });
+    (crash, committed, left.load(Ordering::SeqCst))
+}
+
+/// Power cuts at every step of a grow and of a replace: the array opens from the
+/// devices lamina.toml would name (the old ones before the commit, the new set
+/// after), with every block that was flushed before.
+#[test]
+fn power_cuts_during_grow_and_replace_lose_nothing() {
+    let grow_change: &Change = &|members, new, commit| {
+        grow(
+            members,
+            &small_config(),
+            &[new],
+            &[[0x42; 16]],
+            &GrowParams::default(),
+            commit,
+        )
+        .is_ok()
+    };
+    let replace_change: &Change = &|members, new, commit| {
+        replace(
+            members,
+            &small_config(),
+            0,
+            new,
+            [0x77; 16],
+            &GrowParams::default(),
+            &mut |_, _| {},
+            commit,
+        )
+        .is_ok()
+    };
+    for (name, members, change) in [("grow", 1, grow_change), ("replace", 2, replace_change)] {
+        let (images, vol, model) = written_images(members, 20 + members as u64);
+        // How many writes and syncs the whole change makes.
+        const PLENTY: u64 = 1 << 40;
+        let (_, committed, left) = cut_during(&images, PLENTY, change);
+        assert!(committed, "{name} without a cut");
+        let total = PLENTY - left;
+        assert!(total > 10, "{name}: {total} steps");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+        let mut outcomes = [0u32; 2];
+        for steps in 0..=total {
+            let (crash, committed, _) = cut_during(&images, steps, change);
+            outcomes[committed as usize] += 1;
+            let devs = after_cut(&crash, &mut rng);
+            // What lamina.toml names: the old devices until the commit, then the
+            // new set (a replace's old member 0 out, the new device in).
+            let named: Devs = match (name, committed) {
+                (_, false) => devs[..members].to_vec(),
+                ("grow", true) => devs.clone(),
+                _ => devs[1..].to_vec(),
+            };
+            let e = lamina_core::open(named, small_config(), lamina_core::OpenMode::ReadWrite)
+                .unwrap_or_else(|err| panic!("{name}, cut after {steps} of {total}: {err}"))
+                .0;
+            let want = members + (committed && name == "grow") as usize;
+            assert_eq!(e.superblock().devices.len(), want, "{name} at {steps}");
+            verify_model(&e, vol, &model);
+        }
+        assert!(outcomes[0] > 0 && outcomes[1] > 0, "{name}: {outcomes:?}");
+    }
+}
