@@ -604,7 +604,17 @@ impl Engine {
                 st.set_bytes_written(i, b * BLOCK_SIZE_U64);
             }
         }
-        for &s in &free {
+        // Removed members' segments are never used (`array evacuate`).
+        let removed: Vec<std::ops::Range<u32>> = geo.removed_spans().collect();
+        let free: VecDeque<u32> = free
+            .into_iter()
+            .filter(|s| !removed.iter().any(|r| r.contains(s)))
+            .collect();
+        for s in free
+            .iter()
+            .copied()
+            .chain(removed.iter().flat_map(|r| r.clone()))
+        {
             shared.set_segment_free(s, true);
         }
         policy_by_name(&cfg.gc_policy).ok_or_else(|| {
@@ -616,7 +626,7 @@ impl Engine {
             cfg.enforce_capacity,
             cfg.user_floor_segments,
             cfg.gc_start_segments,
-            geo.segment_count as usize,
+            geo.usable_segments() as usize,
         );
         crate::space::check_thresholds(cfg.space_warn, cfg.space_critical)
             .and_then(|()| {
@@ -656,7 +666,13 @@ impl Engine {
             zero_block_crc: lamina_format::crc32c(&[0u8; BLOCK_SIZE]),
             device_blocks: counters.member_blocks.clone(),
             durability: Durability::new(),
-            segments: SegmentTable::new(segs, free, next_version),
+            segments: {
+                let mut t = SegmentTable::new(segs, free, next_version);
+                for r in removed {
+                    t.withhold(r);
+                }
+                t
+            },
             volumes: Vec::new(),
             gc_classes: 1,
             streams: vec![Stream::new(StreamKind::Meta, 0, u16::MAX)],
@@ -2450,13 +2466,16 @@ impl Engine {
     }
 
     fn progress_sync(&mut self) {
-        let data = self.geo.data_devices();
-        if self.durability.send_sync(data.len()).is_none() {
+        let geo = &self.geo;
+        let in_use = geo.data_devices().filter(|&d| !geo.is_removed(d)).count();
+        if self.durability.send_sync(in_use).is_none() {
             return;
         }
         self.counters.syncs += 1;
-        for d in data {
-            self.submit_io(Purpose::Sync, d, 0, IoKind::Sync);
+        for d in self.geo.data_devices() {
+            if !self.geo.is_removed(d) {
+                self.submit_io(Purpose::Sync, d, 0, IoKind::Sync);
+            }
         }
     }
 

@@ -135,6 +135,26 @@ impl Engine {
         Some(self.gc.repair.swap_remove(i))
     }
 
+    /// Puts up to `most` more segments of `range` that hold data on GC's repair
+    /// list, to be moved whatever their garbage (`array evacuate`).
+    pub(crate) fn move_segments(&mut self, range: std::ops::Range<u32>, most: usize) {
+        let mut room = most.saturating_sub(self.gc.repair.len());
+        for s in range {
+            if room == 0 {
+                return;
+            }
+            let sg = &self.segments.segs[s as usize];
+            if sg.state != SegState::Free
+                && sg.kind != StreamKind::Meta
+                && !sg.gc_exclude
+                && !self.gc.repair.contains(&s)
+            {
+                self.gc.repair.push(s);
+                room -= 1;
+            }
+        }
+    }
+
     /// Whether GC has repairs to make (stripes on the repair list, or a victim
     /// being moved): recovery drives the engine until none are left when a crash
     /// left rows whose parity could not be resynced.
@@ -174,14 +194,24 @@ impl Engine {
             }
             _ => 1,
         };
-        let collectable = |s: &crate::engine::Seg| {
+        // Withheld segments (a member being evacuated) are moved by the repair
+        // list; collecting them frees nothing.
+        let segments = &self.segments;
+        let collectable = |i: usize, s: &crate::engine::Seg| {
             s.state == SegState::Closed
                 && s.kind != StreamKind::Meta
                 && !s.gc_exclude
                 && full - s.valid.min(full) >= min_garbage
+                && !segments.is_withheld(i as u32)
         };
         let mut garbage: Vec<u64> = vec![0; self.volumes.len()];
-        for s in self.segments.segs.iter().filter(|s| collectable(s)) {
+        for (_, s) in self
+            .segments
+            .segs
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| collectable(*i, s))
+        {
             if let Some(g) = garbage.get_mut(s.volume as usize) {
                 *g += (full - s.valid) as u64;
             }
@@ -194,7 +224,7 @@ impl Engine {
         let mut cands = std::mem::take(&mut self.gc.cands);
         cands.clear();
         for (i, s) in self.segments.segs.iter().enumerate() {
-            if collectable(s) && s.volume as usize == vol {
+            if collectable(i, s) && s.volume as usize == vol {
                 cands.push(Candidate {
                     segment: i as u32,
                     valid: s.valid,

@@ -201,15 +201,16 @@ impl Engine {
             .map_or(0, |st| st.slot_generation(d))
     }
 
-    /// Members the superblock goes to: all but the failed ones.
+    /// Members the superblock goes to: all but the failed and removed ones.
     fn sb_members(&self) -> Vec<usize> {
         (0..self.geo.members)
             .filter(|&d| {
-                !self
-                    .shared
-                    .striped
-                    .as_ref()
-                    .is_some_and(|st| st.is_failed(d))
+                !self.geo.is_removed(d)
+                    && !self
+                        .shared
+                        .striped
+                        .as_ref()
+                        .is_some_and(|st| st.is_failed(d))
             })
             .collect()
     }

@@ -66,12 +66,25 @@ pub fn check_superblocks(devices: &[Arc<dyn BlockDevice>], report: &mut FsckRepo
             copies.push((d.describe(), i, sb));
         }
     }
-    let newest = copies
+    let newest_sb = copies
         .iter()
-        .filter_map(|(_, _, s)| s.as_ref().ok().map(|s| s.generation))
-        .max();
+        .filter_map(|(_, _, s)| s.as_ref().ok())
+        .max_by_key(|s| s.generation)
+        .cloned();
+    let newest = newest_sb.as_ref().map(|s| s.generation);
+    // A removed member's device (`array evacuate`) takes no superblocks any more.
+    let removed = |sb: &Superblock| {
+        newest_sb.as_ref().is_some_and(|n| {
+            n.array_uuid == sb.array_uuid
+                && n.devices.get(sb.device_index as usize).is_some_and(|d| {
+                    d.state == crate::recovery::MEMBER_REMOVED
+                        && sb.devices.get(sb.device_index as usize).map(|o| o.uuid) == Some(d.uuid)
+                })
+        })
+    };
     for (name, i, sb) in copies {
         match sb {
+            Ok(sb) if removed(&sb) => {}
             Err(e) => report.find(true, format!("{name}: superblock copy {i} is damaged: {e}")),
             Ok(sb) if Some(sb.generation) != newest => report.find(
                 true,

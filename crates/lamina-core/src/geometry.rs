@@ -23,6 +23,10 @@ pub const UNIT_EXTRA_RECORDS: usize = 16;
 pub struct DeviceSpan {
     pub first_segment: u32,
     pub segment_count: u32,
+    /// A JBOD member taken out by `array evacuate`: its segments keep their
+    /// numbers (the members after it keep theirs) but are never used again, and
+    /// its device is not needed.
+    pub removed: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -80,6 +84,7 @@ impl Geometry {
                 .map(|d| DeviceSpan {
                     first_segment: d.first_segment,
                     segment_count: d.segment_count,
+                    removed: d.state == crate::recovery::MEMBER_REMOVED,
                 })
                 .collect()
         } else {
@@ -94,6 +99,7 @@ impl Geometry {
             vec![DeviceSpan {
                 first_segment: 0,
                 segment_count: stripes,
+                removed: false,
             }]
         };
         Geometry {
@@ -113,6 +119,23 @@ impl Geometry {
             members,
             parity,
         }
+    }
+
+    /// Segments that hold data or may: those of members not removed.
+    pub fn usable_segments(&self) -> u32 {
+        self.devices
+            .iter()
+            .filter(|d| !d.removed)
+            .map(|d| d.segment_count)
+            .sum()
+    }
+
+    /// The segments of removed members, which are never used.
+    pub fn removed_spans(&self) -> impl Iterator<Item = std::ops::Range<u32>> + '_ {
+        self.devices
+            .iter()
+            .filter(|d| d.removed)
+            .map(|d| d.first_segment..d.first_segment + d.segment_count)
     }
 
     /// Physical block address of block `offset` of `segment`.
@@ -171,6 +194,12 @@ impl Geometry {
         } else {
             self.members..self.members + 1
         }
+    }
+
+    /// Whether device `dev` is a removed JBOD member: it is given no I/O at all,
+    /// and may be absent.
+    pub fn is_removed(&self, dev: usize) -> bool {
+        self.layout == Layout::Jbod && self.devices.get(dev).is_some_and(|d| d.removed)
     }
 
     /// Segments one device of `size_bytes` bytes holds.

@@ -40,8 +40,9 @@ mod zones;
 pub use engine::{Engine, EngineConfig, NewDevice, Reply, Request, Token};
 pub use error::EngineError;
 pub use recovery::{
-    call_inline, format, grow, open, open_unfinished, replace, run_inline, FormatParams,
-    GrowParams, OpenMode, RecoveryReport, ReplaceReport, RECOVERY_TOKEN,
+    call_inline, evacuate, format, grow, open, open_unfinished, replace, run_inline,
+    EvacuateReport, FormatParams, GrowParams, OpenMode, RecoveryReport, ReplaceReport,
+    RECOVERY_TOKEN,
 };
 pub use shared::{DeviceRead, ReadError, ReadStart, Shared, VolumeShared};
 pub use space::{check_overcommit, check_thresholds};

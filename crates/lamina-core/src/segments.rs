@@ -175,6 +175,10 @@ pub(crate) struct SegmentTable {
     pub discarded: u64,
     /// Free segments set aside because their zone could not be reset.
     pub quarantined: u64,
+    /// Segments that never join the free queue again: those of a member being
+    /// evacuated or removed (`array evacuate`). They become free as GC and
+    /// checkpoints empty them, and stay out of use.
+    withheld: Vec<std::ops::Range<u32>>,
 }
 
 impl SegmentTable {
@@ -200,6 +204,7 @@ impl SegmentTable {
             discard_cursor: 0,
             discarded: 0,
             quarantined: 0,
+            withheld: Vec::new(),
         }
     }
 
@@ -327,7 +332,20 @@ impl SegmentTable {
             freed_ms: now_ms,
             ..Seg::free(old.erase_count)
         };
-        self.free.push_back(seg);
+        if !self.is_withheld(seg) {
+            self.free.push_back(seg);
+        }
+    }
+
+    /// Keeps the segments of `range` out of use from now on: out of the free
+    /// queue, and out of it again when they are released.
+    pub fn withhold(&mut self, range: std::ops::Range<u32>) {
+        self.free.retain(|s| !range.contains(s));
+        self.withheld.push(range);
+    }
+
+    pub fn is_withheld(&self, seg: u32) -> bool {
+        self.withheld.iter().any(|r| r.contains(&seg))
     }
 
     /// The next free segment to discard, if any, marked as being discarded:

@@ -179,12 +179,14 @@ impl Space {
     /// segments left after the reserve, over (1 + over-provisioning).
     pub fn usable_blocks(geo: &Geometry, sb: &Superblock) -> u64 {
         let per_seg = geo.data_blocks_per_segment();
-        let total_blocks = geo.segment_count as u64 * per_seg;
+        // Segments of removed members (`array evacuate`) hold nothing, ever.
+        let count = geo.usable_segments() as u64;
+        let total_blocks = count * per_seg;
         // A checkpoint holds up to one map page per 1024 live blocks plus its table;
         // two may coexist. Keep room for both, plus stream heads and the GC floor.
-        let ckpt_blocks = total_blocks / 1024 + geo.segment_count as u64 / 100 + 4;
+        let ckpt_blocks = total_blocks / 1024 + count / 100 + 4;
         let reserve = 2 * ckpt_blocks.div_ceil(per_seg) + USER_FLOOR_SEGMENTS as u64 + 4;
-        let segs = (geo.segment_count as u64).saturating_sub(reserve);
+        let segs = count.saturating_sub(reserve);
         let op = sb.overprovision_ppm as f64 / 1e6;
         ((segs * per_seg) as f64 / (1.0 + op)) as u64
     }
@@ -234,6 +236,12 @@ impl Space {
         self.start
             .unwrap_or(floor + 2.max(self.segment_count / 50))
             .max(floor + 1)
+    }
+
+    /// Moves GC's start watermark (`None`: the default); `array evacuate` raises
+    /// it so that GC makes room on the other members as it goes.
+    pub fn set_gc_start(&mut self, start: Option<usize>) {
+        self.start = start;
     }
 
     /// Free segments at which GC stops (hysteresis: 1% of the segments above the

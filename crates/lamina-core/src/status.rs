@@ -238,7 +238,12 @@ impl Engine {
                 .map(|(i, d)| MemberStatus {
                     index: i,
                     name: d.describe(),
-                    state: "ok".into(),
+                    state: if self.geo.devices[i].removed {
+                        "removed"
+                    } else {
+                        "ok"
+                    }
+                    .into(),
                     bytes_written: self.device_blocks.get(i).copied().unwrap_or(0) * bs,
                     bytes_read: 0,
                     read_errors: 0,
@@ -252,6 +257,7 @@ impl Engine {
         // the same number of segments).
         let written: Vec<f64> = members
             .iter()
+            .filter(|m| m.state != "removed")
             .map(|m| {
                 let segs = match &self.shared.striped {
                     Some(_) => 1.0,
@@ -295,7 +301,7 @@ impl Engine {
             segment_size_bytes: self.geo.segment_blocks as u64 * bs,
             write_unit_bytes: self.geo.write_unit_blocks as u64 * bs,
             overprovision: self.sb.overprovision_ppm as f64 / 1e6,
-            capacity_bytes: self.geo.segment_count as u64 * self.geo.segment_blocks as u64 * bs,
+            capacity_bytes: self.geo.usable_segments() as u64 * self.geo.segment_blocks as u64 * bs,
             usable_bytes: self.space.usable * bs,
             live_bytes: self.space.live * bs,
             promised_bytes: self.promised_bytes(),
@@ -303,9 +309,10 @@ impl Engine {
             space_warn: self.cfg.space_warn,
             space_critical: self.cfg.space_critical,
             writes_refused_nospace: self.space.refused,
-            segment_count: self.geo.segment_count as u64,
+            segment_count: self.geo.usable_segments() as u64,
             free_segments: self.segments.free.len() as u64,
-            used_segments: self.geo.segment_count as u64 - self.segments.free.len() as u64,
+            used_segments: (self.geo.usable_segments() as u64)
+                .saturating_sub(self.segments.free.len() as u64),
             user_bytes_written: c.user_blocks * bs,
             media_bytes_written: c.media_blocks * bs,
             gc_bytes_relocated: c.gc_blocks * bs,

@@ -110,6 +110,7 @@ mod tests {
             segment_count: 16,
             data_offset: 1 << 20,
             devices: vec![DeviceSpan {
+                removed: false,
                 first_segment: 0,
                 segment_count: 16,
             }],

@@ -6,7 +6,7 @@
 
 mod common;
 use common::*;
-use lamina_core::{grow, replace, EngineError, GrowParams};
+use lamina_core::{evacuate, grow, replace, EngineError, GrowParams};
 use lamina_device::fault::{FaultDevice, FaultOp};
 use lamina_device::mem::MemDevice;
 use lamina_format::superblock::{Layout, SUPERBLOCK_OFFSETS};
@@ -452,6 +452,158 @@ fn a_replace_that_cannot_finish_changes_nothing() {
     assert!(err.to_string().contains("rebuilding from parity"), "{err}");
 }
 
+// ---------------------------------------------------------------- evacuate
+
+/// A member evacuated: everything it held moves to the others, it is marked
+/// removed, its device is not needed any more and never written again, the
+/// array's capacity shrinks by it, and nothing acknowledged is lost across crashes
+/// after; a second evacuation of the same member, of the last one, or of one
+/// whose data the others cannot hold is refused.
+#[test]
+fn a_jbod_member_is_evacuated_and_removed() {
+    // First an array nearly as full as the other members can hold, with garbage
+    // everywhere: GC must collect on the others as it moves the member's data.
+    let m: Vec<_> = (0..3).map(|i| mem(&format!("f{i}"), 24)).collect();
+    format_devices(&dyn_devs(&m), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&dyn_devs(&m), small_config());
+    let vol = create_volume(&mut e, "v", 8 << 20);
+    let lbas = usable(&e) / BS as u64 * 61 / 100;
+    let mut model = HashMap::new();
+    churn(&mut e, vol, &mut model, lbas, 4 * lbas, 32);
+    drop(e);
+    let r = evacuate(
+        dyn_devs(&m),
+        &small_config(),
+        0,
+        &mut |_, _| {},
+        &mut || Ok(()),
+    )
+    .expect("evacuate a nearly full array");
+    assert!(r.blocks_moved > 0);
+    m[0].vanish();
+    let e = open_rw(&dyn_devs(&m[1..]), small_config());
+    verify_model(&e, vol, &model);
+    drop(e);
+
+    let m: Vec<_> = (0..3).map(|i| mem(&format!("m{i}"), 24)).collect();
+    format_devices(&dyn_devs(&m), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&dyn_devs(&m), small_config());
+    let vol = create_volume(&mut e, "v", 4 << 20);
+    let before = usable(&e);
+    let mut model = HashMap::new();
+    churn(&mut e, vol, &mut model, 900, 2500, 30);
+    let written: Vec<u64> = e.status().members.iter().map(|m| m.bytes_written).collect();
+    assert!(written.iter().all(|&b| b > 0), "{written:?}");
+    drop(e); // a crash
+    let mut seen = Vec::new();
+    let mut commits = 0;
+    let r = evacuate(
+        dyn_devs(&m),
+        &small_config(),
+        1,
+        &mut |d, t| seen.push((d, t)),
+        &mut || {
+            commits += 1;
+            Ok(())
+        },
+    )
+    .expect("evacuate");
+    assert_eq!(commits, 1);
+    assert!(r.segments > 0 && r.blocks_moved > 0, "{r:?}");
+    assert_eq!(seen.last(), Some(&(r.segments, r.segments)), "{seen:?}");
+    assert_eq!(
+        r.superblock.devices[1].state,
+        lamina_core::recovery::MEMBER_REMOVED
+    );
+    m[1].vanish();
+    let rest = dyn_devs(&[m[0].clone(), m[2].clone()]);
+    let mut e = open_rw(&rest, small_config());
+    verify_model(&e, vol, &model);
+    let st = e.status();
+    assert_eq!(st.members[1].state, "removed");
+    assert!(
+        usable(&e) < before * 3 / 4,
+        "usable {before} -> {}",
+        usable(&e)
+    );
+    churn(&mut e, vol, &mut model, 900, 2500, 31);
+    drop(e);
+    let e = open_rw(&rest, small_config());
+    verify_model(&e, vol, &model);
+    drop(e);
+    // Its device still named but gone: the array opens all the same.
+    let named = dyn_devs(&m);
+    let e = open_rw(&named, small_config());
+    verify_model(&e, vol, &model);
+    drop(e);
+    // Grow and replace go on around the removed member.
+    let n = mem("n", 24);
+    grow(
+        rest.clone(),
+        &small_config(),
+        &one(&n),
+        &[[0x61; 16]],
+        &GrowParams::default(),
+        &mut || Ok(()),
+    )
+    .expect("grow after an evacuation");
+    let r2 = mem("r2", 24);
+    let grown = dyn_devs(&[m[0].clone(), m[2].clone(), n.clone()]);
+    replace(
+        grown,
+        &small_config(),
+        2,
+        r2.clone(),
+        [0x62; 16],
+        &GrowParams::default(),
+        &mut |_, _| {},
+        &mut || Ok(()),
+    )
+    .expect("replace after an evacuation");
+    m[2].vanish();
+    let rest = dyn_devs(&[m[0].clone(), r2.clone(), n.clone()]);
+    let mut e = open_rw(&rest, small_config());
+    assert_eq!(e.superblock().devices.len(), 4);
+    verify_model(&e, vol, &model);
+    churn(&mut e, vol, &mut model, 900, 1500, 33);
+    drop(e);
+    let e = open_rw(&rest, small_config());
+    verify_model(&e, vol, &model);
+    drop(e);
+    // Refusals: the removed member again; the last member in use; more data than
+    // the others hold.
+    let again = evacuate(
+        rest.clone(),
+        &small_config(),
+        1,
+        &mut |_, _| {},
+        &mut || Ok(()),
+    );
+    assert!(again.unwrap_err().to_string().contains("removed already"));
+    let single = mem("single", 24);
+    format_devices(&one(&single), &layout_params(Layout::Jbod));
+    let err = evacuate(
+        one(&single),
+        &small_config(),
+        0,
+        &mut |_, _| {},
+        &mut || Ok(()),
+    );
+    assert!(err.unwrap_err().to_string().contains("last one"));
+    // A second member evacuated, with one removed before it.
+    evacuate(rest, &small_config(), 0, &mut |_, _| {}, &mut || Ok(()))
+        .expect("a second evacuation");
+    m[0].vanish();
+    let rest = dyn_devs(&[r2.clone(), n.clone()]);
+    let e = open_rw(&rest, small_config());
+    verify_model(&e, vol, &model);
+    drop(e);
+    let err = evacuate(rest, &small_config(), 2, &mut |_, _| {}, &mut || Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cannot hold"), "{err}");
+}
+
 // ---------------------------------------------------------------- power cuts
 
 use lamina_device::crash::{CrashDevice, PowerCut};
@@ -598,9 +750,10 @@ fn cut_during(
     (crash, committed, left.load(Ordering::SeqCst))
 }
 
-/// Power cuts at every step of a grow and of a replace: the array opens from the
-/// devices lamina.toml would name (the old ones before the commit, the new set
-/// after), with every block that was flushed before.
+/// Power cuts at every step of a grow and of a replace, and at a hundred points of
+/// an evacuation: the array opens from the devices lamina.toml would name (the old
+/// ones before the commit, the new set after), with every block that was flushed
+/// before.
 #[test]
 fn power_cuts_during_grow_and_replace_lose_nothing() {
     let grow_change: &Change = &|members, new, commit| {
@@ -627,7 +780,14 @@ fn power_cuts_during_grow_and_replace_lose_nothing() {
         )
         .is_ok()
     };
-    for (name, members, change) in [("grow", 1, grow_change), ("replace", 2, replace_change)] {
+    let evacuate_change: &Change = &|members, _new, commit| {
+        evacuate(members, &small_config(), 1, &mut |_, _| {}, commit).is_ok()
+    };
+    for (name, members, change) in [
+        ("grow", 1, grow_change),
+        ("replace", 2, replace_change),
+        ("evacuate", 3, evacuate_change),
+    ] {
         let (images, vol, model) = written_images(members, 20 + members as u64);
         // How many writes and syncs the whole change makes.
         const PLENTY: u64 = 1 << 40;
@@ -637,7 +797,10 @@ fn power_cuts_during_grow_and_replace_lose_nothing() {
         assert!(total > 10, "{name}: {total} steps");
         let mut rng = rand::rngs::StdRng::seed_from_u64(99);
         let mut outcomes = [0u32; 2];
-        for steps in 0..=total {
+        // Every step of a grow or replace; about a hundred of an evacuation, whose
+        // GC makes thousands.
+        let stride = (total / 100).max(1) as usize;
+        for steps in (0..=total).step_by(stride) {
             let (crash, committed, _) = cut_during(&images, steps, change);
             outcomes[committed as usize] += 1;
             let devs = after_cut(&crash, &mut rng);
@@ -646,15 +809,20 @@ fn power_cuts_during_grow_and_replace_lose_nothing() {
             let named: Devs = match (name, committed) {
                 (_, false) => devs[..members].to_vec(),
                 ("grow", true) => devs.clone(),
-                _ => devs[1..].to_vec(),
+                ("replace", true) => devs[1..].to_vec(),
+                _ => vec![devs[0].clone(), devs[2].clone()],
             };
             let e = lamina_core::open(named, small_config(), lamina_core::OpenMode::ReadWrite)
                 .unwrap_or_else(|err| panic!("{name}, cut after {steps} of {total}: {err}"))
                 .0;
             let want = members + (committed && name == "grow") as usize;
             assert_eq!(e.superblock().devices.len(), want, "{name} at {steps}");
+            if name == "evacuate" && committed {
+                assert_eq!(e.status().members[1].state, "removed");
+            }
             verify_model(&e, vol, &model);
         }
+        eprintln!("{name}: {total} steps, outcomes {outcomes:?}");
         assert!(outcomes[0] > 0 && outcomes[1] > 0, "{name}: {outcomes:?}");
     }
 }

@@ -80,6 +80,18 @@ pub(crate) fn check_magic_version(
     magic: u64,
     need: usize,
 ) -> Result<(), FormatError> {
+    check_magic_versions(b, what, magic, need, &[FORMAT_VERSION]).map(|_| ())
+}
+
+/// [`check_magic_version`] for a structure some of whose versions this build
+/// reads; returns the version found.
+pub(crate) fn check_magic_versions(
+    b: &[u8],
+    what: &'static str,
+    magic: u64,
+    need: usize,
+    accepted: &[u16],
+) -> Result<u16, FormatError> {
     if b.len() < need.max(10) {
         return Err(FormatError::Truncated {
             what,
@@ -91,10 +103,10 @@ pub(crate) fn check_magic_version(
         return Err(FormatError::BadMagic { what });
     }
     let found = codec::get_u16(b, 8);
-    if found != FORMAT_VERSION {
+    if !accepted.contains(&found) {
         return Err(FormatError::UnsupportedVersion { what, found });
     }
-    Ok(())
+    Ok(found)
 }
 
 /// Checks the CRC-32C stored at `crc_off` over all of `b` (the field taken as zero).

@@ -13,7 +13,7 @@
 
 use crate::codec::{get_u32, get_u64, put_u16, put_u32, put_u64};
 use crate::{
-    check_crc, check_magic_version, crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION,
+    check_crc, check_magic_versions, crc32c_with_hole, FormatError, BLOCK_SIZE, FORMAT_VERSION,
 };
 
 /// "LAMINASB" as a little-endian u64.
@@ -26,6 +26,14 @@ pub const SUPERBLOCK_OFFSETS: [u64; 2] = [0, 256 * 1024];
 pub const DEFAULT_DATA_OFFSET: u64 = 1024 * 1024;
 /// Most devices one array can have (the device table must fit in one block).
 pub const MAX_DEVICES: usize = 64;
+
+/// Device state: a JBOD member taken out by `array evacuate` (it holds nothing,
+/// its segments are never used again, its device is not needed).
+pub const DEVICE_REMOVED: u32 = 3;
+
+/// The superblock's version once a member is removed ([`DEVICE_REMOVED`]); other
+/// superblocks keep [`FORMAT_VERSION`].
+pub const VERSION_WITH_REMOVED: u16 = 2;
 /// Longest array name, in bytes.
 pub const MAX_NAME_LEN: usize = 63;
 
@@ -108,7 +116,8 @@ pub struct DeviceEntry {
     pub segment_count: u32,
     /// Global id of this device's first segment (JBOD numbering).
     pub first_segment: u32,
-    /// 0 = active, 1 = failed, 2 = rebuilding (striped layouts).
+    /// 0 = active, 1 = failed, 2 = rebuilding (striped layouts), 3 = removed
+    /// (JBOD, `array evacuate`).
     pub state: u32,
     /// While rebuilding: stripes below this are current on the member.
     pub rebuild_cursor: u32,
@@ -163,7 +172,14 @@ impl Superblock {
         assert!(self.array_name.len() <= MAX_NAME_LEN);
         let mut b = Box::new([0u8; BLOCK_SIZE]);
         put_u64(&mut b[..], OFF_MAGIC, SUPERBLOCK_MAGIC);
-        put_u16(&mut b[..], OFF_VERSION, FORMAT_VERSION);
+        // Version 2 only once a member is removed: a build that knows nothing of
+        // removed members must refuse the array rather than use their segments.
+        let version = if self.devices.iter().any(|d| d.state == DEVICE_REMOVED) {
+            VERSION_WITH_REMOVED
+        } else {
+            FORMAT_VERSION
+        };
+        put_u16(&mut b[..], OFF_VERSION, version);
         put_u32(&mut b[..], OFF_FLAGS, 0);
         b[OFF_ARRAY_UUID..OFF_ARRAY_UUID + 16].copy_from_slice(&self.array_uuid);
         put_u64(&mut b[..], OFF_GENERATION, self.generation);
@@ -203,7 +219,13 @@ impl Superblock {
     /// Parses and verifies one superblock copy.
     pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
         const WHAT: &str = "superblock";
-        check_magic_version(b, WHAT, SUPERBLOCK_MAGIC, BLOCK_SIZE)?;
+        let version = check_magic_versions(
+            b,
+            WHAT,
+            SUPERBLOCK_MAGIC,
+            BLOCK_SIZE,
+            &[FORMAT_VERSION, VERSION_WITH_REMOVED],
+        )?;
         let b = &b[..BLOCK_SIZE];
         check_crc(b, WHAT, OFF_CRC)?;
         let invalid = |detail: String| FormatError::Invalid { what: WHAT, detail };
@@ -251,7 +273,12 @@ impl Superblock {
                     rebuild_cursor: get_u32(b, o + 36),
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
+        if version == FORMAT_VERSION && devices.iter().any(|d| d.state == DEVICE_REMOVED) {
+            return Err(invalid(format!(
+                "a removed member in a version {FORMAT_VERSION} superblock"
+            )));
+        }
         let sb = Superblock {
             array_uuid: b[OFF_ARRAY_UUID..OFF_ARRAY_UUID + 16].try_into().unwrap(),
             array_name,
@@ -357,6 +384,35 @@ mod tests {
                 "flip at byte {byte} went unnoticed"
             );
         }
+    }
+
+    /// A superblock with a removed member is version 2, which builds that know
+    /// nothing of removed members refuse; a version-1 one cannot claim one, and a
+    /// version beyond 2 is refused.
+    #[test]
+    fn a_removed_member_raises_the_version() {
+        use crate::codec::get_u16;
+        let mut sb = sample();
+        assert_eq!(get_u16(&sb.encode()[..], OFF_VERSION), FORMAT_VERSION);
+        sb.devices[0].state = DEVICE_REMOVED;
+        let enc = sb.encode();
+        assert_eq!(get_u16(&enc[..], OFF_VERSION), VERSION_WITH_REMOVED);
+        assert_eq!(Superblock::decode(&enc[..]).unwrap(), sb);
+        let reversion = |v: u16| {
+            let mut b = enc.clone();
+            put_u16(&mut b[..], OFF_VERSION, v);
+            let crc = crc32c_with_hole(&b[..], OFF_CRC);
+            put_u32(&mut b[..], OFF_CRC, crc);
+            Superblock::decode(&b[..])
+        };
+        assert!(matches!(
+            reversion(FORMAT_VERSION),
+            Err(FormatError::Invalid { .. })
+        ));
+        assert!(matches!(
+            reversion(3),
+            Err(FormatError::UnsupportedVersion { found: 3, .. })
+        ));
     }
 
     #[test]

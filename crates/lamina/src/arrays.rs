@@ -42,13 +42,14 @@ pub fn list(paths: &[PathBuf], as_json: bool) -> Result<()> {
             sb.array_name,
             labels::uuid_hex(&f.uuid),
             sb.layout.name(),
-            f.members.len() - f.missing(),
-            f.members.len(),
+            f.in_array() - f.missing(),
+            f.in_array(),
             f.state(),
             sb.generation
         );
         for (i, m) in f.members.iter().enumerate() {
             match (m, f.failed(i)) {
+                _ if f.removed(i) => println!("  member {i:<3} (removed)"),
                 (Some(p), false) => println!("  member {i:<3} {}", p.display()),
                 (Some(p), true) => println!("  member {i:<3} {} (failed)", p.display()),
                 (None, _) => println!("  member {i:<3} (not found)"),
@@ -92,6 +93,7 @@ fn found_json(f: &Found) -> serde_json::Value {
             "index": i,
             "path": m.as_ref().map(|p| p.display().to_string()),
             "failed": f.failed(i),
+            "removed": f.removed(i),
         })).collect::<Vec<_>>(),
         "passed_over": f.passed_over,
     })
@@ -201,7 +203,7 @@ pub fn import(
         .members
         .iter()
         .enumerate()
-        .filter(|(_, m)| m.is_none())
+        .filter(|(i, m)| m.is_none() && !f.removed(*i))
         .map(|(i, _)| i.to_string())
         .collect();
     let passed = if f.passed_over.is_empty() {
@@ -230,10 +232,12 @@ pub fn import(
         ),
         _ => {}
     }
+    // A removed member needs no device: its device, if found, is left out too.
     let devices: Vec<PathBuf> = f
         .members
         .iter()
         .enumerate()
+        .filter(|(i, _)| !f.removed(*i))
         .map(|(i, m)| m.clone().unwrap_or_else(|| missing_member(i)))
         .collect();
     let mut cfg = previous.unwrap_or_else(|| Config::new(Vec::new()));
@@ -253,8 +257,8 @@ pub fn import(
         labels::uuid_hex(&f.uuid),
         sb.layout.name(),
         dir.display(),
-        f.members.len() - f.missing(),
-        f.members.len(),
+        f.in_array() - f.missing(),
+        f.in_array(),
         if f.missing() > 0 {
             " (degraded: `lamina array replace` puts a new device in place of a missing one)"
         } else {
@@ -478,6 +482,119 @@ fn write_devices(
     let named = Config::load(dir).is_ok_and(|c| new.iter().all(|p| c.devices.contains(p)));
     committed.set(named);
     r.map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))
+}
+
+/// `lamina array evacuate DIR --device N` (see `lamina_core::evacuate`).
+pub fn evacuate(
+    dir: &Path,
+    index: usize,
+    name: &str,
+    already: bool,
+    as_json: bool,
+    quiet: bool,
+) -> Result<()> {
+    let cfg = Config::load(dir)?;
+    refuse_if_served(dir, "evacuate a member")?;
+    let path = PathBuf::from(crate::rebuild::member_path(name));
+    let resolved: Vec<PathBuf> = cfg
+        .devices
+        .iter()
+        .map(|p| Config::resolve(dir, p))
+        .collect();
+    let kept: Vec<PathBuf> = cfg
+        .devices
+        .iter()
+        .zip(&resolved)
+        .filter(|(_, r)| **r != path)
+        .map(|(p, _)| p.clone())
+        .collect();
+    if already {
+        // Removed by an evacuation that stopped before lamina.toml changed.
+        if kept.len() == cfg.devices.len() {
+            bail!("member {index} was removed already");
+        }
+        crate::config::set_devices(&Config::path(dir), &kept)?;
+        println!(
+            "member {index} was removed already; {} no longer names {}",
+            Config::path(dir).display(),
+            path.display()
+        );
+        return Ok(());
+    }
+    if kept.len() + 1 != cfg.devices.len() {
+        bail!(
+            "{} does not name member {index}'s device {} once: edit it to list the array's devices",
+            Config::path(dir).display(),
+            path.display()
+        );
+    }
+    let (members, ec) = crate::open_config_devices(dir, OpenMode::ReadWrite)?;
+    let bar = if quiet || as_json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(1)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "evacuating member {index} {{bar:40}} {{pos}}/{{len}} segments  {{elapsed}}"
+        ))
+        .unwrap(),
+    );
+    // (superblocks say removed, lamina.toml no longer names it)
+    let done = std::cell::Cell::new((false, false));
+    let r = lamina_core::evacuate(
+        members,
+        &ec,
+        index,
+        &mut |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        },
+        &mut || {
+            // The superblocks say the member is removed: lamina.toml may stop
+            // naming it (should this fail, the array opens with it named and
+            // unused).
+            done.set((true, false));
+            crate::config::set_devices(&Config::path(dir), &kept)
+                .map_err(|e| lamina_core::EngineError::Io(format!("{e:#}")))?;
+            done.set((true, true));
+            Ok(())
+        },
+    );
+    bar.finish_and_clear();
+    let r = r.map_err(|e| {
+        let e = anyhow::Error::from(e);
+        match done.get() {
+            (true, false) => e.context(format!(
+                "member {index} is removed; run the command again to drop it from {}",
+                Config::path(dir).display()
+            )),
+            (true, true) => e.context(format!(
+                "member {index} is removed and {} no longer names it, but the array did not open afterwards",
+                Config::path(dir).display()
+            )),
+            _ => e,
+        }
+    })?;
+    if as_json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "member": index,
+                "device": path.display().to_string(),
+                "segments": r.segments,
+                "blocks_moved": r.blocks_moved,
+            })
+        );
+    } else {
+        println!(
+            "member {index} ({}) evacuated and removed: {} segments in use were emptied, {} blocks moved; the device is no longer needed",
+            path.display(),
+            r.segments,
+            r.blocks_moved
+        );
+    }
+    Ok(())
 }
 
 /// The end of a grow or replace: files made for new devices stay once lamina.toml

@@ -61,9 +61,26 @@ pub struct Found {
 }
 
 impl Found {
-    /// Members with no device found.
+    /// Members with no device found (removed ones need none).
     pub fn missing(&self) -> usize {
-        self.members.iter().filter(|m| m.is_none()).count()
+        (0..self.members.len())
+            .filter(|&i| self.members[i].is_none() && !self.removed(i))
+            .count()
+    }
+
+    /// Members in the array (removed ones not counted).
+    pub fn in_array(&self) -> usize {
+        (0..self.members.len())
+            .filter(|&i| !self.removed(i))
+            .count()
+    }
+
+    /// Whether member `i` was taken out by `array evacuate` (it holds nothing).
+    pub fn removed(&self, i: usize) -> bool {
+        self.reference
+            .devices
+            .get(i)
+            .is_some_and(|d| d.state == lamina_core::recovery::MEMBER_REMOVED)
     }
 
     /// Whether the array took member `i` out of service.
@@ -77,7 +94,7 @@ impl Found {
     /// Members the array must do without: not found, or failed, each counted once.
     pub fn unusable(&self) -> usize {
         (0..self.members.len())
-            .filter(|&i| self.members[i].is_none() || self.failed(i))
+            .filter(|&i| !self.removed(i) && (self.members[i].is_none() || self.failed(i)))
             .count()
     }
 

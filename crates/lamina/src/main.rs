@@ -260,6 +260,21 @@ enum ArrayCmd {
         #[arg(long)]
         no_discard: bool,
     },
+    /// Move everything off a JBOD member and take it out of the array (as
+    /// `pvmove` then `vgreduce`).
+    #[command(long_about = ARRAY_EVACUATE_ABOUT)]
+    Evacuate {
+        dir: PathBuf,
+        /// The member: its index (as `lamina status` lists them) or its path.
+        #[arg(long, value_name = "N|PATH")]
+        device: String,
+        /// The report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// No progress bar.
+        #[arg(long, short)]
+        quiet: bool,
+    },
     /// List the arrays that devices hold (as `mdadm --examine --scan`).
     ///
     /// PATHs are devices, or directories whose files and block devices are looked
@@ -346,6 +361,32 @@ EXIT STATUS
 
 EXAMPLE
     lamina array grow /srv/tank --device /dev/sdc --device /dev/sdd";
+
+const ARRAY_EVACUATE_ABOUT: &str = "\
+Move every block that member N of the JBOD array in DIR holds onto the other
+members, then take N out of the array: its device is no longer needed, and
+DIR/lamina.toml stops naming it. The array's capacity shrinks by the member's;
+the others must have room for everything the array stores (checked first).
+
+The server must be stopped. The member's segments are taken out of use first
+and a checkpoint is written; then garbage collection moves the segments that
+hold data (whatever their garbage) and checkpoints release them; then the
+superblocks record the member as removed. Interrupted (a crash, an error), the
+array opens as it was, with the member holding less, and the command can be run
+again. Segments holding blocks that failed verification cannot be moved: the
+command says which and removes nothing.
+
+A removed member keeps its place in the array's table of members (the segments
+of the members after it keep their numbers), shown as \"removed\" by `status` and
+`array list`.
+
+EXIT STATUS
+    0  the member was removed
+    1  it was not (the message says why)
+    2  bad usage
+
+EXAMPLE
+    lamina array evacuate /srv/tank --device /dev/sdb";
 
 const ARRAY_SCRUB_ABOUT: &str = "\
 Read every segment that holds data, check each data block against the CRC-32C its
@@ -609,6 +650,12 @@ fn main() {
         Cmd::Array(ArrayCmd::Create(a)) => array_create(a),
         Cmd::Array(ArrayCmd::Fail { dir, device }) => array_fail(&dir, &device),
         Cmd::Array(ArrayCmd::Replace(a)) => array_replace(a),
+        Cmd::Array(ArrayCmd::Evacuate {
+            dir,
+            device,
+            json,
+            quiet,
+        }) => array_evacuate(&dir, &device, json, quiet),
         Cmd::Array(ArrayCmd::Grow {
             dir,
             devices,
@@ -789,6 +836,21 @@ fn parse_device(spec: &str) -> Result<(PathBuf, Option<u64>)> {
         }
     }
     Ok((PathBuf::from(spec), None))
+}
+
+fn array_evacuate(dir: &Path, device: &str, as_json: bool, quiet: bool) -> Result<()> {
+    let dir = absolute(dir)?;
+    let (st, _) = get_status(&dir)?;
+    let index = member_arg(&st, "--device", device)?;
+    let name = st.members[index].name.clone();
+    arrays::evacuate(
+        &dir,
+        index,
+        &name,
+        st.members[index].state == "removed",
+        as_json,
+        quiet,
+    )
 }
 
 fn array_replace(a: ArrayReplaceArgs) -> Result<()> {

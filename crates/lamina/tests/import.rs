@@ -331,3 +331,76 @@ fn a_jbod_array_grows_and_moves_a_member() {
         3
     );
 }
+
+/// `array evacuate` (as pvmove then vgreduce): refused while served; moves a JBOD
+/// member's data onto the others and takes it out; lamina.toml stops naming it,
+/// its file can go, `status` and `array list` show it removed, and the data reads
+/// back; a replace of the removed member is refused.
+#[test]
+fn a_jbod_member_is_evacuated() {
+    let t = TempDir::new("evacuate");
+    let disks = t.join("disks");
+    let a = t.join("a");
+    let ad = a.to_str().unwrap();
+    let dev = |n: &str| format!("{}:32M", disks.join(n).display());
+    let (d0, d1, d2) = (dev("d0.img"), dev("d1.img"), dev("d2.img"));
+    let mut args = vec!["array", "create", ad];
+    for d in [&d0, &d1, &d2] {
+        args.extend(["--device", d.as_str()]);
+    }
+    args.extend(["--segment-size", "1M", "--write-unit", "128K"]);
+    lamina(&args);
+    create_volume(&a, "v", "16M");
+    let s = Server::start(&a);
+    write_blocks(&s.sock);
+    fails(
+        &["array", "evacuate", ad, "--device", "1"],
+        "is being served",
+    );
+    s.kill9();
+    let before = status_json(&a)["usable_bytes"].as_u64().unwrap();
+    let out = lamina(&["array", "evacuate", ad, "--device", "1", "--json"]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(r["device"].as_str().unwrap().ends_with("d1.img"), "{r}");
+    assert!(
+        r["segments"].as_u64().unwrap() > 0,
+        "member 1 held data: {r}"
+    );
+    let cfg = std::fs::read_to_string(a.join("lamina.toml")).unwrap();
+    assert!(!cfg.contains("d1.img") && cfg.contains("d2.img"), "{cfg}");
+    let kept = t.join("d1.kept");
+    std::fs::rename(disks.join("d1.img"), &kept).unwrap();
+    let st = status_json(&a);
+    assert_eq!(st["array"]["members"][1]["state"], "removed", "{st}");
+    assert!(st["usable_bytes"].as_u64().unwrap() < before);
+    check_blocks(&a);
+    let found = list(&disks);
+    assert_eq!(found[0]["state"], "complete", "{found:?}");
+    assert_eq!(found[0]["members"][1]["removed"], true);
+    fails(
+        &["array", "evacuate", ad, "--device", "1"],
+        "removed already",
+    );
+    fails(
+        &[
+            "array",
+            "replace",
+            ad,
+            "--old",
+            "1",
+            "--new",
+            &dev("d3.img"),
+        ],
+        "was removed",
+    );
+    // Imported elsewhere with the removed member's old file lying among the
+    // others: it is left out of the new lamina.toml.
+    std::fs::rename(&kept, disks.join("d1.img")).unwrap();
+    lamina(&["array", "export", ad]);
+    let b = t.join("b");
+    let out = lamina(&["array", "import", b.to_str().unwrap(), disks.to_str().unwrap()]);
+    assert!(out.contains("2 of 2 members"), "{out}");
+    let cfg = std::fs::read_to_string(b.join("lamina.toml")).unwrap();
+    assert!(!cfg.contains("d1.img") && cfg.contains("d2.img"), "{cfg}");
+    check_blocks(&b);
+}

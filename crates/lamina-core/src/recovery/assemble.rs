@@ -50,9 +50,9 @@ pub(super) fn open_devices(
                 report.warnings.push(format!("{e}: member {i} failed"));
                 st.write_failed(i);
             }
-            // A device that is not a member any more (unreadable, replaced): it is
-            // already out of the array.
-            (Some(_), None) => report.warnings.push(format!("{e} (not in use)")),
+            // A device that is not a member any more (unreadable, replaced, or a
+            // removed JBOD member still named): it is already out of the array.
+            (_, None) => report.warnings.push(format!("{e} (not in use)")),
             _ => return Err(e.into()),
         }
     }
@@ -143,12 +143,21 @@ pub fn read_superblocks(
         .max_by_key(|s| s.generation)
         .unwrap()
         .clone();
+    // Why devices named were not taken (said when a member is missing).
+    let mut replaced = Vec::new();
     let mut ordered: Vec<Option<Arc<dyn BlockDevice>>> = vec![None; newest.devices.len()];
     // A striped array with parity may run without some members: a member whose
     // superblock cannot be read is treated as missing (its slot gets an absent
     // device) as long as the layout tolerates it.
     let tolerated = crate::geometry::layout_parity(newest.layout);
-    if unreadable.len() > tolerated {
+    // A removed member's device is not needed: one still named that cannot be
+    // read may be it (a member really missing is named below, with the reason).
+    let removed = newest
+        .devices
+        .iter()
+        .filter(|d| d.state == MEMBER_REMOVED)
+        .count();
+    if unreadable.len() > tolerated + removed {
         if tolerated == 0 {
             return Err(no_superblock(&unreadable[0]));
         }
@@ -168,8 +177,8 @@ pub fn read_superblocks(
             "{}: {e}; treated as a missing member",
             d.describe()
         ));
+        replaced.push(format!("{}: {e}", d.describe()));
     }
-    let mut replaced = Vec::new();
     for (d, sb) in readable.iter().zip(&per_device) {
         if sb.array_uuid != newest.array_uuid {
             return Err(EngineError::Invalid(format!(
@@ -221,6 +230,14 @@ pub fn read_superblocks(
         }
         ordered[i] = Some(d.clone());
     }
+    // A removed member (`array evacuate`) holds nothing: its device is not needed.
+    for (i, slot) in ordered.iter_mut().enumerate() {
+        if slot.is_none() && newest.devices[i].state == MEMBER_REMOVED {
+            *slot = Some(Arc::new(lamina_device::striped::Absent::new(format!(
+                "member {i} (removed)"
+            ))));
+        }
+    }
     let missing: Vec<usize> = (0..ordered.len())
         .filter(|&i| ordered[i].is_none())
         .collect();
@@ -250,6 +267,9 @@ pub fn read_superblocks(
 
 /// Member state in the superblock: the member failed and holds nothing current.
 pub const MEMBER_FAILED: u32 = 1;
+/// Member state (JBOD): taken out by `array evacuate`; holds nothing, and its
+/// segments are never used again.
+pub const MEMBER_REMOVED: u32 = lamina_format::superblock::DEVICE_REMOVED;
 /// Member state: a replacement being rebuilt; stripes below `rebuild_cursor` are
 /// current on it.
 pub const MEMBER_REBUILDING: u32 = 2;

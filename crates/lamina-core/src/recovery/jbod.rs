@@ -39,7 +39,7 @@
 //! `rebuild` module). Zoned arrays are refused too (a new device's zones would
 //! have to match, and its conventional zones be placed).
 
-use super::{assemble, format, open, OpenMode, Progress};
+use super::{assemble, format, open, OpenMode, Progress, MEMBER_REMOVED};
 use crate::engine::{Engine, EngineConfig};
 use crate::error::EngineError;
 use crate::geometry::Geometry;
@@ -130,7 +130,7 @@ pub fn grow(
         .enumerate()
         .map(|(j, d)| (first_new + j, d.clone()))
         .collect();
-    let others: Vec<(usize, Arc<dyn BlockDevice>)> = members.into_iter().enumerate().collect();
+    let others = in_service(&sb, members, None);
     switch(&grown, &labelled, &others, cfg, commit)
 }
 
@@ -179,6 +179,12 @@ pub fn replace(
             sb.devices.len()
         ));
     };
+    if entry.state == MEMBER_REMOVED {
+        return invalid(format!(
+            "member {index} of {:?} was removed: it holds nothing to move (`array grow` adds a device)",
+            sb.array_name
+        ));
+    }
     if format::zoned_layout(std::slice::from_ref(&new))?.is_some() {
         return invalid("a zoned device cannot replace a member yet".into());
     }
@@ -234,11 +240,7 @@ pub fn replace(
         size_bytes: new.size_bytes(),
         ..*entry
     };
-    let others: Vec<(usize, Arc<dyn BlockDevice>)> = members
-        .into_iter()
-        .enumerate()
-        .filter(|(i, _)| *i != index)
-        .collect();
+    let others = in_service(&sb, members, Some(index));
     let superblock = switch(&next, &[(index, new)], &others, cfg, commit)?;
     Ok(ReplaceReport {
         superblock,
@@ -246,6 +248,20 @@ pub fn replace(
         segments: entry.segment_count as u64,
         bytes_copied: done,
     })
+}
+
+/// The members (in their order) that take superblocks: all but `except` and the
+/// removed ones, whose devices are not needed (a placeholder stands for them).
+fn in_service(
+    sb: &Superblock,
+    members: Devices,
+    except: Option<usize>,
+) -> Vec<(usize, Arc<dyn BlockDevice>)> {
+    members
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| Some(*i) != except && sb.devices[*i].state != MEMBER_REMOVED)
+        .collect()
 }
 
 fn invalid<T>(m: String) -> Result<T, EngineError> {
@@ -294,11 +310,12 @@ fn check_new_device(d: &dyn BlockDevice, sb: &Superblock, force: bool) -> Result
         return Ok(());
     };
     if other.array_uuid == sb.array_uuid {
+        // A removed member's device holds nothing the array needs either.
         let own = other.devices.get(other.device_index as usize);
         if sb
             .devices
             .iter()
-            .any(|e| own.is_some_and(|o| o.uuid == e.uuid))
+            .any(|e| e.state != MEMBER_REMOVED && own.is_some_and(|o| o.uuid == e.uuid))
         {
             return invalid(format!(
                 "device {} is already a member of {:?}",
@@ -362,4 +379,201 @@ fn write_label(
     s.device_index = index as u32;
     d.write_at(&s.encode()[..], off)?;
     Ok(())
+}
+
+/// What [`evacuate`] did.
+#[derive(Clone, Debug)]
+pub struct EvacuateReport {
+    pub superblock: Superblock,
+    /// Segments of the member in use when it started (data, metadata).
+    pub segments: u64,
+    /// Blocks GC moved meanwhile (the member's live blocks, and what else GC
+    /// collected on the way).
+    pub blocks_moved: u64,
+}
+
+/// Moves everything off member `index` of the JBOD array on `members` onto the
+/// others, then marks it removed ([`MEMBER_REMOVED`]): its segments keep their
+/// numbers and are never used again, and its device is no longer needed.
+/// `progress` is told segments emptied and in all; `commit` runs once the
+/// superblocks say the member is removed (the caller then drops it from where the
+/// devices are listed).
+///
+/// The member's segments leave the free queue for good, and a checkpoint commits
+/// before GC moves anything: a crash before it replays by the previous
+/// checkpoint's free queue, which still holds them, and the engine took none of
+/// them. GC then moves the segments that hold data (its repair list, whatever
+/// their garbage), and checkpoints move the metadata stream off the member and
+/// release what was emptied. A crash in the middle leaves an array whose member
+/// holds less; the command can be run again.
+pub fn evacuate(
+    members: Vec<Arc<dyn BlockDevice>>,
+    cfg: &EngineConfig,
+    index: usize,
+    progress: &mut dyn FnMut(u64, u64),
+    commit: &mut dyn FnMut() -> Result<(), EngineError>,
+) -> Result<EvacuateReport, EngineError> {
+    let (mut engine, _) = open(members.clone(), cfg.clone(), OpenMode::ReadWrite)?;
+    let sb = engine.superblock().clone();
+    if sb.layout != Layout::Jbod {
+        return invalid(format!(
+            "array {:?} is {}: only a JBOD array's member is evacuated (a striped layout's member is replaced by failing it and rebuilding from parity)",
+            sb.array_name,
+            sb.layout.name()
+        ));
+    }
+    if engine.zones.zoned {
+        return invalid("zoned arrays cannot evacuate a member yet".into());
+    }
+    let geo = engine.geometry().clone();
+    let Some(span) = geo.devices.get(index) else {
+        return invalid(format!(
+            "array {:?} has no member {index} (it has {})",
+            sb.array_name,
+            geo.devices.len()
+        ));
+    };
+    if span.removed {
+        return invalid(format!(
+            "member {index} of {:?} was removed already",
+            sb.array_name
+        ));
+    }
+    let range = span.first_segment..span.first_segment + span.segment_count;
+    let mut after = geo.clone();
+    after.devices[index].removed = true;
+    if after.usable_segments() == 0 {
+        return invalid(format!(
+            "member {index} is the last one of {:?} in use: there is nowhere to move its data",
+            sb.array_name
+        ));
+    }
+    let usable_after = crate::space::Space::usable_blocks(&after, &sb);
+    let live = engine.space.live;
+    if live > usable_after {
+        return invalid(format!(
+            "the other members cannot hold what the array stores: {} blocks are in use and they would offer {usable_after}; free space first (trim, delete a volume) or add a member",
+            live
+        ));
+    }
+    let in_use = |e: &Engine| {
+        range
+            .clone()
+            .filter(|&s| e.segments.segs[s as usize].state != crate::engine::SegState::Free)
+            .count() as u64
+    };
+    let total = in_use(&engine);
+    let moved_before = engine.counters.gc_blocks;
+    engine.segments.withhold(range.clone());
+    checkpoint(&mut engine)?;
+    // From here GC collects the other members' garbage until this many segments
+    // are free, so that the repair list always has room to move into (offline:
+    // no client writes wait at these watermarks).
+    let floor = engine.gc_start_segments();
+    engine.space.set_gc_start(Some(floor + 8));
+    let mut best = u64::MAX;
+    let mut stalled = 0;
+    loop {
+        let left = in_use(&engine);
+        progress(total - left.min(total), total);
+        if left == 0 {
+            break;
+        }
+        if left < best {
+            best = left;
+            stalled = 0;
+        } else {
+            stalled += 1;
+        }
+        if stalled > 16 {
+            let segs: Vec<String> = range
+                .clone()
+                .filter(|&s| {
+                    engine.segments.segs[s as usize].state != crate::engine::SegState::Free
+                })
+                .map(|s| {
+                    let sg = &engine.segments.segs[s as usize];
+                    format!(
+                        "{s} ({:?}{})",
+                        sg.state,
+                        if sg.gc_exclude {
+                            ", holds blocks that failed verification"
+                        } else {
+                            ""
+                        }
+                    )
+                })
+                .collect();
+            return Err(EngineError::Io(format!(
+                "member {index}: {left} segments could not be emptied: {}; nothing was removed",
+                segs.join(", ")
+            )));
+        }
+        // GC's repair list goes before its own victims, and the member's emptied
+        // segments do not come back: hand it only as many segments as the free
+        // space above GC's usual start can take (each may need a fresh segment for
+        // its live blocks); GC's own start, raised above, has it collect the other
+        // members' garbage meanwhile.
+        let headroom = engine.segments.free.len().saturating_sub(floor + 1);
+        engine.move_segments(range.clone(), headroom);
+        let mut rounds = 0u64;
+        let mut last = (usize::MAX, u64::MAX);
+        let mut same = 0;
+        loop {
+            if let Some(why) = &engine.failed {
+                return Err(EngineError::Io(format!("evacuating member {index}: {why}")));
+            }
+            let now = (engine.segments.free.len(), engine.counters.gc_blocks);
+            let collecting = engine.segments.free.len() < engine.gc_start_segments();
+            if !engine.repairs_pending() && !collecting {
+                break;
+            }
+            // GC that no longer moves anything nor frees anything is done for this
+            // round; the checkpoint below may release what it emptied.
+            same = if now == last { same + 1 } else { 0 };
+            last = now;
+            rounds += 1;
+            if same > 64 || rounds > 1_000_000 {
+                break;
+            }
+            engine.tick(engine.now_ms);
+            super::run_inline(&mut engine);
+        }
+        // Releases what was emptied, and moves the metadata stream along.
+        checkpoint(&mut engine)?;
+    }
+    engine.sb.devices[index].state = MEMBER_REMOVED;
+    checkpoint(&mut engine)?;
+    let blocks_moved = engine.counters.gc_blocks - moved_before;
+    drop(engine);
+    commit()?;
+    // The members still in service (placeholders of removed ones are not passed
+    // on: opening makes its own).
+    let rest: Vec<Arc<dyn BlockDevice>> = {
+        let mut w = Vec::new();
+        let (sb, ordered) = assemble::read_superblocks(members, &mut w)?;
+        in_service(&sb, ordered, Some(index))
+            .into_iter()
+            .map(|(_, d)| d)
+            .collect()
+    };
+    let (engine, _) = open(rest, cfg.clone(), OpenMode::ReadWrite)?;
+    let superblock = engine.superblock().clone();
+    Ok(EvacuateReport {
+        superblock,
+        segments: total,
+        blocks_moved,
+    })
+}
+
+/// Runs a checkpoint to its commit, inline.
+fn checkpoint(engine: &mut Engine) -> Result<(), EngineError> {
+    let token = crate::engine::Token {
+        conn: u32::MAX,
+        handle: 2,
+    };
+    match super::call_inline(engine, token, crate::engine::Request::Checkpoint, 1000) {
+        Some(r) => r.result,
+        None => Err(EngineError::Io("a checkpoint did not complete".into())),
+    }
 }

@@ -42,10 +42,10 @@ mod walk;
 #[cfg(test)]
 mod testing;
 
-pub use assemble::{read_superblocks, MEMBER_FAILED, MEMBER_REBUILDING};
+pub use assemble::{read_superblocks, MEMBER_FAILED, MEMBER_REBUILDING, MEMBER_REMOVED};
 pub(crate) use format::empty_zones;
 pub use format::format;
-pub use jbod::{grow, replace, GrowParams, ReplaceReport};
+pub use jbod::{evacuate, grow, replace, EvacuateReport, GrowParams, ReplaceReport};
 
 /// Fewest segments an array may have: stream heads, GC reserve and checkpoint space
 /// need room to turn over.
