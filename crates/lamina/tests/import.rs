@@ -398,7 +398,12 @@ fn a_jbod_member_is_evacuated() {
     std::fs::rename(&kept, disks.join("d1.img")).unwrap();
     lamina(&["array", "export", ad]);
     let b = t.join("b");
-    let out = lamina(&["array", "import", b.to_str().unwrap(), disks.to_str().unwrap()]);
+    let out = lamina(&[
+        "array",
+        "import",
+        b.to_str().unwrap(),
+        disks.to_str().unwrap(),
+    ]);
     assert!(out.contains("2 of 2 members"), "{out}");
     let cfg = std::fs::read_to_string(b.join("lamina.toml")).unwrap();
     assert!(!cfg.contains("d1.img") && cfg.contains("d2.img"), "{cfg}");
