@@ -325,6 +325,14 @@ fn two_members_written(
 fn a_jbod_member_moves_to_a_new_device() {
     let (a, b, vol, mut model) = two_members_written(2000, 5);
     let both = [a.clone(), b.clone()];
+    let mut e = open_rw(&dyn_devs(&both), small_config());
+    churn(&mut e, vol, &mut model, 700, 1000, 4);
+    call(&mut e, lamina_core::Request::Checkpoint)
+        .result
+        .unwrap();
+    let old_written = e.status().members[0].bytes_written;
+    assert!(old_written > 1 << 20, "{old_written}");
+    drop(e);
     let n = mem("n", 24);
     let mut commits = 0;
     let r = replace_member(&both, 0, &n, &mut || {
@@ -364,6 +372,12 @@ fn a_jbod_member_moves_to_a_new_device() {
     let now = [n.clone(), b.clone()];
     let mut e = open_rw(&dyn_devs(&now), small_config());
     verify_model(&e, vol, &model);
+    // The new device's count of bytes written starts again.
+    let new_written = e.status().members[0].bytes_written;
+    assert!(
+        new_written < old_written / 4,
+        "{new_written} of {old_written}"
+    );
     churn(&mut e, vol, &mut model, 700, 2000, 6);
     drop(e);
     let e = open_rw(&dyn_devs(&now), small_config());

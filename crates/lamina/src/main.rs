@@ -340,8 +340,8 @@ enum ArrayCmd {
 const ARRAY_GROW_ABOUT: &str = "\
 Add one or more devices to the JBOD array in DIR. Their segments are numbered
 after the existing ones, so nothing stored moves; they add to the capacity at
-once and join the end of the free queue, which the allocator works through
-preferring the least-written member among the next free segments. Each new
+once, and the allocator, which prefers the least-written member, fills them
+first. Each new
 device's data area is discarded first (--no-discard to skip it), as at creation.
 
 The server must be stopped (the array is opened here: what the last run left is

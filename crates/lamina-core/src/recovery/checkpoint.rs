@@ -152,13 +152,17 @@ pub(super) fn load(
 }
 
 /// Segments added to a JBOD array since the checkpoint (`grow`): free and never
-/// written, they join the free queue at its end in index order. The walk then
+/// written, they join the free queue at its front in index order. The walk then
 /// meets them where the engine took them, because the engine that wrote after
 /// this checkpoint started from the same queue.
 fn add_grown_segments(meta: &mut CheckpointMeta, nsegs: usize, report: &mut RecoveryReport) {
     let old = meta.segments.len();
     meta.segments.resize(nsegs, SegmentRecord::never_written());
-    meta.free_queue.extend(old as u32..nsegs as u32);
+    // At the front: the new capacity is used at once (and, the new members having
+    // nothing written, wear levelling takes them first anyway).
+    let mut queue: Vec<u32> = (old as u32..nsegs as u32).collect();
+    queue.append(&mut meta.free_queue);
+    meta.free_queue = queue;
     report.warnings.push(format!(
         "the array has grown by {} segments since its checkpoint; they are free",
         nsegs - old

@@ -3,7 +3,8 @@
 //! new device (`lamina array replace` on JBOD, as `pvmove` onto a new disk).
 //!
 //! **Grow.** The new devices' segments are numbered after the existing ones, so
-//! nothing stored moves, and they join the free queue at its end.
+//! nothing stored moves, and they join the free queue at its front (the
+//! allocator, which prefers the least-written member, then fills them first).
 //! **Replace.** Every segment of the member that is not in the free queue is
 //! copied to the same offset of the new device, which takes the member's place
 //! (same segments, its own identity); the old device keeps its data and its old
@@ -29,7 +30,7 @@
 //!    update rewrites it).
 //! 5. The array is opened once more. After a grow, the checkpoint lists fewer
 //!    segments than the geometry, and [`super::checkpoint::load`] adds the new ones
-//!    as free, at the end of the free queue, in index order; the open's own
+//!    as free, at the front of the free queue, in index order; the open's own
 //!    checkpoint then lists them all. Nothing is written to them before that
 //!    checkpoint commits (every read-write open writes one before it serves), so
 //!    no replay ever has to find units in segments its checkpoint does not list.
@@ -131,7 +132,7 @@ pub fn grow(
         .map(|(j, d)| (first_new + j, d.clone()))
         .collect();
     let others = in_service(&sb, members, None);
-    switch(&grown, &labelled, &others, cfg, commit)
+    switch(&grown, &labelled, &others, cfg, commit, None)
 }
 
 /// What [`replace`] copied.
@@ -241,7 +242,9 @@ pub fn replace(
         ..*entry
     };
     let others = in_service(&sb, members, Some(index));
-    let superblock = switch(&next, &[(index, new)], &others, cfg, commit)?;
+    // The new device starts with nothing written (wear levelling and `status`
+    // count per member slot).
+    let superblock = switch(&next, &[(index, new)], &others, cfg, commit, Some(index))?;
     Ok(ReplaceReport {
         superblock,
         segments_copied: in_use.len() as u64,
@@ -342,6 +345,7 @@ fn switch(
     others: &[(usize, Arc<dyn BlockDevice>)],
     cfg: &EngineConfig,
     commit: &mut dyn FnMut() -> Result<(), EngineError>,
+    fresh: Option<usize>,
 ) -> Result<Superblock, EngineError> {
     for (i, d) in labelled {
         for off in SUPERBLOCK_OFFSETS {
@@ -363,7 +367,13 @@ fn switch(
         .chain(labelled)
         .map(|(_, d)| d.clone())
         .collect();
-    let (engine, _) = open(all, cfg.clone(), OpenMode::ReadWrite)?;
+    let (mut engine, _) = open(all, cfg.clone(), OpenMode::ReadWrite)?;
+    if let Some(i) = fresh {
+        if let Some(b) = engine.device_blocks.get_mut(i) {
+            *b = 0;
+            checkpoint(&mut engine)?;
+        }
+    }
     let sb = engine.superblock().clone();
     drop(engine);
     Ok(sb)
