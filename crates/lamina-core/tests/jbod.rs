@@ -678,13 +678,13 @@ impl BlockDevice for Dying {
 type Devs = Vec<Arc<dyn BlockDevice>>;
 
 /// An array's devices as a power cut leaves them, for a new run.
-fn after_cut(devs: &[Arc<CrashDevice>], rng: &mut impl Rng) -> Devs {
+fn after_cut(devs: &[Arc<CrashDevice>], keep: f64, rng: &mut impl Rng) -> Devs {
     devs.iter()
         .map(|d| {
             let image = d.power_cut(
                 rng,
                 PowerCut {
-                    keep_probability: 0.5,
+                    keep_probability: keep,
                 },
             );
             Arc::new(CrashDevice::from_image(d.describe(), image)) as Arc<dyn BlockDevice>
@@ -693,20 +693,26 @@ fn after_cut(devs: &[Arc<CrashDevice>], rng: &mut impl Rng) -> Devs {
 }
 
 /// A JBOD array of `members` crash devices with a volume written and flushed;
-/// returns the members' durable images and the model.
+/// returns the members' durable images and the model. `full`: the share of the
+/// array's usable space written (garbage everywhere), else a few hundred blocks
+/// per member.
 fn written_images(
     members: usize,
     seed: u64,
+    full: Option<u64>,
 ) -> (Vec<Vec<u8>>, lamina_core::VolumeId, HashMap<u64, u64>) {
     let devs: Vec<Arc<CrashDevice>> = (0..members)
         .map(|i| Arc::new(CrashDevice::new(format!("m{i}"), device_bytes(24))))
         .collect();
     format_devices(&dyn_devs(&devs), &layout_params(Layout::Jbod));
     let mut e = open_rw(&dyn_devs(&devs), small_config());
-    let vol = create_volume(&mut e, "v", 4 << 20);
+    let vol = create_volume(&mut e, "v", 8 << 20);
     let mut model = HashMap::new();
-    let lbas = 300 * members as u64;
-    churn(&mut e, vol, &mut model, lbas, 2 * lbas, seed);
+    let lbas = match full {
+        Some(percent) => usable(&e) / BS as u64 * percent / 100,
+        None => 300 * members as u64,
+    };
+    churn(&mut e, vol, &mut model, lbas, 4 * lbas, seed);
     drop(e);
     // Everything written was flushed: the durable layers hold it.
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -764,10 +770,12 @@ fn cut_during(
     (crash, committed, left.load(Ordering::SeqCst))
 }
 
-/// Power cuts at every step of a grow and of a replace, and at a hundred points of
-/// an evacuation: the array opens from the devices lamina.toml would name (the old
-/// ones before the commit, the new set after), with every block that was flushed
-/// before.
+/// Power cuts at every step of a grow and of a replace, and at about 150 points of
+/// an evacuation (two: a lightly used array, and one nearly as full as the other
+/// members can hold, where GC collects on them as the data moves), each keeping
+/// none, half or all of the unsynced sectors: the array opens from the devices
+/// lamina.toml would name (the old ones before the commit, the new set after),
+/// with every block that was flushed before.
 #[test]
 fn power_cuts_during_grow_and_replace_lose_nothing() {
     let grow_change: &Change = &|members, new, commit| {
@@ -797,12 +805,15 @@ fn power_cuts_during_grow_and_replace_lose_nothing() {
     let evacuate_change: &Change = &|members, _new, commit| {
         evacuate(members, &small_config(), 1, &mut |_, _| {}, commit).is_ok()
     };
-    for (name, members, change) in [
-        ("grow", 1, grow_change),
-        ("replace", 2, replace_change),
-        ("evacuate", 3, evacuate_change),
+    for (name, members, full, change) in [
+        ("grow", 1, None, grow_change),
+        ("replace", 2, None, replace_change),
+        ("evacuate", 3, None, evacuate_change),
+        // Nearly as full as the other two members hold: GC collects on them while
+        // the member's data moves.
+        ("evacuate", 3, Some(58), evacuate_change),
     ] {
-        let (images, vol, model) = written_images(members, 20 + members as u64);
+        let (images, vol, model) = written_images(members, 20 + members as u64, full);
         // How many writes and syncs the whole change makes.
         const PLENTY: u64 = 1 << 40;
         let (_, committed, left) = cut_during(&images, PLENTY, change);
@@ -811,13 +822,15 @@ fn power_cuts_during_grow_and_replace_lose_nothing() {
         assert!(total > 10, "{name}: {total} steps");
         let mut rng = rand::rngs::StdRng::seed_from_u64(99);
         let mut outcomes = [0u32; 2];
-        // Every step of a grow or replace; about a hundred of an evacuation, whose
-        // GC makes thousands.
-        let stride = (total / 100).max(1) as usize;
-        for steps in (0..=total).step_by(stride) {
+        // Every step of a grow or replace; about a hundred and fifty of an
+        // evacuation, whose GC makes hundreds or thousands. Each cut keeps none,
+        // half or all of the unsynced sectors in turn.
+        let stride = (total / 150).max(1) as usize;
+        for (k, steps) in (0..=total).step_by(stride).enumerate() {
             let (crash, committed, _) = cut_during(&images, steps, change);
             outcomes[committed as usize] += 1;
-            let devs = after_cut(&crash, &mut rng);
+            let keep = [0.0, 0.5, 1.0][k % 3];
+            let devs = after_cut(&crash, keep, &mut rng);
             // What lamina.toml names: the old devices until the commit, then the
             // new set (a replace's old member 0 out, the new device in).
             let named: Devs = match (name, committed) {
@@ -836,7 +849,7 @@ fn power_cuts_during_grow_and_replace_lose_nothing() {
             }
             verify_model(&e, vol, &model);
         }
-        eprintln!("{name}: {total} steps, outcomes {outcomes:?}");
+        eprintln!("{name} {full:?}: {total} steps, outcomes {outcomes:?}");
         assert!(outcomes[0] > 0 && outcomes[1] > 0, "{name}: {outcomes:?}");
     }
 }
