@@ -27,7 +27,9 @@ use crate::io::{IoCompletion, IoKind, IoOp};
 use crate::map::{decode, encode_buffer, encode_device, Entry, UNMAPPED};
 use crate::placement::Written;
 use crate::shared::{Shared, VolumeShared};
-use crate::types::{Lba, Pba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::types::{
+    Lba, Pba, RecordAddr, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64,
+};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::superblock::Superblock;
 use lamina_format::unit::{
@@ -2025,7 +2027,7 @@ impl Engine {
                 let slot = self.shared.buffers.slot(u.buf, h as u32 + i as u32);
                 let current = self.volumes[r.volume() as usize]
                     .as_ref()
-                    .is_some_and(|v| v.shared.map.load(Lba(r.lba())) == encode_buffer(slot));
+                    .is_some_and(|v| v.shared.map.load(r.block()) == encode_buffer(slot));
                 if current {
                     live += 1;
                 } else {
@@ -2285,9 +2287,9 @@ impl Engine {
             }
             let slot = self.shared.buffers.slot(buf, h + i);
             if let Some(v) = self.volumes[r.volume() as usize].as_ref() {
-                if v.shared.map.load(Lba(r.lba())) == encode_buffer(slot) {
+                if v.shared.map.load(r.block()) == encode_buffer(slot) {
                     let pba = self.geo.pba(SegmentId(seg), offset + h + i);
-                    v.shared.map.store(Lba(r.lba()), encode_device(pba));
+                    v.shared.map.store(r.block(), encode_device(pba));
                 }
             }
         }
@@ -2421,18 +2423,12 @@ impl Engine {
             let live = r.kind == kind::DATA
                 && self.volumes[r.volume() as usize]
                     .as_ref()
-                    .is_some_and(|v| v.shared.map.load(Lba(r.lba())) == encode_buffer(slot));
+                    .is_some_and(|v| v.shared.map.load(r.block()) == encode_buffer(slot));
             if live {
                 // SAFETY: as above; the block stays in place until the buffer is
                 // recycled, which waits for readers' pins.
                 block.copy_from_slice(unsafe { self.shared.buffers.blocks(buf, h + i, 1) });
-                self.append_data(
-                    small,
-                    VolumeId(r.volume()),
-                    Lba(r.lba()),
-                    Some(&block),
-                    Some(r.b),
-                );
+                self.append_data(small, r.vol(), r.block(), Some(&block), Some(r.b));
             }
         }
         // Nothing of the unit is live any more: it is dropped, its buffer recycled

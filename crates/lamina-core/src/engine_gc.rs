@@ -32,7 +32,7 @@ use crate::gc::Candidate;
 use crate::io::{IoCompletion, IoKind};
 use crate::map::encode_device;
 use crate::segments::Origins;
-use crate::types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};
+use crate::types::{Pba, RecordAddr, SegmentId, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
 
@@ -282,14 +282,14 @@ impl Engine {
         r.kind == kind::DATA
             && self
                 .volumes
-                .get(r.volume() as usize)
+                .get(r.vol().0 as usize)
                 .and_then(|v| v.as_ref())
                 // A volume being deleted keeps its blocks where they are until the
                 // deletion commits (see `Vol::deleting`).
                 .is_some_and(|v| {
                     v.deleting.is_none()
-                        && r.lba() < v.shared.map.len()
-                        && v.shared.map.load(Lba(r.lba())) == encode_device(pba)
+                        && r.block().0 < v.shared.map.len()
+                        && v.shared.map.load(r.block()) == encode_device(pba)
                 })
     }
 
@@ -761,7 +761,7 @@ impl Engine {
             while bp < run.count {
                 let (pba, r) = live_local[run.first + bp];
                 if self.is_live(pba, &r) {
-                    let volume = r.volume();
+                    let volume = r.vol();
                     let metadata_only = self.cfg.metadata_only;
                     // A run read across dead blocks fails as a whole if any of them
                     // is unreadable: read each live block of it on its own then.
@@ -783,12 +783,12 @@ impl Engine {
                         })
                         .flatten();
                     if crc_ok || rebuilt.is_some() {
-                        let now = self.volumes[volume as usize].as_ref().unwrap().user_blocks;
+                        let now = self.vol(volume).user_blocks;
                         let mut from = self.written_at(pba, now);
                         // A segment written under another configuration may carry a
                         // class this one does not have.
                         let seg_class = self.segments.segs[seg as usize].class as usize;
-                        let v = self.volumes[volume as usize].as_mut().unwrap();
+                        let v = self.vol_mut(volume);
                         from.class = from
                             .class
                             .min(v.user_classes + v.classifier.gc_classes() - 1);
@@ -800,7 +800,7 @@ impl Engine {
                         let mut class = class as usize;
                         let read_hot = v
                             .read_hot_stream
-                            .is_some_and(|_| v.shared.map.was_read(Lba(r.lba())));
+                            .is_some_and(|_| v.shared.map.was_read(r.block()));
                         if read_hot {
                             gc_stream = v.read_hot_stream.unwrap();
                             class = self.streams[gc_stream].class as usize;
@@ -811,20 +811,13 @@ impl Engine {
                         }
                         if read_hot {
                             // Cleared only once the block is on its way.
-                            let v = self.volumes[volume as usize].as_ref().unwrap();
-                            v.shared.map.take_read(Lba(r.lba()));
+                            self.vol(volume).shared.map.take_read(r.block());
                         }
                         let block = match &rebuilt {
                             Some(b) => Some(&b[..]),
                             None => run_block(&batch_local[rp], &exact, at),
                         };
-                        self.append_data(
-                            gc_stream,
-                            VolumeId(volume),
-                            Lba(r.lba()),
-                            block,
-                            Some(r.b),
-                        );
+                        self.append_data(gc_stream, volume, r.block(), block, Some(r.b));
                         // Date the moved block by when a user last wrote it.
                         let st = &mut self.streams[gc_stream];
                         let to = st.seg.expect("ensure_unit opened it");
@@ -839,7 +832,7 @@ impl Engine {
                         moved += 1;
                         self.blocks_since_checkpoint =
                             self.blocks_since_checkpoint.saturating_sub(1);
-                        if let Some(v) = self.volumes[volume as usize].as_mut() {
+                        if let Some(v) = self.volumes[volume.0 as usize].as_mut() {
                             v.gc_blocks += 1;
                             v.classes[class].blocks += 1;
                             if let Some(c) = v.classes.get_mut(seg_class) {
@@ -852,7 +845,7 @@ impl Engine {
                         // data, and the segment, which holds it, is never released.
                         tracing::error!(
                             segment = seg,
-                            volume,
+                            volume = volume.0,
                             lba = r.lba(),
                             read_failed = run.failed,
                             "block failed verification during garbage collection; left in place"

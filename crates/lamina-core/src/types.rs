@@ -26,6 +26,23 @@ pub struct VolumeId(pub u16);
 /// incarnations all take their version from it; it never repeats, even across crashes.
 pub type Version = u64;
 
+/// The typed addresses of a data record (`lamina-format` keeps them raw).
+pub trait RecordAddr {
+    /// The volume the block belongs to.
+    fn vol(&self) -> VolumeId;
+    /// Its logical block in that volume.
+    fn block(&self) -> Lba;
+}
+
+impl RecordAddr for lamina_format::unit::RawRecord {
+    fn vol(&self) -> VolumeId {
+        VolumeId(self.volume())
+    }
+    fn block(&self) -> Lba {
+        Lba(self.lba())
+    }
+}
+
 impl fmt::Display for Lba {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.0)

@@ -98,10 +98,10 @@ pub fn grow(
         let segs = Geometry::segments_on_device(d.size_bytes(), sb.data_offset, sb.segment_blocks);
         if segs == 0 {
             return invalid(format!(
-                "device {} ({} bytes) is too small for one segment of {} bytes",
+                "device {} ({} bytes) is too small: it needs {} bytes at least, for the superblocks and one segment",
                 d.describe(),
                 d.size_bytes(),
-                sb.segment_blocks as u64 * BLOCK_SIZE as u64
+                sb.data_offset + sb.segment_blocks as u64 * BLOCK_SIZE as u64
             ));
         }
         grown.devices.push(DeviceEntry {
