@@ -34,6 +34,24 @@ fn churn(
     overwrite(e, vol, model, writes, 50, |_| rng.gen_range(0..lbas));
 }
 
+/// More overwrites on the open array `e` (see [`churn`]), then a crash (no clean
+/// shutdown): `devs` opened again read back every block of the model.
+#[allow(clippy::too_many_arguments)]
+fn churn_and_crash(
+    mut e: lamina_core::Engine,
+    devs: &[Arc<dyn lamina_device::BlockDevice>],
+    vol: lamina_core::VolumeId,
+    model: &mut HashMap<u64, u64>,
+    lbas: u64,
+    writes: u64,
+    seed: u64,
+) {
+    churn(&mut e, vol, model, lbas, writes, seed);
+    drop(e);
+    let e = open_rw(devs, small_config());
+    verify_model(&e, vol, model);
+}
+
 fn one(d: &Arc<FaultDevice>) -> Vec<Arc<dyn lamina_device::BlockDevice>> {
     dyn_devs(std::slice::from_ref(d))
 }
@@ -146,13 +164,10 @@ fn a_grow_whose_last_open_fails_opens_grown() {
         "nothing written to the new segments"
     );
     let all = dyn_devs(&[a.clone(), b.clone()]);
-    let mut e = open_rw(&all, small_config());
+    let e = open_rw(&all, small_config());
     assert_eq!(e.superblock().devices.len(), 2);
     verify_model(&e, vol, &model);
-    churn(&mut e, vol, &mut model, lbas + 300, 2 * lbas, 11);
-    drop(e);
-    let e = open_rw(&all, small_config());
-    verify_model(&e, vol, &model);
+    churn_and_crash(e, &all, vol, &mut model, lbas + 300, 2 * lbas, 11);
 }
 
 /// A grow stopped before its commit (lamina.toml not updated) leaves the array
@@ -201,13 +216,10 @@ fn a_grow_stopped_anywhere_leaves_an_array_that_opens() {
     assert!(!err.to_string().is_empty());
     a.heal();
     let all = dyn_devs(&[a.clone(), b.clone()]);
-    let mut e = open_rw(&all, small_config());
+    let e = open_rw(&all, small_config());
     assert_eq!(e.superblock().devices.len(), 2);
     verify_model(&e, vol, &model);
-    churn(&mut e, vol, &mut model, 1000, 1500, 4);
-    drop(e);
-    let e = open_rw(&all, small_config());
-    verify_model(&e, vol, &model);
+    churn_and_crash(e, &all, vol, &mut model, 1000, 1500, 4);
 }
 
 #[test]
@@ -370,7 +382,7 @@ fn a_jbod_member_moves_to_a_new_device() {
     // The old device is gone: the array opens without it.
     a.vanish();
     let now = [n.clone(), b.clone()];
-    let mut e = open_rw(&dyn_devs(&now), small_config());
+    let e = open_rw(&dyn_devs(&now), small_config());
     verify_model(&e, vol, &model);
     // The new device's count of bytes written starts again.
     let new_written = e.status().members[0].bytes_written;
@@ -378,10 +390,7 @@ fn a_jbod_member_moves_to_a_new_device() {
         new_written < old_written / 4,
         "{new_written} of {old_written}"
     );
-    churn(&mut e, vol, &mut model, 700, 2000, 6);
-    drop(e);
-    let e = open_rw(&dyn_devs(&now), small_config());
-    verify_model(&e, vol, &model);
+    churn_and_crash(e, &dyn_devs(&now), vol, &mut model, 700, 2000, 6);
 }
 
 /// A replace that stops after its commit, between the other members' superblock
@@ -404,13 +413,10 @@ fn a_replace_stopped_after_its_commit_opens_with_the_new_device() {
     assert!(!err.to_string().is_empty());
     b.heal();
     let now = [n.clone(), b.clone()];
-    let mut e = open_rw(&dyn_devs(&now), small_config());
+    let e = open_rw(&dyn_devs(&now), small_config());
     assert_eq!(e.superblock().devices[0].uuid, [0x77; 16]);
     verify_model(&e, vol, &model);
-    churn(&mut e, vol, &mut model, 700, 800, 9);
-    drop(e);
-    let e = open_rw(&dyn_devs(&now), small_config());
-    verify_model(&e, vol, &model);
+    churn_and_crash(e, &dyn_devs(&now), vol, &mut model, 700, 800, 9);
 }
 
 /// A replace that stops before its commit, or on a segment the old device cannot
@@ -531,7 +537,7 @@ fn a_jbod_member_is_evacuated_and_removed() {
     );
     m[1].vanish();
     let rest = dyn_devs(&[m[0].clone(), m[2].clone()]);
-    let mut e = open_rw(&rest, small_config());
+    let e = open_rw(&rest, small_config());
     verify_model(&e, vol, &model);
     let st = e.status();
     assert_eq!(st.members[1].state, "removed");
@@ -540,11 +546,7 @@ fn a_jbod_member_is_evacuated_and_removed() {
         "usable {before} -> {}",
         usable(&e)
     );
-    churn(&mut e, vol, &mut model, 900, 2500, 31);
-    drop(e);
-    let e = open_rw(&rest, small_config());
-    verify_model(&e, vol, &model);
-    drop(e);
+    churn_and_crash(e, &rest, vol, &mut model, 900, 2500, 31);
     // Its device still named but gone: the array opens all the same.
     let named = dyn_devs(&m);
     let e = open_rw(&named, small_config());
@@ -576,14 +578,10 @@ fn a_jbod_member_is_evacuated_and_removed() {
     .expect("replace after an evacuation");
     m[2].vanish();
     let rest = dyn_devs(&[m[0].clone(), r2.clone(), n.clone()]);
-    let mut e = open_rw(&rest, small_config());
+    let e = open_rw(&rest, small_config());
     assert_eq!(e.superblock().devices.len(), 4);
     verify_model(&e, vol, &model);
-    churn(&mut e, vol, &mut model, 900, 1500, 33);
-    drop(e);
-    let e = open_rw(&rest, small_config());
-    verify_model(&e, vol, &model);
-    drop(e);
+    churn_and_crash(e, &rest, vol, &mut model, 900, 1500, 33);
     // Refusals: the removed member again; the last member in use; more data than
     // the others hold.
     let again = evacuate(
