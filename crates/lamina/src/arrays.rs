@@ -291,29 +291,13 @@ pub fn grow(
     let cfg = Config::load(&dir)?;
     refuse_if_served(&dir, "grow it")?;
     let (members, ec) = crate::open_config_devices(&dir, OpenMode::ReadWrite)?;
-    let mut seen: std::collections::HashSet<PathBuf> = cfg
-        .devices
-        .iter()
-        .map(|p| {
-            let p = Config::resolve(&dir, p);
-            p.canonicalize().unwrap_or(p)
-        })
-        .collect();
+    let in_array = member_paths(&dir, &cfg);
+    let mut seen = std::collections::HashSet::new();
     let mut created = crate::Created::default();
     let mut paths = Vec::new();
     let mut new: Vec<Arc<dyn BlockDevice>> = Vec::new();
     for (p, size) in specs {
-        let (abs, dev) =
-            crate::open_new_device(p, *size, &mut seen, &mut created).map_err(|e| {
-                if format!("{e}").contains("listed twice") {
-                    anyhow::anyhow!(
-                        "device {} is listed twice or is already a member",
-                        p.display()
-                    )
-                } else {
-                    e
-                }
-            })?;
+        let (abs, dev) = crate::open_new_device(p, *size, &in_array, &mut seen, &mut created)?;
         new.push(Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?));
         paths.push(abs);
     }
@@ -371,32 +355,24 @@ pub fn replace_jbod(
         .iter()
         .map(|p| Config::resolve(dir, p))
         .collect();
-    let mut seen: std::collections::HashSet<PathBuf> = resolved
-        .iter()
-        .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone()))
-        .collect();
     let mut created = crate::Created::default();
-    let (abs, dev) = crate::open_new_device(path, size, &mut seen, &mut created).map_err(|e| {
-        if format!("{e}").contains("listed twice") {
-            anyhow::anyhow!("device {} is already a member", path.display())
-        } else {
-            e
-        }
-    })?;
+    let (abs, dev) = crate::open_new_device(
+        path,
+        size,
+        &member_paths(dir, &cfg),
+        &mut Default::default(),
+        &mut created,
+    )?;
     let new: Arc<dyn BlockDevice> = Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?);
     // The member's path in lamina.toml (`old_name`: as status names member `old`).
     let old_path = crate::rebuild::member_path(old_name).to_string();
     let (pb, progress) = crate::discard_bar("the new device");
-    let copy_bar = if quiet || as_json {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(1)
-    };
-    copy_bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
+    let copy_bar = crate::progress_bar(
+        quiet || as_json,
+        1,
+        &format!(
             "copying member {old} {{bar:40}} {{bytes}}/{{total_bytes}}  {{elapsed}} (eta {{eta}})"
-        ))
-        .unwrap(),
+        ),
     );
     let params = GrowParams {
         force,
@@ -468,6 +444,18 @@ pub fn replace_jbod(
     Ok(())
 }
 
+/// The devices `cfg` names, as canonical paths (a device named another way is
+/// still recognised).
+fn member_paths(dir: &Path, cfg: &Config) -> std::collections::HashSet<PathBuf> {
+    cfg.devices
+        .iter()
+        .map(|p| {
+            let p = Config::resolve(dir, p);
+            p.canonicalize().unwrap_or(p)
+        })
+        .collect()
+}
+
 /// The commit of a grow or replace: lamina.toml's device list becomes `devices`.
 /// `committed` says whether the file names `new` afterwards, even when the write
 /// reports an error (the rename went through, a sync after it failed): files
@@ -529,16 +517,10 @@ pub fn evacuate(
         );
     }
     let (members, ec) = crate::open_config_devices(dir, OpenMode::ReadWrite)?;
-    let bar = if quiet || as_json {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(1)
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "evacuating member {index} {{bar:40}} {{pos}}/{{len}} segments  {{elapsed}}"
-        ))
-        .unwrap(),
+    let bar = crate::progress_bar(
+        quiet || as_json,
+        1,
+        &format!("evacuating member {index} {{bar:40}} {{pos}}/{{len}} segments  {{elapsed}}"),
     );
     // (superblocks say removed, lamina.toml no longer names it)
     let done = std::cell::Cell::new((false, false));

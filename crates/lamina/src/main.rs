@@ -883,18 +883,11 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     let req = json!({"op": "member-replace", "index": old, "path": path, "size": size,
                      "force": a.force, "rate": rate});
     let bar = |quiet: bool| {
-        let pb = if quiet {
-            indicatif::ProgressBar::hidden()
-        } else {
-            indicatif::ProgressBar::new(100)
-        };
-        pb.set_style(
-            indicatif::ProgressStyle::with_template(
-                "rebuild {bar:40} {percent}% of stripes  {elapsed} (eta {eta})",
-            )
-            .unwrap(),
-        );
-        pb
+        progress_bar(
+            quiet,
+            100,
+            "rebuild {bar:40} {percent}% of stripes  {elapsed} (eta {eta})",
+        )
     };
     if a.whole_device && running {
         bail!("--whole-device runs offline only; stop the server first");
@@ -975,14 +968,10 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
 
 fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
     let dir = absolute(dir)?;
-    let pb = if quiet || json_out {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(1)
-    };
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("scrub {bar:40} {pos}/{len} segments  {elapsed}")
-            .unwrap(),
+    let pb = progress_bar(
+        quiet || json_out,
+        1,
+        "scrub {bar:40} {pos}/{len} segments  {elapsed}",
     );
     let mut progress = |d: u64, t: u64| {
         pb.set_length(t);
@@ -1073,7 +1062,7 @@ pub fn create_array(
     let mut devices: Vec<Arc<dyn BlockDevice>> = Vec::new();
     let mut paths = Vec::new();
     for (p, size) in device_specs {
-        let (abs, dev) = open_new_device(p, *size, &mut seen, &mut created)?;
+        let (abs, dev) = open_new_device(p, *size, &Default::default(), &mut seen, &mut created)?;
         match zoned {
             Some(spec) => {
                 // Its zone state file is ours to remove only if it was not there.
@@ -1105,16 +1094,26 @@ pub fn create_array(
     Ok(())
 }
 
+/// A progress bar of `len` steps drawn with `template` (indicatif's), or a hidden
+/// one (`--quiet`, `--json`). indicatif draws only on a terminal.
+pub(crate) fn progress_bar(hidden: bool, len: u64, template: &str) -> indicatif::ProgressBar {
+    let pb = if hidden {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(len)
+    };
+    pb.set_style(indicatif::ProgressStyle::with_template(template).expect("a valid template"));
+    pb
+}
+
 /// A progress bar for discarding `what`, and the callback that moves it. Drawn
 /// only on a terminal (indicatif hides it otherwise); finish it with
 /// `finish_and_clear`.
 pub(crate) fn discard_bar(what: &str) -> (indicatif::ProgressBar, lamina_core::recovery::Progress) {
-    let pb = indicatif::ProgressBar::new(1);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "discarding {what} {{bar:40}} {{bytes}}/{{total_bytes}}  {{elapsed}}"
-        ))
-        .unwrap(),
+    let pb = progress_bar(
+        false,
+        1,
+        &format!("discarding {what} {{bar:40}} {{bytes}}/{{total_bytes}}  {{elapsed}}"),
     );
     let bar = pb.clone();
     let progress = lamina_core::recovery::Progress(Arc::new(move |done, total| {
@@ -1126,16 +1125,20 @@ pub(crate) fn discard_bar(what: &str) -> (indicatif::ProgressBar, lamina_core::r
 
 /// Opens the device a user named for a new member: PATH as it is, or PATH:SIZE,
 /// which makes a sparse file of SIZE (remembered in `created`) unless it exists
-/// with that size. `seen` holds the devices named before: one named twice is
-/// refused.
+/// with that size. `members`: the array's devices now (canonical paths), which
+/// are refused; `seen` holds the devices named before: one named twice is refused.
 pub(crate) fn open_new_device(
     p: &Path,
     size: Option<u64>,
+    members: &std::collections::HashSet<PathBuf>,
     seen: &mut std::collections::HashSet<PathBuf>,
     created: &mut Created,
 ) -> Result<(PathBuf, FileDevice)> {
     let abs = absolute(p)?;
     let canon = abs.canonicalize().unwrap_or(abs.clone());
+    if members.contains(&canon) {
+        bail!("device {} is already a member", p.display());
+    }
     if !seen.insert(canon) {
         bail!("device {} is listed twice", p.display());
     }

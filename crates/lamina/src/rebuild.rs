@@ -8,7 +8,6 @@ use lamina_core::rebuild::{rebuild, RebuildOptions, RebuildReport};
 use lamina_core::{NewDevice, Request};
 use lamina_device::file::{FileDevice, IoOptions, OpenMode as DevMode};
 use lamina_device::BlockDevice;
-use lamina_format::superblock::{Superblock, SUPERBLOCK_OFFSETS};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -33,17 +32,12 @@ pub fn open_new_device(
         crate::devices::open_device(path, DevMode::ReadWrite, io)?
     };
     if !force {
-        for off in SUPERBLOCK_OFFSETS {
-            let mut b = vec![0u8; 4096];
-            if dev.read_at(&mut b, off).is_ok() {
-                if let Ok(sb) = Superblock::decode(&b) {
-                    bail!(
-                        "{} belongs to Lamina array {:?}; refusing to overwrite it (--force to reuse it)",
-                        path.display(),
-                        sb.array_name
-                    );
-                }
-            }
+        if let Some(sb) = lamina_core::recovery::label_of(&*dev) {
+            bail!(
+                "{} belongs to Lamina array {:?}; refusing to overwrite it (--force to reuse it)",
+                path.display(),
+                sb.array_name
+            );
         }
     }
     Ok(dev)

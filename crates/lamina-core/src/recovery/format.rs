@@ -278,7 +278,7 @@ pub(super) fn zoned_layout(
 }
 
 /// A Lamina superblock on `d` (either copy), if it has one.
-pub(super) fn label_of(d: &dyn BlockDevice) -> Option<Superblock> {
+pub fn label_of(d: &dyn BlockDevice) -> Option<Superblock> {
     SUPERBLOCK_OFFSETS.iter().find_map(|&off| {
         let mut b = vec![0u8; BLOCK_SIZE];
         d.read_at(&mut b, off).ok()?;

@@ -287,9 +287,17 @@ fn checkpointed<T>(
     drop(engine);
     let mut warnings = Vec::new();
     let (sb, members) = assemble::read_superblocks(members, &mut warnings)?;
+    jbod_only(&sb, format::zoned_layout(&members)?.is_some(), what)?;
+    Ok((sb, members, seen))
+}
+
+/// Changes of members (`what`: "grow", "replace", "evacuate") are for JBOD arrays
+/// that are not zoned; the refusal says what a striped array does instead.
+fn jbod_only(sb: &Superblock, zoned: bool, what: &str) -> Result<(), EngineError> {
     if sb.layout != Layout::Jbod {
         let how = match what {
             "grow" => "growing a striped layout means restriping every live segment over more members, which is not built (only JBOD arrays grow)",
+            "evacuate" => "only a JBOD array's member is evacuated (a striped layout's member is replaced by failing it and rebuilding from parity)",
             _ => "a striped layout's member is replaced by failing it and rebuilding from parity (`array fail`, then `array replace`)",
         };
         return invalid(format!(
@@ -298,10 +306,10 @@ fn checkpointed<T>(
             sb.layout.name()
         ));
     }
-    if format::zoned_layout(&members)?.is_some() {
+    if zoned {
         return invalid(format!("zoned arrays cannot {what} their members yet"));
     }
-    Ok((sb, members, seen))
+    Ok(())
 }
 
 /// A device may join the array unless it is a member now, or (without `force`)
@@ -425,16 +433,7 @@ pub fn evacuate(
 ) -> Result<EvacuateReport, EngineError> {
     let (mut engine, _) = open(members.clone(), cfg.clone(), OpenMode::ReadWrite)?;
     let sb = engine.superblock().clone();
-    if sb.layout != Layout::Jbod {
-        return invalid(format!(
-            "array {:?} is {}: only a JBOD array's member is evacuated (a striped layout's member is replaced by failing it and rebuilding from parity)",
-            sb.array_name,
-            sb.layout.name()
-        ));
-    }
-    if engine.zones.zoned {
-        return invalid("zoned arrays cannot evacuate a member yet".into());
-    }
+    jbod_only(&sb, engine.zones.zoned, "evacuate")?;
     let geo = engine.geometry().clone();
     let Some(span) = geo.devices.get(index) else {
         return invalid(format!(

@@ -44,7 +44,7 @@ mod testing;
 
 pub use assemble::{read_superblocks, MEMBER_FAILED, MEMBER_REBUILDING, MEMBER_REMOVED};
 pub(crate) use format::empty_zones;
-pub use format::format;
+pub use format::{format, label_of};
 pub use jbod::{evacuate, grow, replace, EvacuateReport, GrowParams, ReplaceReport};
 
 /// Fewest segments an array may have: stream heads, GC reserve and checkpoint space
