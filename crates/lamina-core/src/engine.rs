@@ -669,7 +669,12 @@ impl Engine {
             device_blocks: counters.member_blocks.clone(),
             durability: Durability::new(),
             segments: {
-                let mut t = SegmentTable::new(segs, free, next_version);
+                let mut t = SegmentTable::new(
+                    segs,
+                    free,
+                    next_version,
+                    geo.data_blocks_per_segment() as u32,
+                );
                 for r in removed {
                     t.withhold(r);
                 }
@@ -702,6 +707,15 @@ impl Engine {
             classifier_factory: None,
             geo,
         })
+    }
+
+    /// Brings the map entry of `lba` in `volume` into the cache ahead of a write
+    /// to it (see [`crate::map::Map::prefetch`]): a caller that knows its next
+    /// request overlaps the memory wait with the current one.
+    pub fn prefetch(&self, volume: VolumeId, lba: Lba) {
+        if let Some(Some(v)) = self.volumes.get(volume.0 as usize) {
+            v.shared.map.prefetch(lba);
+        }
     }
 
     pub fn shared(&self) -> &Arc<Shared> {
@@ -1673,8 +1687,8 @@ impl Engine {
             Entry::Unmapped | Entry::Bad => return,
         };
         let half = self.geo.data_blocks_per_segment() / 2;
+        self.segments.drop_valid(seg);
         let s = &mut self.segments.segs[seg as usize];
-        s.valid -= 1;
         if let Some(v) = self.volumes.get(s.volume as usize).and_then(|v| v.as_ref()) {
             s.last_invalidated = v.user_blocks;
         }
@@ -1749,7 +1763,7 @@ impl Engine {
             vol.live_blocks += 1;
             self.space.mapped(1);
         }
-        self.segments.segs[seg].valid += 1;
+        self.segments.add_valid(seg as u32);
         self.unref(old);
         self.durability.unsynced_writes = true;
         self.blocks_since_checkpoint += 1;
@@ -1901,6 +1915,7 @@ impl Engine {
             gen: self.ckpt.meta_gen,
             ..Seg::free(erase_count)
         };
+        self.segments.opened(seg);
         self.shared.reset_segment(SegmentId(seg), incarnation);
         st.seg = Some(seg);
         st.write_ptr = 0;
@@ -2251,7 +2266,7 @@ impl Engine {
             // Nothing written: the zone is still empty.
             self.zones.done(seg);
             if !meta {
-                self.segments.segs[seg as usize].state = SegState::Closed;
+                self.segments.close(seg);
                 self.segment_emptied(seg);
             }
             return true;
@@ -2310,8 +2325,8 @@ impl Engine {
             self.shared.set_written_end(SegmentId(seg), sg.write_ptr);
         }
         if sg.writes_inflight == 0 && sg.state == SegState::Closing {
-            sg.state = SegState::Closed;
-            if sg.valid == 0 {
+            self.segments.close(seg);
+            if self.segments.segs[seg as usize].valid == 0 {
                 self.segment_emptied(seg);
             }
         }

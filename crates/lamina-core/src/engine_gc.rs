@@ -28,11 +28,11 @@
 //! as before.
 
 use crate::engine::{Engine, Purpose, SegState};
-use crate::gc::Candidate;
+use crate::gc::{Candidate, Scope};
 use crate::io::{IoCompletion, IoKind};
 use crate::map::encode_device;
 use crate::segments::Origins;
-use crate::types::{Pba, RecordAddr, SegmentId, BLOCK_SIZE};
+use crate::types::{Pba, RecordAddr, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
 
@@ -46,7 +46,8 @@ pub(crate) struct GcState {
     active: bool,
     pub victims: u64,
     spare: Vec<Vec<u8>>,
-    cands: Vec<Candidate>,
+    /// Volumes by garbage, reused by `pick_victim`.
+    vols: Vec<(u64, u16)>,
     /// Segments with a read error on a member, to move elsewhere.
     repair: Vec<u32>,
     /// Segments moved because of a read error.
@@ -180,6 +181,10 @@ impl Engine {
         self.gc.repaired
     }
 
+    /// The next victim: in the volume with the most garbage (or the next, if it
+    /// has no candidate), the one its policy prefers, found through the
+    /// segment table's index of candidates (see `victims.rs`) without looking at
+    /// every segment.
     pub(crate) fn pick_victim(&mut self) -> Option<u32> {
         // A segment closed early (half dead while open, or at shutdown) frees its
         // unwritten tail too: its capacity is the full segment.
@@ -190,92 +195,143 @@ impl Engine {
         // and on a working set of a few segments keeps rewriting what it wrote.
         let min_garbage = match self.cfg.gc_garbage_ratio {
             Some(r) if self.segments.free.len() >= self.gc_start_segments() => {
-                (full as f64 * r).ceil() as u32
+                ((full as f64 * r).ceil() as u32).max(1)
             }
             _ => 1,
         };
-        // Withheld segments (a member being evacuated) are moved by the repair
-        // list; collecting them frees nothing.
-        let segments = &self.segments;
-        let collectable = |i: usize, s: &crate::engine::Seg| {
-            s.state == SegState::Closed
-                && s.kind != StreamKind::Meta
-                && !s.gc_exclude
-                && full - s.valid.min(full) >= min_garbage
-                && !segments.is_withheld(i as u32)
-        };
-        let mut garbage: Vec<u64> = vec![0; self.volumes.len()];
-        for (_, s) in self
-            .segments
-            .segs
-            .iter()
-            .enumerate()
-            .filter(|(i, s)| collectable(*i, s))
-        {
-            if let Some(g) = garbage.get_mut(s.volume as usize) {
-                *g += (full - s.valid) as u64;
-            }
+        let limit = full.saturating_sub(min_garbage);
+        let mut vols = std::mem::take(&mut self.gc.vols);
+        self.segments.victims.volumes_with_garbage(&mut vols);
+        // The volume with the most garbage, then (rarely: when none of its
+        // segments holds enough garbage alone) the others in turn.
+        let first = vols.iter().copied().max();
+        let mut pick = first.and_then(|(_, vol)| self.pick_victim_in(VolumeId(vol), limit));
+        if pick.is_none() && vols.len() > 1 {
+            vols.sort_unstable_by(|a, b| b.cmp(a));
+            pick = vols[1..]
+                .iter()
+                .find_map(|&(_, vol)| self.pick_victim_in(VolumeId(vol), limit));
         }
-        let (vol, g) = garbage.iter().enumerate().max_by_key(|(_, g)| **g)?;
-        if *g == 0 {
-            return None;
-        }
-        let now = self.volumes[vol].as_ref()?.user_blocks;
-        let mut cands = std::mem::take(&mut self.gc.cands);
-        cands.clear();
-        for (i, s) in self.segments.segs.iter().enumerate() {
-            if collectable(i, s) && s.volume as usize == vol {
-                cands.push(Candidate {
-                    segment: i as u32,
-                    valid: s.valid,
-                    capacity: full,
-                    age: now.saturating_sub(s.closed),
-                    idle: now.saturating_sub(s.last_invalidated),
-                    erase_count: s.erase_count,
-                    class: s.class,
-                    user: s.kind == StreamKind::User,
-                });
-            }
-        }
-        // What each class of the volume holds and has received.
-        let v = self.volumes[vol].as_ref().unwrap();
-        let mut classes = vec![crate::gc::ClassInfo::default(); v.classes.len()];
-        for (k, c) in v.classes.iter().enumerate() {
-            classes[k].written = c.blocks;
-        }
-        let mut capacity = 0u64;
-        for s in self
-            .segments
-            .segs
-            .iter()
-            .filter(|s| s.volume as usize == vol && s.kind != StreamKind::Meta)
-        {
-            if matches!(s.state, SegState::Free) {
-                continue;
-            }
-            if let Some(ci) = classes.get_mut(s.class as usize) {
-                ci.live += s.valid as u64;
-                // Every segment counts for its full size: the class holds it.
-                ci.space += full as u64;
-            }
-        }
+        self.gc.vols = vols;
+        pick
+    }
+
+    /// The victim of volume `vol` with at most `limit` live blocks, if any.
+    fn pick_victim_in(&mut self, vol: VolumeId, limit: u32) -> Option<u32> {
+        let full = self.geo.data_blocks_per_segment() as u32;
+        let v = self.volumes.get(vol.0 as usize)?.as_ref()?;
+        let now = v.user_blocks;
+        let segs = &self.segments.segs;
+        let candidate = |i: u32| crate::victims::candidate(&segs[i as usize], i, full, now);
+        // What each class of the volume holds and has received, including classes
+        // that segments written under another configuration carry (nothing is
+        // written to those any more).
+        let index = &self.segments.victims;
+        let classes: Vec<crate::gc::ClassInfo> = (0..v.classes.len().max(index.classes(vol.0)))
+            .map(|k| {
+                let (live, held) = index.class_totals(vol.0, k as u8);
+                crate::gc::ClassInfo {
+                    live,
+                    // Every segment counts for its full size: the class holds it.
+                    space: held * full as u64,
+                    written: v.classes.get(k).map_or(0, |c| c.blocks),
+                }
+            })
+            .collect();
         // The space this volume may use: what it holds plus the free segments, or
         // under a garbage-proportion trigger the space at which GC holds it.
-        capacity += classes.iter().map(|c| c.space).sum::<u64>()
-            + self.segments.free.len() as u64 * self.geo.data_blocks_per_segment();
+        let mut capacity = classes.iter().map(|c| c.space).sum::<u64>()
+            + self.segments.free.len() as u64 * full as u64;
         if let Some(ratio) = self.cfg.gc_garbage_ratio {
             let live: u64 = classes.iter().map(|c| c.live).sum();
             capacity = capacity.min((live as f64 / (1.0 - ratio)) as u64);
         }
-        let window = self.cfg.wear_window;
-        let pick = self.volumes[vol]
-            .as_mut()
-            .unwrap()
-            .policy
-            .select_classes(&cands, &classes, capacity, window)
-            .map(|i| cands[i].segment);
-        self.gc.cands = cands;
-        pick
+        let n = segs.len() as u32;
+        let policy = &mut self.volumes[vol.0 as usize].as_mut().unwrap().policy;
+        let scope = policy.scope(&classes, capacity, &|k| {
+            index.any_candidate(vol.0, k, limit, |i| &segs[i as usize])
+        });
+        let class = match scope {
+            Scope::All => None,
+            Scope::Class(k) => Some(k),
+            Scope::Nothing => return None,
+        };
+        let sampled = policy.sample(n, &mut |i| {
+            let c = candidate(i);
+            (index.is_candidate(i)
+                && segs[i as usize].volume == vol.0
+                && class.is_none_or(|k| k == c.class)
+                && c.valid <= limit.min(full.saturating_sub(1)))
+            .then_some(c)
+        });
+        if sampled.is_some() {
+            return sampled;
+        }
+        let q = crate::victims::Query {
+            vol: vol.0,
+            class,
+            limit,
+            now,
+            wear_window: self.cfg.wear_window,
+        };
+        index.best(&q, &**policy, &candidate)
+    }
+
+    /// Checks GC's index of candidates against the segment table (for tests), and
+    /// that each volume's best victim by its policy's score (without the wear
+    /// tie-break) scores what a scan of every candidate finds.
+    #[doc(hidden)]
+    pub fn check_gc_index(&self) {
+        self.segments.check_victims();
+        let full = self.geo.data_blocks_per_segment() as u32;
+        let segs = &self.segments.segs;
+        for (vi, v) in self.volumes.iter().enumerate() {
+            let Some(v) = v else { continue };
+            let now = v.user_blocks;
+            let candidate = |i: u32| crate::victims::candidate(&segs[i as usize], i, full, now);
+            let all: Vec<Candidate> = (0..segs.len() as u32)
+                .filter(|&i| {
+                    let s = &segs[i as usize];
+                    s.volume as usize == vi
+                        && s.state == SegState::Closed
+                        && s.kind != StreamKind::Meta
+                        && !s.gc_exclude
+                        && !self.segments.is_withheld(i)
+                })
+                .map(candidate)
+                .collect();
+            let q = crate::victims::Query {
+                vol: vi as u16,
+                class: None,
+                limit: full,
+                now,
+                wear_window: 0.0,
+            };
+            let p = &*v.policy;
+            let got = self.segments.victims.best(&q, p, &candidate);
+            let want = crate::gc::select_by_score(&all, |c| p.score(c), 0.0);
+            assert_eq!(
+                got.map(|g| p.score(&candidate(g))),
+                want.map(|w| p.score(&all[w])),
+                "volume {vi}: {}'s pick",
+                p.name()
+            );
+        }
+    }
+
+    /// Prefetches the map entries the data records `range` of `buf` name, before
+    /// [`Engine::is_live`] looks them up one by one (a victim's blocks are
+    /// scattered over the map: each lookup would otherwise wait on memory alone).
+    fn prefetch_owners(&self, buf: &[u8], range: std::ops::Range<usize>) {
+        for i in range {
+            let r = record_at(buf, i);
+            if r.kind != kind::DATA {
+                continue;
+            }
+            if let Some(Some(v)) = self.volumes.get(r.vol().0 as usize) {
+                v.shared.map.prefetch(r.block());
+            }
+        }
     }
 
     fn is_live(&self, pba: Pba, r: &RawRecord) -> bool {
@@ -417,6 +473,8 @@ impl Engine {
                             continue;
                         }
                         let (uoff, d, hb) = (u.a as u32, u.b, u.c as u32);
+                        let end = (i + d as usize).min(h.record_count as usize);
+                        self.prefetch_owners(&buf, i..end);
                         for k in 0..d as usize {
                             if i + k >= h.record_count as usize {
                                 break;
@@ -510,7 +568,7 @@ impl Engine {
                     offset,
                     "unit header damaged during garbage collection"
                 );
-                self.segments.segs[seg as usize].gc_exclude = true;
+                self.segments.exclude(seg);
                 self.gc_start_relocation(seg, incarnation, live);
             }
         }
@@ -850,7 +908,7 @@ impl Engine {
                             read_failed = run.failed,
                             "block failed verification during garbage collection; left in place"
                         );
-                        self.segments.segs[seg as usize].gc_exclude = true;
+                        self.segments.exclude(seg);
                         self.counters.corrupt_blocks += 1;
                     }
                 }

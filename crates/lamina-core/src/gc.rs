@@ -49,28 +49,48 @@ pub struct ClassInfo {
     pub written: u64,
 }
 
+/// Where a policy wants GC to look (see [`VictimPolicy::scope`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Every class of the volume.
+    All,
+    /// One class.
+    Class(u8),
+    /// Nothing to collect.
+    Nothing,
+}
+
 /// A victim selection policy.
+///
+/// The engine finds the best scoring candidate through an index (see
+/// `victims.rs`) that relies on every score being **monotone**: a candidate with
+/// fewer live blocks, or an older one (larger `age`, larger `idle`), or written
+/// by users rather than by GC, never scores lower, other things equal.
 pub trait VictimPolicy: Send {
     fn name(&self) -> &'static str;
-    /// Score of a candidate; higher is a better victim. Policies that choose in
-    /// another way (sampling) override [`VictimPolicy::select`] instead.
+    /// Score of a candidate; higher is a better victim. Must be monotone (see the
+    /// trait's documentation).
     fn score(&self, c: &Candidate) -> f64;
-    /// Chooses with knowledge of the volume's classes and the space available to it
-    /// (`capacity`, data blocks). By default ignores them.
-    fn select_classes(
+    /// The classes to collect in, knowing what each class of the volume holds and
+    /// has received and the space available to it (`capacity`, data blocks);
+    /// `collectable` says whether a class has a candidate. By default every class.
+    fn scope(
         &mut self,
-        cands: &[Candidate],
         _classes: &[ClassInfo],
         _capacity: u64,
-        wear_window: f64,
-    ) -> Option<usize> {
-        self.select(cands, wear_window)
+        _collectable: &dyn Fn(u8) -> bool,
+    ) -> Scope {
+        Scope::All
     }
-    /// Index of the chosen candidate. `wear_window`: among candidates scoring within
-    /// this fraction of the best, the least erased one wins (SPDK's FTL does this
-    /// within 10 points of invalidity).
-    fn select(&mut self, cands: &[Candidate], wear_window: f64) -> Option<usize> {
-        select_by_score(cands, |c| self.score(c), wear_window)
+    /// Sampling policies choose here instead of by score, among `segments`
+    /// segments: `candidate` gives a segment's candidate if it is one. `None`:
+    /// choose by score.
+    fn sample(
+        &mut self,
+        _segments: u32,
+        _candidate: &mut dyn FnMut(u32) -> Option<Candidate>,
+    ) -> Option<u32> {
+        None
     }
 }
 
@@ -171,22 +191,28 @@ impl VictimPolicy for DChoices {
     fn score(&self, c: &Candidate) -> f64 {
         c.garbage() as f64
     }
-    fn select(&mut self, cands: &[Candidate], _wear_window: f64) -> Option<usize> {
-        let with_garbage = cands.iter().filter(|c| c.garbage() > 0).count();
-        if with_garbage == 0 {
-            return None;
-        }
-        let mut best: Option<usize> = None;
-        for _ in 0..self.d {
-            let i = self.rng.gen_range(0..cands.len());
-            if cands[i].garbage() == 0 {
+    /// Greedy among `d` candidates drawn at random from the segments (`d x 64`
+    /// draws at most: a volume holding few of them falls back to greedy).
+    fn sample(
+        &mut self,
+        segments: u32,
+        candidate: &mut dyn FnMut(u32) -> Option<Candidate>,
+    ) -> Option<u32> {
+        let mut best: Option<Candidate> = None;
+        let mut found = 0;
+        for _ in 0..self.d * 64 {
+            if found == self.d || segments == 0 {
+                break;
+            }
+            let Some(c) = candidate(self.rng.gen_range(0..segments)) else {
                 continue;
-            }
-            if best.is_none_or(|b| cands[i].garbage() > cands[b].garbage()) {
-                best = Some(i);
+            };
+            found += 1;
+            if c.garbage() > 0 && best.is_none_or(|b| c.garbage() > b.garbage()) {
+                best = Some(c);
             }
         }
-        best.or_else(|| cands.iter().position(|c| c.garbage() > 0))
+        best.map(|c| c.segment)
     }
 }
 
@@ -264,13 +290,12 @@ impl VictimPolicy for Lamina {
     fn score(&self, c: &Candidate) -> f64 {
         c.garbage() as f64
     }
-    fn select_classes(
+    fn scope(
         &mut self,
-        cands: &[Candidate],
         classes: &[ClassInfo],
         capacity: u64,
-        wear_window: f64,
-    ) -> Option<usize> {
+        collectable: &dyn Fn(u8) -> bool,
+    ) -> Scope {
         if self.rate.len() != classes.len() {
             self.rate = vec![0.0; classes.len()];
             self.last_written = classes.iter().map(|c| c.written).collect();
@@ -284,19 +309,13 @@ impl VictimPolicy for Lamina {
         let targets = self.targets(classes, capacity);
         // The class furthest above its share, among those with something to collect.
         let mut best: Option<(f64, u8)> = None;
-        for c in cands.iter().filter(|c| c.garbage() > 0) {
-            let k = c.class as usize;
-            let excess = classes
-                .get(k)
-                .map_or(0.0, |ci| ci.space as f64 - targets[k]);
-            if best.is_none_or(|(e, _)| excess > e) {
-                best = Some((excess, c.class));
+        for (k, c) in classes.iter().enumerate() {
+            let excess = c.space as f64 - targets[k];
+            if best.is_none_or(|(e, _)| excess > e) && collectable(k as u8) {
+                best = Some((excess, k as u8));
             }
         }
-        let (_, class) = best?;
-        let in_class: Vec<Candidate> = cands.iter().copied().filter(|c| c.class == class).collect();
-        let i = select_by_score(&in_class, |c| c.garbage() as f64, wear_window)?;
-        cands.iter().position(|c| c.segment == in_class[i].segment)
+        best.map_or(Scope::Nothing, |(_, k)| Scope::Class(k))
     }
 }
 
@@ -341,7 +360,32 @@ mod tests {
     }
 
     fn pick(p: &mut dyn VictimPolicy, cs: &[Candidate]) -> u32 {
-        cs[p.select(cs, 0.0).unwrap()].segment
+        cs[select_by_score(cs, |c| p.score(c), 0.0).unwrap()].segment
+    }
+
+    /// Every policy's score is monotone (what the victim index relies on): fewer
+    /// live blocks, more age or idle time, or user origin never score lower.
+    #[test]
+    fn scores_are_monotone() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
+        for name in POLICY_NAMES {
+            let p = policy_by_name(name).unwrap();
+            for _ in 0..20_000 {
+                let cap = rng.gen_range(1..5000);
+                let mut c = cand(0, rng.gen_range(0..=cap), rng.gen_range(0..1 << 40));
+                c.capacity = cap;
+                c.idle = rng.gen_range(0..=c.age + 1000);
+                c.user = rng.gen();
+                let s = p.score(&c);
+                let mut d = c;
+                d.valid = rng.gen_range(0..=c.valid);
+                d.age += rng.gen_range(0..1 << 20);
+                d.idle += rng.gen_range(0..1 << 20);
+                d.user |= rng.gen::<bool>();
+                assert!(p.score(&d) >= s, "{name}: {d:?} scores below {c:?}");
+            }
+        }
     }
 
     /// The square-root rule: spare space in proportion to sqrt(rate x live).
@@ -355,12 +399,10 @@ mod tests {
         };
         // Class 0 receives 4 times class 1's writes; equal live data.
         let mut classes = [info(1000, 1200, 0), info(1000, 1200, 0)];
-        let mut cs = [cand(1, 50, 10), cand(2, 60, 10)];
-        cs[1].class = 1;
         for round in 1..=400u64 {
             classes[0].written = 400 * round;
             classes[1].written = 100 * round;
-            p.select_classes(&cs, &classes, 3000, 0.0);
+            p.scope(&classes, 3000, &|_| true);
         }
         let t = p.targets(&classes, 3000);
         let (s0, s1) = (t[0] - 1000.0, t[1] - 1000.0);
@@ -369,12 +411,14 @@ mod tests {
         // Targets are about 1667 (class 0) and 1333 (class 1): GC collects in the
         // class holding the most beyond its target.
         classes[1].space = 1500;
-        let i = p.select_classes(&cs, &classes, 3000, 0.0).unwrap();
-        assert_eq!(cs[i].segment, 2, "collect in the class above its share");
+        let s = p.scope(&classes, 3000, &|_| true);
+        assert_eq!(s, Scope::Class(1), "collect in the class above its share");
+        // Unless it has nothing to collect.
+        assert_eq!(p.scope(&classes, 3000, &|k| k == 0), Scope::Class(0));
+        assert_eq!(p.scope(&classes, 3000, &|_| false), Scope::Nothing);
         classes[1].space = 1200;
         classes[0].space = 1900;
-        let i = p.select_classes(&cs, &classes, 3000, 0.0).unwrap();
-        assert_eq!(cs[i].segment, 1);
+        assert_eq!(p.scope(&classes, 3000, &|_| true), Scope::Class(0));
     }
 
     #[test]
@@ -401,23 +445,27 @@ mod tests {
     #[test]
     fn full_segments_are_never_victims() {
         let cs = [cand(1, 100, 5)];
-        assert!(Greedy.select(&cs, 0.1).is_none());
-        assert!(DChoices::new(4, 1).select(&cs, 0.0).is_none());
+        assert!(select_by_score(&cs, |c| Greedy.score(c), 0.1).is_none());
+        assert!(DChoices::new(4, 1)
+            .sample(1, &mut |_| Some(cs[0]))
+            .is_none());
     }
 
     #[test]
     fn d_choices_samples_and_prefers_garbage() {
         let mut cs: Vec<_> = (0..100).map(|i| cand(i, 90, 0)).collect();
         cs[42].valid = 0;
+        // Odd segments are not candidates.
+        let sample = |d: &mut DChoices| {
+            d.sample(100, &mut |i| (i % 2 == 0).then(|| cs[i as usize]))
+                .unwrap()
+        };
         let mut d = DChoices::new(1000, 7);
-        assert_eq!(
-            pick(&mut d, &cs),
-            42,
-            "with d much larger than n it is greedy"
-        );
+        assert_eq!(sample(&mut d), 42, "with d much larger than n it is greedy");
         let mut d1 = DChoices::new(1, 7);
-        let picks: std::collections::HashSet<u32> = (0..50).map(|_| pick(&mut d1, &cs)).collect();
+        let picks: std::collections::HashSet<u32> = (0..50).map(|_| sample(&mut d1)).collect();
         assert!(picks.len() > 5, "with d = 1 it samples");
+        assert!(picks.iter().all(|p| p % 2 == 0), "only candidates");
     }
 
     #[test]
@@ -441,22 +489,14 @@ mod tests {
         b.erase_count = 3;
         let c = cand(3, 40, 5);
         // Garbage 90 vs 86: within 10% of the best, the less erased wins.
-        assert_eq!(
-            Greedy
-                .select(&[a, b, c], 0.10)
-                .map(|i| [a, b, c][i].segment),
-            Some(2)
-        );
-        assert_eq!(
-            Greedy.select(&[a, b, c], 0.0).map(|i| [a, b, c][i].segment),
-            Some(1)
-        );
+        let greedy = |cs: &[Candidate], w| {
+            select_by_score(cs, |c| Greedy.score(c), w).map(|i| cs[i].segment)
+        };
+        assert_eq!(greedy(&[a, b, c], 0.10), Some(2));
+        assert_eq!(greedy(&[a, b, c], 0.0), Some(1));
         // Outside the window the better score still wins.
         let mut far = cand(4, 60, 5);
         far.erase_count = 0;
-        assert_eq!(
-            Greedy.select(&[a, far], 0.10).map(|i| [a, far][i].segment),
-            Some(1)
-        );
+        assert_eq!(greedy(&[a, far], 0.10), Some(1));
     }
 }

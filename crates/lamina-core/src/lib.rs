@@ -35,6 +35,7 @@ pub mod status;
 mod sync;
 pub mod types;
 mod unit_buffers;
+mod victims;
 mod zones;
 
 pub use engine::{Engine, EngineConfig, NewDevice, Reply, Request, Token};

@@ -17,6 +17,7 @@
 //! release records; this module owns the states and the queues, and checks every
 //! transition against the state it expects.
 
+use crate::victims::VictimIndex;
 use lamina_format::unit::StreamKind;
 use std::collections::{HashMap, VecDeque};
 
@@ -179,6 +180,8 @@ pub(crate) struct SegmentTable {
     /// evacuated or removed (`array evacuate`). They become free as GC and
     /// checkpoints empty them, and stay out of use.
     withheld: Vec<std::ops::Range<u32>>,
+    /// GC's candidates, kept as the table changes (see `victims.rs`).
+    pub victims: VictimIndex,
 }
 
 impl SegmentTable {
@@ -186,14 +189,27 @@ impl SegmentTable {
     /// held was opened by an earlier run, at a version below it, so they count as
     /// retired just before it (discarded once a checkpoint of this run, which
     /// starts at `opened_at` or later, is durable).
-    pub fn new(mut segs: Vec<Seg>, free: VecDeque<u32>, opened_at: u64) -> Self {
+    /// `full`: data blocks of a segment.
+    pub fn new(mut segs: Vec<Seg>, free: VecDeque<u32>, opened_at: u64, full: u32) -> Self {
         debug_assert!(free
             .iter()
             .all(|&s| segs[s as usize].state == SegState::Free));
         for &s in &free {
             segs[s as usize].retired = opened_at.saturating_sub(1);
         }
+        let mut victims = VictimIndex::new(segs.len(), full);
+        for (i, s) in segs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.state != SegState::Free)
+        {
+            victims.hold(i as u32, s);
+            if s.state == SegState::Closed && !s.gc_exclude && s.kind != StreamKind::Meta {
+                victims.insert(i as u32, s);
+            }
+        }
         SegmentTable {
+            victims,
             segs,
             free,
             draining: Vec::new(),
@@ -230,6 +246,7 @@ impl SegmentTable {
     pub fn emptied(&mut self, seg: u32, gen: u64) {
         let s = &mut self.segs[seg as usize];
         assert_eq!(s.state, SegState::Closed, "segment {seg} emptied");
+        self.victims.remove(seg, s);
         s.state = SegState::Draining;
         s.gen = gen;
         self.draining.push(seg);
@@ -326,6 +343,7 @@ impl SegmentTable {
     pub fn make_free(&mut self, seg: u32, now_ms: u64) {
         let old = &self.segs[seg as usize];
         debug_assert!(!old.discarding, "segment {seg} freed while discarded");
+        self.victims.release(seg, old);
         let retired = old.incarnation;
         self.segs[seg as usize] = Seg {
             retired,
@@ -341,7 +359,57 @@ impl SegmentTable {
     /// queue, and out of it again when they are released.
     pub fn withhold(&mut self, range: std::ops::Range<u32>) {
         self.free.retain(|s| !range.contains(s));
+        for seg in range.clone() {
+            self.victims.remove(seg, &self.segs[seg as usize]);
+        }
         self.withheld.push(range);
+    }
+
+    /// Segment `seg` was (re)opened by a stream: it holds data of its volume and
+    /// class from now on.
+    pub fn opened(&mut self, seg: u32) {
+        self.victims.hold(seg, &self.segs[seg as usize]);
+    }
+
+    /// Segment `seg`'s writes are all done: it is closed, a GC candidate unless
+    /// excluded or withheld.
+    pub fn close(&mut self, seg: u32) {
+        let s = &mut self.segs[seg as usize];
+        s.state = SegState::Closed;
+        if !s.gc_exclude && s.kind != StreamKind::Meta && !self.is_withheld(seg) {
+            self.victims.insert(seg, &self.segs[seg as usize]);
+        }
+    }
+
+    /// GC left a block it could not read or verify in `seg`: it is not collected
+    /// again until reused.
+    pub fn exclude(&mut self, seg: u32) {
+        let s = &mut self.segs[seg as usize];
+        s.gc_exclude = true;
+        self.victims.remove(seg, s);
+    }
+
+    /// One more live block in `seg`.
+    #[inline]
+    pub fn add_valid(&mut self, seg: u32) {
+        let s = &mut self.segs[seg as usize];
+        s.valid += 1;
+        self.victims.valid_changed(seg, s, s.valid - 1);
+    }
+
+    /// One live block fewer in `seg`.
+    #[inline]
+    pub fn drop_valid(&mut self, seg: u32) {
+        let s = &mut self.segs[seg as usize];
+        s.valid -= 1;
+        self.victims.valid_changed(seg, s, s.valid + 1);
+    }
+
+    /// Checks GC's index against the table (for tests).
+    pub fn check_victims(&self) {
+        self.victims.check(&self.segs, |i, s| {
+            s.state == SegState::Closed && !s.gc_exclude && !self.is_withheld(i)
+        });
     }
 
     pub fn is_withheld(&self, seg: u32) -> bool {
@@ -421,7 +489,7 @@ mod tests {
             s.state = SegState::Closed;
             s.erase_count = 3;
         }
-        SegmentTable::new(segs, VecDeque::new(), 1)
+        SegmentTable::new(segs, VecDeque::new(), 1, 100)
     }
 
     #[test]

@@ -570,7 +570,24 @@ pub fn simulate(
     let mut next_sample = start.user_blocks + series_step;
     let mut next_progress = start.user_blocks + (1 << 20);
     let t0 = Instant::now();
-    while let Some(op) = workload.next_op() {
+    // Operations are read a few ahead, and each one's map entry is prefetched as
+    // it is read: by the time the engine takes it, the memory wait is over
+    // (lookups of scattered entries would otherwise wait one after another).
+    const LOOKAHEAD: usize = 8;
+    let mut ahead: std::collections::VecDeque<Op> = std::collections::VecDeque::new();
+    loop {
+        while ahead.len() < LOOKAHEAD {
+            let Some(n) = workload.next_op() else {
+                break;
+            };
+            if let Some(&v) = ids.get(n.volume as usize) {
+                engine.prefetch(v, lamina_core::Lba(n.lba));
+            }
+            ahead.push_back(n);
+        }
+        let Some(op) = ahead.pop_front() else {
+            break;
+        };
         let Some(&volume) = ids.get(op.volume as usize) else {
             continue;
         };
