@@ -2118,7 +2118,7 @@ impl Engine {
         let sg = &mut self.segments.segs[seg as usize];
         sg.writes_inflight += 1;
         sg.write_ptr = u.offset + blocks;
-        sg.data_blocks += u.data;
+        self.segments.sealed(seg, u.data);
         self.bufs.sealed(u.buf, seg, u.offset, u.data);
         self.counters.media_blocks += blocks as u64;
         match stream_kind {
@@ -2623,31 +2623,9 @@ impl Engine {
         self.space.gc_stop(self.gc_classes())
     }
 
-    /// Dead blocks GC could reclaim (those of closed data segments) over the
-    /// blocks stored in data segments, the garbage proportion of SepBIT's trigger.
-    /// Dead blocks of open segments do not count: GC cannot reach them, and on a
-    /// working set of a few segments they alone can hold the proportion above the
-    /// trigger, so that GC would run without end on segments with little garbage.
+    /// The garbage proportion of SepBIT's trigger (see
+    /// [`SegmentTable::garbage_proportion`]).
     pub(crate) fn garbage_proportion(&self) -> f64 {
-        let (mut stored, mut garbage) = (0u64, 0u64);
-        for s in &self.segments.segs {
-            // Segments on their way back to the free queue hold nothing any more.
-            let holds = matches!(
-                s.state,
-                SegState::Open | SegState::Closing | SegState::Closed
-            );
-            if s.kind == StreamKind::Meta || !holds {
-                continue;
-            }
-            stored += s.data_blocks as u64;
-            if s.state == SegState::Closed {
-                garbage += s.data_blocks.saturating_sub(s.valid) as u64;
-            }
-        }
-        if stored == 0 {
-            0.0
-        } else {
-            garbage as f64 / stored as f64
-        }
+        self.segments.garbage_proportion()
     }
 }

@@ -182,6 +182,52 @@ pub(crate) struct SegmentTable {
     withheld: Vec<std::ops::Range<u32>>,
     /// GC's candidates, kept as the table changes (see `victims.rs`).
     pub victims: VictimIndex,
+    /// What the garbage proportion weighs (see [`SegmentTable::garbage_proportion`]).
+    proportion: Proportion,
+}
+
+/// Data blocks of the data segments that hold data (open, closing or closed), and
+/// of the closed ones with their live blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Proportion {
+    stored: u64,
+    closed: u64,
+    closed_live: u64,
+}
+
+impl Proportion {
+    fn of(segs: &[Seg]) -> Self {
+        let mut p = Proportion::default();
+        for s in segs.iter().filter(|s| holds(s)) {
+            p.stored += s.data_blocks as u64;
+            if s.state == SegState::Closed {
+                p.closed += s.data_blocks as u64;
+                p.closed_live += s.valid as u64;
+            }
+        }
+        p
+    }
+
+    /// `s` stops holding data (emptied or freed).
+    fn leave(&mut self, s: &Seg) {
+        if holds(s) {
+            self.stored -= s.data_blocks as u64;
+            if s.state == SegState::Closed {
+                self.closed -= s.data_blocks as u64;
+                self.closed_live -= s.valid as u64;
+            }
+        }
+    }
+}
+
+/// Whether `s` is a data segment that holds data (one on its way back to the free
+/// queue holds nothing any more).
+fn holds(s: &Seg) -> bool {
+    s.kind != StreamKind::Meta
+        && matches!(
+            s.state,
+            SegState::Open | SegState::Closing | SegState::Closed
+        )
 }
 
 impl SegmentTable {
@@ -209,6 +255,7 @@ impl SegmentTable {
             }
         }
         SegmentTable {
+            proportion: Proportion::of(&segs),
             victims,
             segs,
             free,
@@ -247,6 +294,7 @@ impl SegmentTable {
         let s = &mut self.segs[seg as usize];
         assert_eq!(s.state, SegState::Closed, "segment {seg} emptied");
         self.victims.remove(seg, s);
+        self.proportion.leave(s);
         s.state = SegState::Draining;
         s.gen = gen;
         self.draining.push(seg);
@@ -344,6 +392,8 @@ impl SegmentTable {
         let old = &self.segs[seg as usize];
         debug_assert!(!old.discarding, "segment {seg} freed while discarded");
         self.victims.release(seg, old);
+        // A simulation frees emptied segments at once, without draining them.
+        self.proportion.leave(old);
         let retired = old.incarnation;
         self.segs[seg as usize] = Seg {
             retired,
@@ -368,16 +418,52 @@ impl SegmentTable {
     /// Segment `seg` was (re)opened by a stream: it holds data of its volume and
     /// class from now on.
     pub fn opened(&mut self, seg: u32) {
-        self.victims.hold(seg, &self.segs[seg as usize]);
+        let s = &self.segs[seg as usize];
+        self.victims.hold(seg, s);
+        if holds(s) {
+            self.proportion.stored += s.data_blocks as u64;
+        }
+    }
+
+    /// A unit of `data` data blocks was sealed into `seg`.
+    pub fn sealed(&mut self, seg: u32, data: u32) {
+        let s = &mut self.segs[seg as usize];
+        s.data_blocks += data;
+        if holds(s) {
+            self.proportion.stored += data as u64;
+            if s.state == SegState::Closed {
+                self.proportion.closed += data as u64;
+            }
+        }
+    }
+
+    /// Dead blocks GC could reclaim (those of closed data segments) over the
+    /// blocks stored in data segments: the garbage proportion of SepBIT's trigger.
+    /// Dead blocks of open segments do not count: GC cannot reach them, and on a
+    /// working set of a few segments they alone can hold the proportion above the
+    /// trigger, so that GC would run without end on segments with little garbage.
+    pub fn garbage_proportion(&self) -> f64 {
+        let p = &self.proportion;
+        if p.stored == 0 {
+            0.0
+        } else {
+            p.closed.saturating_sub(p.closed_live) as f64 / p.stored as f64
+        }
     }
 
     /// Segment `seg`'s writes are all done: it is closed, a GC candidate unless
     /// excluded or withheld.
     pub fn close(&mut self, seg: u32) {
         let s = &mut self.segs[seg as usize];
+        debug_assert_ne!(s.state, SegState::Closed, "segment {seg} closed twice");
         s.state = SegState::Closed;
+        if s.kind != StreamKind::Meta {
+            self.proportion.closed += s.data_blocks as u64;
+            self.proportion.closed_live += s.valid as u64;
+        }
+        let s = &self.segs[seg as usize];
         if !s.gc_exclude && s.kind != StreamKind::Meta && !self.is_withheld(seg) {
-            self.victims.insert(seg, &self.segs[seg as usize]);
+            self.victims.insert(seg, s);
         }
     }
 
@@ -395,6 +481,9 @@ impl SegmentTable {
         let s = &mut self.segs[seg as usize];
         s.valid += 1;
         self.victims.valid_changed(seg, s, s.valid - 1);
+        if s.state == SegState::Closed && s.kind != StreamKind::Meta {
+            self.proportion.closed_live += 1;
+        }
     }
 
     /// One live block fewer in `seg`.
@@ -403,10 +492,18 @@ impl SegmentTable {
         let s = &mut self.segs[seg as usize];
         s.valid -= 1;
         self.victims.valid_changed(seg, s, s.valid + 1);
+        if s.state == SegState::Closed && s.kind != StreamKind::Meta {
+            self.proportion.closed_live -= 1;
+        }
     }
 
     /// Checks GC's index against the table (for tests).
     pub fn check_victims(&self) {
+        assert_eq!(
+            self.proportion,
+            Proportion::of(&self.segs),
+            "garbage proportion"
+        );
         self.victims.check(&self.segs, |i, s| {
             s.state == SegState::Closed && !s.gc_exclude && !self.is_withheld(i)
         });

@@ -129,3 +129,53 @@ fn classes_left_by_another_configuration_are_collected() {
     run("lamina", ["lamina", "none"], None, 21);
     run("cost-benefit-sqrt", ["sepbit", "none"], None, 22);
 }
+
+/// The simulator's engine (`metadata_only`) frees emptied segments at once instead
+/// of draining them: the index and the garbage proportion follow that path too.
+#[test]
+fn the_index_follows_the_table_in_a_simulation() {
+    for ratio in [None, Some(0.15)] {
+        let devs: Vec<Arc<dyn BlockDevice>> =
+            vec![Arc::new(MemDevice::new("d", device_bytes(SEGMENTS)))];
+        format_devices(&devs, &small_params());
+        let mut e = open_rw(
+            &devs,
+            EngineConfig {
+                metadata_only: true,
+                gc_garbage_ratio: ratio,
+                ..small_config()
+            },
+        );
+        let blocks = (e.status().usable_bytes / BS as u64) * 70 / 100;
+        let vol = create_volume(&mut e, "v", blocks * BS as u64);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let write = |e: &mut lamina_core::Engine, lba: u64, count: u32| {
+            call(
+                e,
+                Request::WriteBlocks {
+                    volume: vol,
+                    lba: lamina_core::Lba(lba),
+                    count,
+                },
+            )
+            .result
+            .expect("write");
+        };
+        for lba in (0..blocks).step_by(16) {
+            write(&mut e, lba, (blocks - lba).min(16) as u32);
+        }
+        for i in 0..30_000u64 {
+            let lba = if rng.gen_bool(0.8) {
+                rng.gen_range(0..blocks / 10)
+            } else {
+                rng.gen_range(0..blocks)
+            };
+            write(&mut e, lba, 1);
+            if i % 500 == 0 {
+                e.check_gc_index();
+            }
+        }
+        e.check_gc_index();
+        assert!(e.status().gc_victims > 200, "GC ran");
+    }
+}
