@@ -370,9 +370,30 @@ impl TraceReader {
         }
         let id = self.names.len() as u32;
         self.volumes.insert(name.to_string(), id);
-        self.names.push(name.to_string());
+        let mut volume = volume_name(name);
+        if self.names.contains(&volume) {
+            volume = format!("{volume}-{id}");
+        }
+        self.names.push(volume);
         id
     }
+}
+
+/// The volume name a trace's device becomes: as it is where it is a valid volume
+/// name, else with every character a name may not hold replaced by '_' and, where
+/// it does not start with a letter or digit, after a 'v' (blkparse names its
+/// devices "8,33").
+fn volume_name(device: &str) -> String {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    let mut name: String = device
+        .chars()
+        .map(|c| if ok(c) { c } else { '_' })
+        .take(48)
+        .collect();
+    if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        name.insert(0, 'v');
+    }
+    name
 }
 
 impl Workload for TraceReader {
@@ -575,9 +596,29 @@ mod tests {
         let local = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/blkparse-ext4-sample.txt");
         let path = if local.exists() { local } else { sample };
         let (v, names) = ops(&path, Format::Blkparse);
-        assert_eq!(names, vec!["8,33"]);
+        assert_eq!(names, vec!["8_33"]);
         assert!(v.len() > 100, "{} writes", v.len());
         assert!(v.iter().all(|o| o.blocks >= 1));
+    }
+
+    #[test]
+    fn devices_become_valid_volume_names() {
+        assert_eq!(volume_name("8,33"), "8_33");
+        assert_eq!(volume_name("src1_0"), "src1_0");
+        assert_eq!(volume_name(".x y"), "v.x_y");
+        assert_eq!(volume_name(&"a".repeat(100)).len(), 48);
+        let p = write_tmp(
+            "names",
+            "1,a b,0,Write,0,4096,1\n2,a_b,0,Write,0,4096,1\n",
+            false,
+        );
+        let mut r = TraceReader::open(&p, Format::Msr).unwrap();
+        while r.next_op().is_some() {}
+        assert_eq!(
+            r.volume_names(),
+            ["a_b_0", "a_b_0-1"],
+            "distinct devices stay distinct"
+        );
     }
 
     #[test]

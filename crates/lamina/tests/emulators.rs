@@ -203,6 +203,31 @@ fn sim_replays_on_an_emulated_ssd() {
     assert!(!o.status.success(), "an impossible drive is refused");
 }
 
+/// `lamina sim --trace` replays the blkparse sample in the repository, whose device
+/// ("8,33") is not a valid volume name as it stands: the volume takes a name that
+/// is ("8_33").
+#[test]
+fn sim_replays_the_blkparse_sample() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../lamina-sim/testdata/blkparse-ext4-sample.txt"
+    );
+    let out = lamina(&[
+        "sim",
+        "--trace",
+        trace,
+        "--trace-format",
+        "blkparse",
+        "--overprovision",
+        "0.07",
+        "--quiet",
+        "--json",
+    ]);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(j["write_amplification"].as_f64().unwrap() >= 1.0, "{j}");
+    assert!(out.contains("8_33"), "{out}");
+}
+
 /// `lamina bench parity`: every routine runs and reports a rate, Q by words beats
 /// Q by tables by a wide margin (the reason the word path exists), and bad
 /// arguments are refused.
