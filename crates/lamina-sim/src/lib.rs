@@ -459,15 +459,27 @@ pub fn simulate(
     // come out of the spare, as they would on a real array.
     let reserve_classes = cfg.footprint_classes.unwrap_or(gc_classes);
     let reserve_start = cfg.gc_start_segments.max(reserve_classes + 3);
-    let data: u64 = volumes
-        .iter()
-        .map(|v| ((v.working_set.max(1) as f64) * (1.0 + cfg.overprovision)).ceil() as u64)
-        .sum();
+    let with_spare =
+        |v: &VolumeSpec| ((v.working_set.max(1) as f64) * (1.0 + cfg.overprovision)).ceil() as u64;
     // The metadata stream holds two segments and GC keeps about `reserve_start`
     // free; the open segments of the streams are part of the placement's own cost
     // and are not compensated.
     let overhead = 2 + reserve_start as u64;
-    let segments = data.div_ceil(per_seg) + overhead;
+    let segments = if volumes.len() == 1 {
+        with_spare(&volumes[0]).div_ceil(per_seg) + overhead
+    } else {
+        // Volumes never share a segment: each one's data takes whole segments,
+        // and each one past the first keeps its own open user and GC segments
+        // (the first one's come out of the spare, as on a one-volume array).
+        // Without this, volumes smaller than a segment could not fit an array
+        // sized to their working sets under any placement.
+        volumes
+            .iter()
+            .map(|v| with_spare(v).div_ceil(per_seg))
+            .sum::<u64>()
+            + 2 * (volumes.len() as u64 - 1)
+            + overhead
+    };
     let segments = segments.max(lamina_core::recovery::MIN_SEGMENTS as u64);
     if segments * cfg.segment_blocks as u64 >= lamina_core::map::PBA_LIMIT as u64 {
         return Err(SimError::Invalid(

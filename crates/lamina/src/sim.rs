@@ -23,7 +23,9 @@ starts after --warmup user blocks (default: the fill and the first half of the
 writes). Traces are measured whole.
 
 Over-provisioning is spare / user: the array gets (1 + OP) x the working set of data
-space, plus the few segments the engine keeps out of circulation.
+space, plus the few segments the engine keeps out of circulation. A trace of several
+volumes gets that per volume in whole segments (volumes never share one), and two
+segments for the open streams of each volume past the first.
 
 EXAMPLES
     lamina sim --workload uniform --overprovision 0.28
