@@ -3,7 +3,8 @@
 //!
 //! A closed data segment is a candidate. Each volume's candidates are kept per heat
 //! class in an ordered set keyed by (bucket of its live blocks, close time,
-//! segment): [`BUCKETS`] buckets of equal width over a segment's data blocks. A
+//! segment): [`BUCKETS`] buckets of equal width (a power of two) over a segment's
+//! data blocks. A
 //! segment moves to another bucket only when its live count crosses a bucket
 //! boundary, so an overwrite costs a set update once every bucket width of
 //! invalidations, and nothing otherwise.
@@ -63,6 +64,9 @@ pub(crate) struct VictimIndex {
     full: u32,
     /// Live counts per bucket.
     width: u32,
+    /// log2 of `width`, a power of two (a shift on every invalidation, not a
+    /// division).
+    shift: u32,
     /// Per segment: `NOT_HELD`, `HELD`, or the bucket it is indexed under.
     state: Vec<u8>,
     vols: Vec<VolIndex>,
@@ -109,7 +113,12 @@ impl VictimIndex {
     pub fn new(segments: usize, full: u32) -> Self {
         VictimIndex {
             full: full.max(1),
-            width: full.max(1).div_ceil(BUCKETS),
+            width: full.max(1).div_ceil(BUCKETS).next_power_of_two(),
+            shift: full
+                .max(1)
+                .div_ceil(BUCKETS)
+                .next_power_of_two()
+                .trailing_zeros(),
             state: vec![NOT_HELD; segments],
             vols: Vec::new(),
         }
@@ -120,7 +129,7 @@ impl VictimIndex {
         if valid >= self.full {
             return BUCKETS as u8;
         }
-        (valid / self.width).min(BUCKETS - 1) as u8
+        (valid >> self.shift).min(BUCKETS - 1) as u8
     }
 
     fn garbage(&self, s: &Seg) -> u64 {
@@ -211,14 +220,14 @@ impl VictimIndex {
         if st == NOT_HELD {
             return;
         }
-        let c = self.class_mut(s.volume, s.class);
+        let b = self.bucket(s.valid);
+        // A held segment's volume and class have their entries (see `hold`).
+        let c = &mut self.vols[s.volume as usize].classes[s.class as usize];
         c.live = c.live + s.valid as u64 - before as u64;
         if st == HELD {
             return;
         }
-        let b = self.bucket(s.valid);
         if b != st {
-            let c = self.class_mut(s.volume, s.class);
             c.set.remove(&key(st, s.closed, seg));
             c.set.insert(key(b, s.closed, seg));
             self.state[seg as usize] = b;
