@@ -518,8 +518,10 @@ impl Map {
         // SAFETY: a prefetch is a hint; it reads nothing and cannot fault.
         unsafe {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(word.as_ptr() as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(page[SEQ_WORD].as_ptr() as *const i8);
+            // The atomic's own address (a std atomic is its value; under loom
+            // the hint lands on loom's object, which is as harmless).
+            _mm_prefetch::<_MM_HINT_T0>((word as *const AtomicU64).cast::<i8>());
+            _mm_prefetch::<_MM_HINT_T0>((&page[SEQ_WORD] as *const AtomicU64).cast::<i8>());
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = word;
