@@ -700,7 +700,7 @@ pub fn measure(ops: &mut dyn Workload) -> Vec<(u64, u64)> {
             seen.resize_with(v + 1, Default::default);
             max.resize(v + 1, 0);
         }
-        let end = op.lba + op.blocks as u64;
+        let end = op.lba.saturating_add(op.blocks as u64);
         max[v] = max[v].max(end);
         if op.trim {
             continue;

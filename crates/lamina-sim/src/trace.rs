@@ -327,6 +327,8 @@ pub struct TraceReader {
     line_no: u64,
     volumes: HashMap<String, u32>,
     names: Vec<String>,
+    /// The volume names given so far.
+    taken: std::collections::HashSet<String>,
     pending: Option<Op>,
     /// Added to every offset, in bytes (a partition that starts at sector 63 puts
     /// 4 KiB clusters on 4 KiB boundaries with +512).
@@ -345,6 +347,7 @@ impl TraceReader {
             line_no: 0,
             volumes: HashMap::new(),
             names: Vec::new(),
+            taken: Default::default(),
             pending: None,
             shift: 0,
             garbage: 0,
@@ -370,21 +373,32 @@ impl TraceReader {
         }
         let id = self.names.len() as u32;
         self.volumes.insert(name.to_string(), id);
-        let mut volume = volume_name(name);
-        if self.names.contains(&volume) {
-            volume = format!("{volume}-{id}");
+        // Two devices that meet on one name ("8,33" and "8;33") stay apart: the
+        // later one takes the first free name with a number appended.
+        let base = volume_name(name);
+        let mut volume = base.clone();
+        let mut n = id;
+        while self.taken.contains(&volume) {
+            // Room for the number within the 64 characters of a name.
+            volume = format!("{}-{n}", &base[..base.len().min(48)]);
+            n += 1;
         }
+        self.taken.insert(volume.clone());
         self.names.push(volume);
         id
     }
 }
 
 /// The volume name a trace's device becomes: as it is where it is a valid volume
-/// name, else with every character a name may not hold replaced by '_' and, where
-/// it does not start with a letter or digit, after a 'v' (blkparse names its
-/// devices "8,33").
+/// name, else its first 48 characters with every one a name may not hold replaced
+/// by '_' and, where it does not start with a letter or digit, after a 'v'
+/// (blkparse names its devices "8,33").
 fn volume_name(device: &str) -> String {
     let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    let starts_well = device.starts_with(|c: char| c.is_ascii_alphanumeric());
+    if starts_well && device.len() <= 64 && device.chars().all(ok) {
+        return device.to_string();
+    }
     let mut name: String = device
         .chars()
         .map(|c| if ok(c) { c } else { '_' })
@@ -619,6 +633,14 @@ mod tests {
             ["a_b_0", "a_b_0-1"],
             "distinct devices stay distinct"
         );
+        // A sanitised name that meets a valid one and then that one with the
+        // number appended.
+        let line = |dev: &str| format!("{dev} 1 1 0.0 1 D W 0 + 8 [p]\n");
+        let text: String = ["8_33-2", "8,33", "8;33"].map(line).concat();
+        let p = write_tmp("names2", &text, false);
+        let mut r = TraceReader::open(&p, Format::Blkparse).unwrap();
+        while r.next_op().is_some() {}
+        assert_eq!(r.volume_names(), ["8_33-2", "8_33", "8_33-3"]);
     }
 
     #[test]
