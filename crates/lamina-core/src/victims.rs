@@ -308,61 +308,63 @@ impl VictimIndex {
         visit: &mut dyn FnMut(&Candidate, f64) -> bool,
     ) {
         let limit = q.limit.min(self.full - 1);
-        for c in self.classes_of(q.vol, q.class) {
-            let mut from = 0u128;
-            loop {
-                let mut it = c.set.range(from..).peekable();
-                let Some(&&first) = it.peek() else {
-                    break;
-                };
-                let (b, _, _) = unkey(first);
-                let lo = b as u32 * self.width;
-                if lo > limit || b as u32 >= BUCKETS {
-                    break;
-                }
-                for &k in it {
-                    let (kb, closed, seg) = unkey(k);
-                    if kb != b {
+        // The next bucket of a class at or after `from` that may hold candidates.
+        let next_bucket = |c: &ClassIndex, from: u32| {
+            (from < BUCKETS)
+                .then(|| c.set.range(key(from as u8, 0, 0)..).next())
+                .flatten()
+                .map(|&k| unkey(k).0 as u32)
+                .filter(|&b| b < BUCKETS && b * self.width <= limit)
+        };
+        // Buckets in order across the classes, the emptiest first (so that the
+        // wear tie-break's bounded look takes the best of every class first).
+        let classes: Vec<&ClassIndex> = self.classes_of(q.vol, q.class).collect();
+        let mut cursor: Vec<Option<u32>> = classes.iter().map(|c| next_bucket(c, 0)).collect();
+        while let Some((i, b)) = cursor
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.map(|b| (i, b)))
+            .min_by_key(|&(_, b)| b)
+        {
+            let lo = b * self.width;
+            for &k in classes[i]
+                .set
+                .range(key(b as u8, 0, 0)..key(b as u8 + 1, 0, 0))
+            {
+                let (_, closed, seg) = unkey(k);
+                let age = q.now.saturating_sub(closed);
+                if let Some(f) = floor() {
+                    let bound = policy.score(&Candidate {
+                        segment: seg,
+                        valid: lo,
+                        capacity: self.full,
+                        age,
+                        idle: u64::MAX,
+                        erase_count: 0,
+                        class: 0,
+                        user: true,
+                    });
+                    if bound < f || (!inclusive && bound == f) {
                         break;
                     }
-                    let age = q.now.saturating_sub(closed);
-                    if let Some(f) = floor() {
-                        let bound = policy.score(&Candidate {
-                            segment: seg,
-                            valid: lo,
-                            capacity: self.full,
-                            age,
-                            idle: u64::MAX,
-                            erase_count: 0,
-                            class: 0,
-                            user: true,
-                        });
-                        if bound < f || (!inclusive && bound == f) {
-                            break;
-                        }
-                    }
-                    let cd = cand(seg);
-                    if cd.valid > limit {
-                        continue;
-                    }
-                    if !visit(&cd, policy.score(&cd)) {
-                        return;
-                    }
                 }
-                from = key(b + 1, 0, 0);
-                if b as u32 + 1 >= BUCKETS {
-                    // The last bucket with garbage was walked.
-                    break;
+                let cd = cand(seg);
+                if cd.valid > limit {
+                    continue;
+                }
+                if !visit(&cd, policy.score(&cd)) {
+                    return;
                 }
             }
+            cursor[i] = next_bucket(classes[i], b + 1);
         }
     }
 
     /// The best victim of `q` by `policy`'s score: the same score a scan of every
     /// candidate would find ([`crate::gc::select_by_score`]). With a wear window,
     /// the least erased of the candidates scoring within the window of the best
-    /// wins, looked for among at most [`WEAR_SCAN`] of them (class by class, the
-    /// emptiest buckets of each first).
+    /// wins, looked for among at most [`WEAR_SCAN`] of them (the emptiest buckets
+    /// of every class first).
     pub fn best(
         &self,
         q: &Query,
