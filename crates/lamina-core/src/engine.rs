@@ -2622,10 +2622,4 @@ impl Engine {
     pub(crate) fn gc_stop_segments(&self) -> usize {
         self.space.gc_stop(self.gc_classes())
     }
-
-    /// The garbage proportion of SepBIT's trigger (see
-    /// [`SegmentTable::garbage_proportion`]).
-    pub(crate) fn garbage_proportion(&self) -> f64 {
-        self.segments.garbage_proportion()
-    }
 }

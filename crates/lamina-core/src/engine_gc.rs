@@ -290,14 +290,7 @@ impl Engine {
             let now = v.user_blocks;
             let candidate = |i: u32| crate::victims::candidate(&segs[i as usize], i, full, now);
             let all: Vec<Candidate> = (0..segs.len() as u32)
-                .filter(|&i| {
-                    let s = &segs[i as usize];
-                    s.volume as usize == vi
-                        && s.state == SegState::Closed
-                        && s.kind != StreamKind::Meta
-                        && !s.gc_exclude
-                        && !self.segments.is_withheld(i)
-                })
+                .filter(|&i| segs[i as usize].volume as usize == vi && self.segments.collectable(i))
                 .map(candidate)
                 .collect();
             let q = crate::victims::Query {
@@ -363,7 +356,7 @@ impl Engine {
                     self.gc.active = false;
                 }
                 if let Some(ratio) = self.cfg.gc_garbage_ratio {
-                    if self.garbage_proportion() > ratio {
+                    if self.segments.garbage_proportion() > ratio {
                         self.gc.active = true;
                     }
                 }

@@ -243,20 +243,9 @@ impl SegmentTable {
         for &s in &free {
             segs[s as usize].retired = opened_at.saturating_sub(1);
         }
-        let mut victims = VictimIndex::new(segs.len(), full);
-        for (i, s) in segs
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.state != SegState::Free)
-        {
-            victims.hold(i as u32, s);
-            if s.state == SegState::Closed && !s.gc_exclude && s.kind != StreamKind::Meta {
-                victims.insert(i as u32, s);
-            }
-        }
-        SegmentTable {
+        let mut t = SegmentTable {
             proportion: Proportion::of(&segs),
-            victims,
+            victims: VictimIndex::new(segs.len(), full),
             segs,
             free,
             draining: Vec::new(),
@@ -268,7 +257,27 @@ impl SegmentTable {
             discarded: 0,
             quarantined: 0,
             withheld: Vec::new(),
+        };
+        for i in 0..t.segs.len() as u32 {
+            let s = &t.segs[i as usize];
+            if s.state != SegState::Free {
+                t.victims.hold(i, s);
+            }
+            if t.collectable(i) {
+                t.victims.insert(i, &t.segs[i as usize]);
+            }
         }
+        t
+    }
+
+    /// Whether `seg` is one GC may collect: a closed data segment, not excluded
+    /// (see `Seg::gc_exclude`), not withheld. The index of candidates holds these.
+    pub fn collectable(&self, seg: u32) -> bool {
+        let s = &self.segs[seg as usize];
+        s.state == SegState::Closed
+            && s.kind != StreamKind::Meta
+            && !s.gc_exclude
+            && !self.is_withheld(seg)
     }
 
     /// Segments somewhere in the release pipeline (free once flushes complete).
@@ -461,9 +470,8 @@ impl SegmentTable {
             self.proportion.closed += s.data_blocks as u64;
             self.proportion.closed_live += s.valid as u64;
         }
-        let s = &self.segs[seg as usize];
-        if !s.gc_exclude && s.kind != StreamKind::Meta && !self.is_withheld(seg) {
-            self.victims.insert(seg, s);
+        if self.collectable(seg) {
+            self.victims.insert(seg, &self.segs[seg as usize]);
         }
     }
 
@@ -504,9 +512,7 @@ impl SegmentTable {
             Proportion::of(&self.segs),
             "garbage proportion"
         );
-        self.victims.check(&self.segs, |i, s| {
-            s.state == SegState::Closed && !s.gc_exclude && !self.is_withheld(i)
-        });
+        self.victims.check(&self.segs, |i, _| self.collectable(i));
     }
 
     pub fn is_withheld(&self, seg: u32) -> bool {

@@ -62,10 +62,8 @@ struct VolIndex {
 pub(crate) struct VictimIndex {
     /// Data blocks of a segment.
     full: u32,
-    /// Live counts per bucket.
-    width: u32,
-    /// log2 of `width`, a power of two (a shift on every invalidation, not a
-    /// division).
+    /// log2 of the live counts per bucket, a power of two (a shift on every
+    /// invalidation, not a division).
     shift: u32,
     /// Per segment: `NOT_HELD`, `HELD`, or the bucket it is indexed under.
     state: Vec<u8>,
@@ -113,7 +111,6 @@ impl VictimIndex {
     pub fn new(segments: usize, full: u32) -> Self {
         VictimIndex {
             full: full.max(1),
-            width: full.max(1).div_ceil(BUCKETS).next_power_of_two(),
             shift: full
                 .max(1)
                 .div_ceil(BUCKETS)
@@ -130,6 +127,11 @@ impl VictimIndex {
             return BUCKETS as u8;
         }
         (valid >> self.shift).min(BUCKETS - 1) as u8
+    }
+
+    /// The lowest live count of bucket `b`.
+    fn bucket_low(&self, b: u32) -> u32 {
+        b << self.shift
     }
 
     fn garbage(&self, s: &Seg) -> u64 {
@@ -285,7 +287,7 @@ impl VictimIndex {
             c.set
                 .iter()
                 .map(|&k| unkey(k))
-                .take_while(|&(b, _, _)| b as u32 * self.width <= limit)
+                .take_while(|&(b, _, _)| self.bucket_low(b as u32) <= limit)
                 .any(|(_, _, s)| seg(s).valid <= limit)
         })
     }
@@ -314,7 +316,7 @@ impl VictimIndex {
                 .then(|| c.set.range(key(from as u8, 0, 0)..).next())
                 .flatten()
                 .map(|&k| unkey(k).0 as u32)
-                .filter(|&b| b < BUCKETS && b * self.width <= limit)
+                .filter(|&b| b < BUCKETS && self.bucket_low(b) <= limit)
         };
         // Buckets in order across the classes, the emptiest first (so that the
         // wear tie-break's bounded look takes the best of every class first).
@@ -326,7 +328,7 @@ impl VictimIndex {
             .filter_map(|(i, b)| b.map(|b| (i, b)))
             .min_by_key(|&(_, b)| b)
         {
-            let lo = b * self.width;
+            let lo = self.bucket_low(b);
             for &k in classes[i]
                 .set
                 .range(key(b as u8, 0, 0)..key(b as u8 + 1, 0, 0))
