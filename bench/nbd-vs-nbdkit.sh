@@ -54,6 +54,19 @@ lamina="$here/target/release/lamina"
 source "$here/bench/lib.sh"
 bench_workdir $shm lamina-bench
 
+# new_array DIR MIB: an array on one backing file of MIB MiB, written in full first
+# and never discarded (see the first part), and start_filled DIR serves it with the
+# engine's discards off unless LAMINA_ENGINE names `discard`.
+new_array() {
+  dd if=/dev/zero of="$1/dev.img" bs=4M count=$(( $2 / 4 )) status=none
+  "$lamina" array create "$1" --device "$1/dev.img" --no-discard >/dev/null
+}
+start_filled() { # dir
+  local engine_lines=${LAMINA_ENGINE:-}
+  [[ "$engine_lines" == *discard\ =* ]] || engine_lines="discard = false${engine_lines:+
+$engine_lines}"
+  LAMINA_ENGINE=$engine_lines start_lamina "$1"
+}
 start_lamina() { # dir
   lamina_configure "$1"
   "$lamina" serve "$1" --unix "$1/nbd.sock" >"$1/serve.out" 2>"$1/serve.err" &
@@ -94,11 +107,18 @@ mkdir -p "$work/lamina" "$work/nbdkit"
 # costs far more than the copy itself (here 224 MB/s into fresh tmpfs pages against
 # 4.3 GB/s into written ones; fallocate does not touch tmpfs pages), and a
 # log-structured writer moves over new space where nbdkit rewrites the same blocks.
-dd if=/dev/zero of="$work/lamina/dev.img" bs=4M count=1024 status=none
+# Discards would undo the fill for Lamina alone: `array create` discards its devices
+# (holes in a file) and the engine discards segments that stay free for 30 s, so
+# unit writes would land in pages the kernel must allocate and the VM's host fault
+# in. On this 2-core VM that took half the server's CPU (4 KiB randwrite 0.65x
+# nbdkit at 19.2 us per request, against 0.9-1.0x at 9-10 us without discards;
+# docs/benchmarks.md). A block device's blocks stay where they are when discarded,
+# so this part runs Lamina as on one: --no-discard, and `discard = false` unless
+# LAMINA_ENGINE names `discard` itself.
+new_array "$work/lamina" 4096
 dd if=/dev/zero of="$work/nbdkit/dev.img" bs=4M count=512 status=none
-"$lamina" array create "$work/lamina" --device "$work/lamina/dev.img" >/dev/null
 "$lamina" volume create "$work/lamina" vol --size 2G >/dev/null
-start_lamina "$work/lamina"
+start_filled "$work/lamina"
 lpid=${pids[-1]}
 nbdkit -U "$work/nbdkit/nbd.sock" --foreground file "$work/nbdkit/dev.img" &
 pids+=($!)
@@ -152,11 +172,11 @@ fi
 
 # ---- steady state: volume at 80% of usable capacity, GC running
 mkdir -p "$work/steady"
-"$lamina" array create "$work/steady" --device "$work/steady/dev.img:2G" >/dev/null
+new_array "$work/steady" 2048
 usable=$("$lamina" status "$work/steady" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["usable_bytes"])')
 volsize=$(( usable * 8 / 10 / 1048576 ))M
 "$lamina" volume create "$work/steady" vol --size "$volsize" >/dev/null
-start_lamina "$work/steady"
+start_filled "$work/steady"
 S="nbd+unix:///vol?socket=$work/steady/nbd.sock"
 REGION=$volsize
 fill "$S"
@@ -207,10 +227,9 @@ rm -rf "$work/steady"
 # the writer's run never needs GC: what the writer alone costs the reader (on 2 cores,
 # mostly CPU), to tell it from what GC adds.
 mkdir -p "$work/nogc"
-dd if=/dev/zero of="$work/nogc/dev.img" bs=4M count=4096 status=none
-"$lamina" array create "$work/nogc" --device "$work/nogc/dev.img" >/dev/null
+new_array "$work/nogc" 16384
 "$lamina" volume create "$work/nogc" vol --size "$volsize" >/dev/null
-start_lamina "$work/nogc"
+start_filled "$work/nogc"
 S="nbd+unix:///vol?socket=$work/nogc/nbd.sock"
 fill "$S"
 read -r n99 n999 <<<"$(read_lat --name=writer --rw=randwrite --iodepth=32 --rate_iops=0)"
