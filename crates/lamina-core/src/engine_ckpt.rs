@@ -230,6 +230,7 @@ impl Engine {
             counters: self.counters.to_vec(),
             segment_times,
             placement,
+            discarded: self.segments.discarded_runs(),
             skipped: Vec::new(),
         }
         .encode();

@@ -515,6 +515,23 @@ impl SegmentTable {
         self.victims.check(&self.segs, |i, _| self.collectable(i));
     }
 
+    /// Free segments discarded since they were last written, as ascending runs
+    /// `(first, count)` (what a checkpoint records, so that a restart does not
+    /// discard them again).
+    pub fn discarded_runs(&self) -> Vec<(u32, u32)> {
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for (i, s) in self.segs.iter().enumerate() {
+            if s.state != SegState::Free || !s.clean || s.discarding {
+                continue;
+            }
+            match runs.last_mut() {
+                Some((first, count)) if *first + *count == i as u32 => *count += 1,
+                _ => runs.push((i as u32, 1)),
+            }
+        }
+        runs
+    }
+
     pub fn is_withheld(&self, seg: u32) -> bool {
         self.withheld.iter().any(|r| r.contains(&seg))
     }

@@ -588,6 +588,51 @@ fn released_segments_are_discarded() {
     }
 }
 
+/// What was discarded stays known across a restart (the checkpoint records it), so
+/// the next run does not discard every free segment again: on a large SSD that was
+/// a TRIM of all free space 30 s after every start, and on a thin backing file the
+/// pages of a file written in full given back at once.
+#[test]
+fn discarded_segments_are_not_discarded_again_after_a_restart() {
+    let devs: Vec<Arc<dyn BlockDevice>> = vec![Arc::new(lamina_device::mem::MemDevice::new(
+        "d",
+        device_bytes(120),
+    ))];
+    format_devices(&devs, &small_params());
+    let cfg = || lamina_core::EngineConfig {
+        discard_delay_ms: 60_000,
+        ..small_config()
+    };
+    let idle = |e: &mut lamina_core::Engine, secs: u64| {
+        for _ in 0..secs {
+            let t = e.now_ms() + 1000;
+            e.tick(t);
+            lamina_core::run_inline(e);
+        }
+    };
+    let mut e = open_rw(&devs, cfg());
+    idle(&mut e, 100);
+    let first = e.segments_discarded();
+    assert!(first > 3, "{first} discarded after 100 s idle");
+    call(&mut e, Request::Checkpoint).result.unwrap();
+    let clean = e.free_segments_discarded();
+    drop(e);
+    let mut e = open_rw(&devs, cfg());
+    let kept = e.free_segments_discarded();
+    // The recovery checkpoint takes a segment or two of them.
+    assert!(
+        kept + 4 >= clean && kept > 3,
+        "{kept} of {clean} known as discarded after the restart"
+    );
+    idle(&mut e, 100);
+    let again = e.segments_discarded();
+    assert!(
+        again <= 4,
+        "{again} segments discarded again after the restart ({clean} were)"
+    );
+    assert!(e.free_segments_discarded() + 4 >= clean);
+}
+
 /// Segments opened after the durable checkpoint are not discarded when released
 /// or while free: recovery walks them in free-queue order and would take a long
 /// run of zeroed ones for the end of the allocations, missing everything after it.

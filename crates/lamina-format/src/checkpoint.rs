@@ -222,6 +222,7 @@ pub const MAX_PLACEMENT_STATE: usize = 64 << 10;
 /// reader skips tags it does not know, so adding one needs no format version.
 const EXT_SEGMENT_TIMES: u32 = 1;
 const EXT_PLACEMENT: u32 = 2;
+const EXT_DISCARDED: u32 = 3;
 
 /// Encoded size of a [`SegmentRecord`].
 pub const SEGMENT_RECORD_SIZE: usize = 34;
@@ -242,6 +243,10 @@ pub struct CheckpointMeta {
     pub segment_times: Vec<SegmentTimes>,
     /// Each volume's classifier and what it has learnt.
     pub placement: Vec<PlacementRecord>,
+    /// Free segments whose extent was discarded since they were last written, as
+    /// ascending, disjoint runs `(first, count)`: a restart need not discard them
+    /// again. Losing the section only costs discards done twice.
+    pub discarded: Vec<(u32, u32)>,
     /// Optional sections this build could not read and skipped (not encoded).
     pub skipped: Vec<String>,
 }
@@ -323,6 +328,17 @@ impl CheckpointMeta {
                 e.buf.extend_from_slice(&p.state);
             }
             w.u32(EXT_PLACEMENT);
+            w.u32(e.buf.len() as u32);
+            w.buf.extend_from_slice(&e.buf);
+        }
+        if !self.discarded.is_empty() {
+            let mut e = Writer::default();
+            e.u32(self.discarded.len() as u32);
+            for &(first, count) in &self.discarded {
+                e.u32(first);
+                e.u32(count);
+            }
+            w.u32(EXT_DISCARDED);
             w.u32(e.buf.len() as u32);
             w.buf.extend_from_slice(&e.buf);
         }
@@ -420,6 +436,7 @@ impl CheckpointMeta {
         // is skipped with a note, never an error that would keep the array closed.
         let mut segment_times = Vec::new();
         let mut placement = Vec::new();
+        let mut discarded = Vec::new();
         let mut skipped = Vec::new();
         let rest = &buf[r.position()..];
         let mut x = Reader::new(rest, WHAT);
@@ -441,6 +458,7 @@ impl CheckpointMeta {
                     decode_segment_times(section, segments.len()).map(|t| segment_times = t)
                 }
                 EXT_PLACEMENT => decode_placement(section).map(|p| placement = p),
+                EXT_DISCARDED => decode_discarded(section, segments.len()).map(|d| discarded = d),
                 // A section a later build added.
                 _ => Ok(()),
             };
@@ -456,9 +474,35 @@ impl CheckpointMeta {
             counters,
             segment_times,
             placement,
+            discarded,
             skipped,
         })
     }
+}
+
+/// The discarded-segments section: ascending, disjoint runs within the table.
+fn decode_discarded(b: &[u8], segments: usize) -> Result<Vec<(u32, u32)>, FormatError> {
+    const WHAT: &str = "checkpoint discarded segments";
+    let invalid = |detail: String| FormatError::Invalid { what: WHAT, detail };
+    let mut e = Reader::new(b, WHAT);
+    let n = e.u32()? as usize;
+    if n.saturating_mul(8) != b.len() - e.position() {
+        return Err(invalid(format!("{n} runs in {} bytes", b.len())));
+    }
+    let mut runs = Vec::with_capacity(n);
+    let mut end = 0u64;
+    for _ in 0..n {
+        let (first, count) = (e.u32()?, e.u32()?);
+        let last = first as u64 + count as u64;
+        if count == 0 || (first as u64) < end || last > segments as u64 {
+            return Err(invalid(format!(
+                "run of {count} from segment {first} (after {end}, of {segments})"
+            )));
+        }
+        end = last;
+        runs.push((first, count));
+    }
+    Ok(runs)
 }
 
 /// The segment-times section: one entry per segment of the table.
@@ -576,8 +620,42 @@ mod tests {
             counters: vec![1, 2, 3],
             segment_times: vec![],
             placement: vec![],
+            discarded: vec![],
             skipped: vec![],
         }
+    }
+
+    /// The discarded segments travel as runs; runs that overlap, go backwards, are
+    /// empty or leave the table make the section skipped, never the checkpoint.
+    #[test]
+    fn discarded_runs_roundtrip_and_bad_ones_are_skipped() {
+        let mut m = sample();
+        m.discarded = vec![(1, 1)];
+        assert_eq!(CheckpointMeta::decode(&m.encode()).unwrap(), m);
+        for bad in [
+            vec![(0, 2), (1, 1)],
+            vec![(1, 1), (0, 1)],
+            vec![(0, 0)],
+            vec![(1, 2)],
+            vec![(u32::MAX, 2)],
+        ] {
+            let mut b = sample();
+            b.discarded = bad.clone();
+            let d = CheckpointMeta::decode(&b.encode()).expect("decodes");
+            assert!(
+                d.discarded.is_empty() && d.skipped.len() == 1,
+                "{bad:?}: {:?}",
+                d.skipped
+            );
+        }
+        // A count that does not match the section's length.
+        let mut enc = sample().encode();
+        enc.extend_from_slice(&EXT_DISCARDED.to_le_bytes());
+        enc.extend_from_slice(&8u32.to_le_bytes());
+        enc.extend_from_slice(&1000u32.to_le_bytes());
+        enc.extend_from_slice(&1u32.to_le_bytes());
+        let d = CheckpointMeta::decode(&enc).expect("decodes");
+        assert!(d.discarded.is_empty() && d.skipped.len() == 1);
     }
 
     #[test]

@@ -203,6 +203,13 @@ pub(super) fn segment_table(meta: &CheckpointMeta, nsegs: usize) -> Vec<Seg> {
             s.last_invalidated = t.closed;
         }
     }
+    // Free segments discarded since last written stay so until the walk finds
+    // them written again (`replay::settle_segments`).
+    for &(first, count) in &meta.discarded {
+        for s in &mut segs[first as usize..][..count as usize] {
+            s.clean = s.state == SegState::Free;
+        }
+    }
     segs
 }
 

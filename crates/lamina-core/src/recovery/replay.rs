@@ -206,6 +206,7 @@ pub(super) fn settle_segments(
             }
         }
         s.incarnation = f.incarnation;
+        s.clean = false;
         s.kind = f.kind;
         s.class = f.class;
         s.volume = f.volume;
@@ -524,7 +525,9 @@ mod tests {
         segs[1] = seg(SegState::Closed, 4, 64); // released after C
         segs[2] = seg(SegState::Meta, 5, 9); // an older checkpoint's
         segs[3] = seg(SegState::Free, 0, 0); // taken after C, now written
+        segs[3].clean = true; // discarded before C
         segs[4] = seg(SegState::Closed, 0, 0); // a stream head that got nothing
+        segs[5].clean = true; // discarded before C, still free
         let units = vec![
             unit(0, 11, 11, 0, vec![RawRecord::data(1, 0, 0); 7]),
             unit(8, 12, 11, 0, vec![RawRecord::data(1, 1, 0); 3]),
@@ -558,7 +561,12 @@ mod tests {
             (0, 10),
             "dated by counting the volume's blocks"
         );
+        assert!(!s.clean, "written after its discard");
         assert_eq!(segs[4].state, SegState::Free);
+        assert!(
+            segs[5].clean,
+            "a discarded segment nothing wrote to stays so"
+        );
     }
 
     /// Valid counts come from the final maps; a block mapped into a segment that
