@@ -128,7 +128,7 @@ impl Engine {
         let gen = self.ckpt.last_gen + 1;
         // The metadata stream moves to a fresh segment: everything of this
         // generation lives in segments opened from here on.
-        let ms = self.meta_stream;
+        let ms = self.log.meta_stream;
         self.close_segment(ms);
         self.ckpt.meta_gen = gen;
         let start_version = self.take_version();
@@ -204,6 +204,7 @@ impl Engine {
             })
             .collect();
         let streams = self
+            .log
             .streams
             .iter()
             .map(|s| StreamRecord {
@@ -324,7 +325,7 @@ impl Engine {
         let mut w = w;
         match w.phase {
             Phase::Writing => {
-                let ms = self.meta_stream;
+                let ms = self.log.meta_stream;
                 let mut budget = 2 * self.geo.unit_data_max as u64;
                 let mut block = [0u8; BLOCK_SIZE];
                 while w.next < w.total && budget > 0 {
@@ -333,7 +334,7 @@ impl Engine {
                     }
                     self.checkpoint_block(&w, w.next, &mut block);
                     if w.first.is_none() {
-                        let seg = self.streams[ms].seg.unwrap();
+                        let seg = self.log.streams[ms].seg.unwrap();
                         w.first = Some((seg, self.segments.segs[seg as usize].incarnation));
                     }
                     self.append_checkpoint_block(w.gen, w.next, &block);
@@ -369,8 +370,8 @@ impl Engine {
 
     fn append_checkpoint_block(&mut self, gen: u64, index: u64, data: &[u8; BLOCK_SIZE]) {
         let h = self.geo.header_blocks as u32;
-        let ms = self.meta_stream;
-        let st = &mut self.streams[ms];
+        let ms = self.log.meta_stream;
+        let st = &mut self.log.streams[ms];
         let u = st.unit.as_mut().unwrap();
         // SAFETY: metadata buffers are never named by map entries.
         unsafe { self.shared.buffers.blocks_mut(u.buf, h + u.data, 1) }.copy_from_slice(data);
@@ -402,7 +403,7 @@ impl Engine {
         self.counters.checkpoints += 1;
         self.volumes_committed(w.gen);
         // Metadata segments of earlier generations are superseded now.
-        let ms = &self.streams[self.meta_stream];
+        let ms = &self.log.streams[self.log.meta_stream];
         let keep = [ms.seg, ms.next_seg];
         for seg in 0..self.segments.segs.len() {
             let s = &self.segments.segs[seg];

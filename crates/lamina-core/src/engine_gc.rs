@@ -123,8 +123,8 @@ impl Engine {
         });
         for k in 0..self.gc.repair.len() {
             let seg = self.gc.repair[k];
-            if let Some(s) = self.streams.iter().position(|st| st.seg == Some(seg)) {
-                if self.streams[s].kind != StreamKind::Meta {
+            if let Some(s) = self.log.streams.iter().position(|st| st.seg == Some(seg)) {
+                if self.log.streams[s].kind != StreamKind::Meta {
                     self.close_segment(s);
                 }
             }
@@ -164,7 +164,7 @@ impl Engine {
         // again by the reads that moved it.
         let movable = |s: u32| {
             let sg = &self.segments.segs[s as usize];
-            let open = self.streams.iter().any(|st| st.seg == Some(s));
+            let open = self.log.streams.iter().any(|st| st.seg == Some(s));
             (sg.state == SegState::Closed || open) && sg.kind != StreamKind::Meta && !sg.gc_exclude
         };
         self.gc.repair.iter().any(|&s| movable(s))
@@ -854,7 +854,7 @@ impl Engine {
                             .is_some_and(|_| v.shared.map.was_read(r.block()));
                         if read_hot {
                             gc_stream = v.read_hot_stream.unwrap();
-                            class = self.streams[gc_stream].class as usize;
+                            class = self.log.streams[gc_stream].class as usize;
                         }
                         if self.ensure_unit(gc_stream, 1, 0).is_err() {
                             blocked = true;
@@ -870,7 +870,7 @@ impl Engine {
                         };
                         self.append_data(gc_stream, volume, r.block(), block, Some(r.b));
                         // Date the moved block by when a user last wrote it.
-                        let st = &mut self.streams[gc_stream];
+                        let st = &mut self.log.streams[gc_stream];
                         let to = st.seg.expect("ensure_unit opened it");
                         let unit = st.unit.as_mut().expect("ensure_unit opened it");
                         let offset = unit.offset + self.geo.header_blocks as u32 + unit.data - 1;

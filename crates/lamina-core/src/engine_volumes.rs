@@ -89,8 +89,8 @@ impl Engine {
             } else {
                 StreamKind::Gc
             };
-            self.streams.push(Stream::new(kind, c, id.0));
-            streams.push(self.streams.len() - 1);
+            self.log.streams.push(Stream::new(kind, c, id.0));
+            streams.push(self.log.streams.len() - 1);
         }
         // Extra streams take the class numbers after the classifier's.
         // The extra streams have fixed class numbers after the classifier's (the
@@ -99,8 +99,8 @@ impl Engine {
         let extra = |engine: &mut Self, kind: StreamKind, class: u8, f: fn(&mut Stream)| {
             let mut st = Stream::new(kind, class, id.0);
             f(&mut st);
-            engine.streams.push(st);
-            engine.streams.len() - 1
+            engine.log.streams.push(st);
+            engine.log.streams.len() - 1
         };
         let read_hot_stream = self
             .geometry_aware
@@ -194,7 +194,7 @@ impl Engine {
         }
         self.refresh_gc_classes();
         for s in dropped {
-            if self.streams[s].seg.is_some() && self.failed.is_none() {
+            if self.log.streams[s].seg.is_some() && self.failed.is_none() {
                 self.close_segment(s);
             }
         }

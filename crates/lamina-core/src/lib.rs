@@ -12,6 +12,7 @@ mod durability;
 pub mod engine;
 mod engine_ckpt;
 mod engine_gc;
+mod engine_log;
 mod engine_members;
 mod engine_volumes;
 pub use engine_volumes::{check_volume_size, trim_tail};

@@ -158,7 +158,7 @@ impl Engine {
                     kind: match v
                         .streams
                         .iter()
-                        .map(|&st| &self.streams[st])
+                        .map(|&st| &self.log.streams[st])
                         .find(|st| st.class as usize == c)
                     {
                         Some(st) if st.small => "small",

@@ -223,7 +223,7 @@ pub fn open_unfinished(
     engine.update_class_caps();
     if writable && engine.zones.zoned {
         // Small streams take conventional segments only: no zone.
-        let streams = engine.streams.iter().filter(|s| !s.small).count() as u32;
+        let streams = engine.log.streams.iter().filter(|s| !s.small).count() as u32;
         if engine.zones.limit > 0 && streams > engine.zones.limit {
             return Err(EngineError::Invalid(format!(
                 "the volumes' streams and the metadata stream need {streams} zones open at once, the devices allow {}: configure fewer heat classes (classifier) or geometry_aware = false",
