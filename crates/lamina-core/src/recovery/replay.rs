@@ -144,6 +144,16 @@ pub(super) fn settle_segments(
     ckpt: &Checkpoint,
     clocks: &VolumeClocks,
 ) {
+    // A segment the walk found units in, or a release record for, was written
+    // after C: whatever the checkpoint says, it holds data again and is discarded
+    // once it has been free long enough. (Released incarnations are not in
+    // `kept`, and a segment released after C may still carry C's incarnation.)
+    let written = walk.found.iter().map(|f| f.seg);
+    for seg in written.chain(walk.released.iter().map(|&(seg, _)| seg)) {
+        if let Some(s) = segs.get_mut(seg as usize) {
+            s.clean = false;
+        }
+    }
     for (seg, inc) in &walk.released {
         // A release record naming a segment the array does not have (it passed its
         // unit's checksum, so a bug wrote it) releases nothing.
@@ -206,7 +216,6 @@ pub(super) fn settle_segments(
             }
         }
         s.incarnation = f.incarnation;
-        s.clean = false;
         s.kind = f.kind;
         s.class = f.class;
         s.volume = f.volume;
@@ -528,6 +537,7 @@ mod tests {
         segs[3].clean = true; // discarded before C
         segs[4] = seg(SegState::Closed, 0, 0); // a stream head that got nothing
         segs[5].clean = true; // discarded before C, still free
+        segs[6].clean = true; // discarded before C, then written and released after
         let units = vec![
             unit(0, 11, 11, 0, vec![RawRecord::data(1, 0, 0); 7]),
             unit(8, 12, 11, 0, vec![RawRecord::data(1, 1, 0); 3]),
@@ -536,7 +546,7 @@ mod tests {
         // not have, and release nothing.
         let mut walk = walk_of(
             vec![found(3, 11, 1, units)],
-            &[(1, 4), (8, 1), (u32::MAX, 1)],
+            &[(1, 4), (6, 13), (8, 1), (u32::MAX, 1)],
         );
         walk.scanned_heads.insert(4);
         let clocks = VolumeClocks::new(&ckpt.volumes, walk.data_units());
@@ -566,6 +576,10 @@ mod tests {
         assert!(
             segs[5].clean,
             "a discarded segment nothing wrote to stays so"
+        );
+        assert!(
+            segs[6].state == SegState::Free && !segs[6].clean,
+            "written and released after C: not discarded since"
         );
     }
 
