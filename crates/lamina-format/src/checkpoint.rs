@@ -298,49 +298,43 @@ impl CheckpointMeta {
             w.u64(*c);
         }
         if !self.segment_times.is_empty() {
-            let mut e = Writer::default();
-            e.u32(self.segment_times.len() as u32);
-            for t in &self.segment_times {
-                e.u64(t.born);
-                e.u64(t.closed);
-                match &t.origins {
-                    None => e.u8(0),
-                    Some(o) => {
-                        e.u8(ORIGIN_SLOTS as u8);
-                        for &x in o {
-                            e.u64(x);
+            section(&mut w, EXT_SEGMENT_TIMES, |e| {
+                e.u32(self.segment_times.len() as u32);
+                for t in &self.segment_times {
+                    e.u64(t.born);
+                    e.u64(t.closed);
+                    match &t.origins {
+                        None => e.u8(0),
+                        Some(o) => {
+                            e.u8(ORIGIN_SLOTS as u8);
+                            for &x in o {
+                                e.u64(x);
+                            }
                         }
                     }
                 }
-            }
-            w.u32(EXT_SEGMENT_TIMES);
-            w.u32(e.buf.len() as u32);
-            w.buf.extend_from_slice(&e.buf);
+            });
         }
         if !self.placement.is_empty() {
-            let mut e = Writer::default();
-            e.u32(self.placement.len() as u32);
-            for p in &self.placement {
-                debug_assert!(p.state.len() <= MAX_PLACEMENT_STATE);
-                e.u16(p.volume);
-                e.str(&p.classifier);
-                e.u32(p.state.len() as u32);
-                e.buf.extend_from_slice(&p.state);
-            }
-            w.u32(EXT_PLACEMENT);
-            w.u32(e.buf.len() as u32);
-            w.buf.extend_from_slice(&e.buf);
+            section(&mut w, EXT_PLACEMENT, |e| {
+                e.u32(self.placement.len() as u32);
+                for p in &self.placement {
+                    debug_assert!(p.state.len() <= MAX_PLACEMENT_STATE);
+                    e.u16(p.volume);
+                    e.str(&p.classifier);
+                    e.u32(p.state.len() as u32);
+                    e.buf.extend_from_slice(&p.state);
+                }
+            });
         }
         if !self.discarded.is_empty() {
-            let mut e = Writer::default();
-            e.u32(self.discarded.len() as u32);
-            for &(first, count) in &self.discarded {
-                e.u32(first);
-                e.u32(count);
-            }
-            w.u32(EXT_DISCARDED);
-            w.u32(e.buf.len() as u32);
-            w.buf.extend_from_slice(&e.buf);
+            section(&mut w, EXT_DISCARDED, |e| {
+                e.u32(self.discarded.len() as u32);
+                for &(first, count) in &self.discarded {
+                    e.u32(first);
+                    e.u32(count);
+                }
+            });
         }
         w.buf
     }
@@ -480,14 +474,24 @@ impl CheckpointMeta {
     }
 }
 
+/// Appends an optional section: `tag`, the length of what `body` writes, then that.
+fn section(w: &mut Writer, tag: u32, body: impl FnOnce(&mut Writer)) {
+    let mut e = Writer::default();
+    body(&mut e);
+    w.u32(tag);
+    w.u32(e.buf.len() as u32);
+    w.buf.extend_from_slice(&e.buf);
+}
+
 /// The discarded-segments section: ascending, disjoint runs within the table.
 fn decode_discarded(b: &[u8], segments: usize) -> Result<Vec<(u32, u32)>, FormatError> {
     const WHAT: &str = "checkpoint discarded segments";
     let invalid = |detail: String| FormatError::Invalid { what: WHAT, detail };
     let mut e = Reader::new(b, WHAT);
     let n = e.u32()? as usize;
-    if n.saturating_mul(8) != b.len() - e.position() {
-        return Err(invalid(format!("{n} runs in {} bytes", b.len())));
+    let left = b.len() - e.position();
+    if n.saturating_mul(8) != left {
+        return Err(invalid(format!("{n} runs in {left} bytes")));
     }
     let mut runs = Vec::with_capacity(n);
     let mut end = 0u64;
