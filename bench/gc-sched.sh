@@ -25,12 +25,11 @@ source "$here/bench/lib.sh"
 bench_workdir 1 lamina-gc-sched
 d=$work/array
 mkdir -p "$d"
-dd if=/dev/zero of="$d/dev.img" bs=4M count=512 status=none
-"$lamina" array create "$d" --device "$d/dev.img" --no-discard >/dev/null
+new_array "$d" 2048
 usable=$("$lamina" status "$d" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["usable_bytes"])')
 vs=$(( usable * 8 / 10 / 1048576 ))M
 "$lamina" volume create "$d" vol --size "$vs" >/dev/null
-LAMINA_ENGINE=${LAMINA_ENGINE:-discard = false} lamina_configure "$d"
+LAMINA_ENGINE=$(no_discard_engine) lamina_configure "$d"
 "$lamina" serve "$d" --unix "$d/nbd.sock" >"$d/serve.out" 2>"$d/serve.err" &
 pids+=($!)
 wait_sock "$d/nbd.sock"

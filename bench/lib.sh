@@ -43,6 +43,24 @@ open(p, "w").write(s)
 PY
 }
 
+# new_array DIR MIB: an array on one backing file of MIB MiB, written in full first
+# and made with --no-discard (uses $lamina), so that its writes land in blocks that
+# exist, as on a block device: a discarded file's pages must be allocated again
+# (on /dev/shm in a VM, faulted in by the host), which would be measured instead of
+# Lamina (docs/benchmarks.md, "Discards undid the fill").
+new_array() {
+  dd if=/dev/zero of="$1/dev.img" bs=4M count=$(( $2 / 4 )) status=none
+  "$lamina" array create "$1" --device "$1/dev.img" --no-discard >/dev/null
+}
+# no_discard_engine: LAMINA_ENGINE's lines with `discard = false` added, unless they
+# name `discard` themselves (for arrays made by new_array).
+no_discard_engine() {
+  local lines=${LAMINA_ENGINE:-}
+  [[ "$lines" == *discard\ =* ]] || lines="discard = false${lines:+
+$lines}"
+  printf '%s\n' "$lines"
+}
+
 # wait_sock PATH / wait_file PATH: wait up to 30 s for a socket / any file to appear
 # (a server's or nbdfuse's); the script stops if it does not.
 wait_sock() { for _ in $(seq 300); do [ -S "$1" ] && return; sleep 0.1; done; echo "bench: $1 did not appear" >&2; exit 1; }

@@ -54,18 +54,10 @@ lamina="$here/target/release/lamina"
 source "$here/bench/lib.sh"
 bench_workdir $shm lamina-bench
 
-# new_array DIR MIB: an array on one backing file of MIB MiB, written in full first
-# and never discarded (see the first part), and start_filled DIR serves it with the
+# start_filled DIR serves an array made by `new_array` (bench/lib.sh) with the
 # engine's discards off unless LAMINA_ENGINE names `discard`.
-new_array() {
-  dd if=/dev/zero of="$1/dev.img" bs=4M count=$(( $2 / 4 )) status=none
-  "$lamina" array create "$1" --device "$1/dev.img" --no-discard >/dev/null
-}
 start_filled() { # dir
-  local engine_lines=${LAMINA_ENGINE:-}
-  [[ "$engine_lines" == *discard\ =* ]] || engine_lines="discard = false${engine_lines:+
-$engine_lines}"
-  LAMINA_ENGINE=$engine_lines start_lamina "$1"
+  LAMINA_ENGINE=$(no_discard_engine) start_lamina "$1"
 }
 start_lamina() { # dir
   lamina_configure "$1"
