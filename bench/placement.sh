@@ -13,6 +13,11 @@
 #
 # A cell that fails (ENOSPC: the placement's open segments do not fit the spare)
 # prints "fail". "segments" is the array's size in segments, reserve included.
+#
+# SEEDS="1 2 3" runs each synthetic cell once per seed and prints the mean WA: a
+# few GC choices early in a run move a single run's WA by 1-2% either way, so
+# differences that small between placements are noise unless they hold over seeds.
+# A trace is one ordering of requests: it runs once.
 set -uo pipefail
 dir=${1:-../shared/traces}
 spares=${2:-"0.07 0.176 0.28"}
@@ -21,10 +26,28 @@ cap=${4:-4G}
 workloads=${5-"uniform zipf:0.2 zipf:0.6 zipf:1.0 zipf:1.2 hotcold:90/10"}
 bin=${LAMINA:-target/release/lamina}
 [ -x "$bin" ] || cargo build --release -q
-wa() {
+seeds=${SEEDS:-1}
+wa_once() {
   "$bin" sim "$@" --footprint-classes 1 --json --quiet 2>/dev/null |
-    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.3f/%d" % (d["write_amplification"], d["config"]["segments"]))' 2>/dev/null ||
+    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.4f/%d" % (d["write_amplification"], d["config"]["segments"]))' 2>/dev/null ||
     echo fail/0
+}
+# The mean over $seeds for a synthetic workload, one run for a trace.
+wa() {
+  local runs=() s
+  case " $* " in
+    *" --workload "*) for s in $seeds; do runs+=("$(wa_once "$@" --seed "$s")"); done ;;
+    *) runs+=("$(wa_once "$@")") ;;
+  esac
+  python3 - "${runs[@]}" <<'PY'
+import sys
+runs = sys.argv[1:]
+if any(r.startswith("fail") for r in runs):
+    print("fail/0")
+else:
+    w = [float(r.split("/")[0]) for r in runs]
+    print("%.3f/%s" % (sum(w) / len(w), runs[0].split("/")[1]))
+PY
 }
 placements=(
   "greedy:--classifier none --policy greedy"

@@ -113,7 +113,7 @@ impl Default for EngineConfig {
         EngineConfig {
             buffer_units: 8,
             header_cache_bytes: DEFAULT_HEADER_CACHE_BYTES,
-            gc_policy: "cost-benefit-sqrt".into(),
+            gc_policy: "auto".into(),
             checkpoint_interval_blocks: (1 << 30) / BLOCK_SIZE_U64,
             idle_seal_ms: 200,
             auto_sync_ms: 5000,
@@ -1411,6 +1411,7 @@ impl Engine {
                     Entry::Unmapped | Entry::Bad => None,
                 };
                 let vol = self.vol_mut(volume);
+                vol.policy.user_write(lba.0);
                 *class.insert(vol.classifier.classify_user(lba.0, vol.user_blocks, prev))
             }
         };
@@ -1589,7 +1590,9 @@ impl Engine {
                     vol_shared.map.take_read(Lba(lba));
                     self.unref(old);
                     self.space.unmapped(1);
-                    self.vol_mut(*volume).live_blocks -= 1;
+                    let v = self.vol_mut(*volume);
+                    v.live_blocks -= 1;
+                    v.policy.trimmed(lba);
                 }
             }
             let mut lba = full_first;

@@ -247,7 +247,18 @@ impl Engine {
             capacity = capacity.min((live as f64 / (1.0 - ratio)) as u64);
         }
         let n = segs.len() as u32;
+        // The volume keeps several classes open, or its segments still hold blocks
+        // of several user or GC classes of its classifier (the read-hot and small
+        // streams past them are not heat classes): blocks sit apart by heat.
+        let uc = (v.user_classes as usize).min(classes.len());
+        let gc_end = (uc + v.classifier.gc_classes() as usize).min(classes.len());
+        let held = |cs: &[crate::gc::ClassInfo]| cs.iter().filter(|c| c.live > 0).count();
+        let separating = v.caps.user > 1
+            || v.caps.gc > 1
+            || held(&classes[..uc]) > 1
+            || held(&classes[uc..gc_end]) > 1;
         let policy = &mut self.volumes[vol.0 as usize].as_mut().unwrap().policy;
+        policy.separating(separating);
         let scope = policy.scope(&classes, capacity, &|k| {
             index.any_candidate(vol.0, k, limit, |i| &segs[i as usize])
         });

@@ -264,7 +264,12 @@ impl Engine {
                 crate::placement::classifier_for(&cname, blocks, self.geo.data_blocks_per_segment())
             })
             .unwrap_or_else(|| Box::new(crate::placement::NoClassifier));
-        let policy = policy_by_name(&pname).unwrap_or_else(|| Box::new(crate::gc::Greedy));
+        let mut policy = policy_by_name(&pname).unwrap_or_else(|| Box::new(crate::gc::Greedy));
+        // A thin volume larger than the array holds at most the array's blocks: the
+        // miniature samples what can be stored.
+        let per_segment = self.geo.data_blocks_per_segment();
+        let stored = blocks.min(self.geo.usable_segments() as u64 * per_segment);
+        policy.configure(stored, per_segment);
         (classifier, policy)
     }
 

@@ -92,6 +92,16 @@ pub trait VictimPolicy: Send {
     ) -> Option<u32> {
         None
     }
+    /// Told before each pick whether the volume's blocks sit apart by heat: it
+    /// keeps more than one class open, or its segments hold blocks of several.
+    fn separating(&mut self, _separating: bool) {}
+    /// Told once, when the volume is attached, the blocks it can hold (its size,
+    /// or the array's if smaller) and the data blocks of a segment.
+    fn configure(&mut self, _volume_blocks: u64, _segment_blocks: u64) {}
+    /// Told of every block a user writes to the volume (before it is placed).
+    fn user_write(&mut self, _lba: u64) {}
+    /// Told of every mapped block a trim unmaps.
+    fn trimmed(&mut self, _lba: u64) {}
 }
 
 /// Best scoring candidate, with wear-aware tie-breaking.
@@ -165,6 +175,69 @@ impl VictimPolicy for CostBenefitSqrt {
         let gp = 1.0 - c.utilisation();
         let denom = (1.0 - gp).max(1e-9);
         gp / denom * (c.age as f64 + 1.0).sqrt()
+    }
+}
+
+/// The default: cost-benefit with sqrt(age) while the volume's classes separate
+/// blocks by heat (SepBIT's pairing); otherwise, with everything in one stream,
+/// greedy or cost-benefit, whichever moved fewer blocks lately in a miniature of
+/// the volume (`shadow.rs`), greedy until the miniature knows.
+#[derive(Default)]
+pub struct Auto {
+    separating: bool,
+    /// The policy the miniature found better in one stream (`shadow::GREEDY` or
+    /// `shadow::COST_BENEFIT`).
+    follow: usize,
+    shadow: Option<crate::shadow::Shadow>,
+}
+
+impl Auto {
+    fn cost_benefit(&self) -> bool {
+        self.separating || self.follow == crate::shadow::COST_BENEFIT
+    }
+}
+
+impl VictimPolicy for Auto {
+    fn name(&self) -> &'static str {
+        "auto"
+    }
+    fn score(&self, c: &Candidate) -> f64 {
+        // Both scores are monotone, so the victim index's bounds hold for either.
+        if self.cost_benefit() {
+            CostBenefitSqrt.score(c)
+        } else {
+            Greedy.score(c)
+        }
+    }
+    fn configure(&mut self, volume_blocks: u64, segment_blocks: u64) {
+        self.shadow = Some(crate::shadow::Shadow::new(volume_blocks, segment_blocks));
+    }
+    fn user_write(&mut self, lba: u64) {
+        if let Some(s) = &mut self.shadow {
+            s.write(lba);
+        }
+    }
+    fn trimmed(&mut self, lba: u64) {
+        if let Some(s) = &mut self.shadow {
+            s.trim(lba);
+        }
+    }
+    fn scope(
+        &mut self,
+        _classes: &[ClassInfo],
+        capacity: u64,
+        _collectable: &dyn Fn(u8) -> bool,
+    ) -> Scope {
+        if let Some(s) = &mut self.shadow {
+            s.set_capacity(capacity);
+            if let Some(k) = s.better() {
+                self.follow = k;
+            }
+        }
+        Scope::All
+    }
+    fn separating(&mut self, separating: bool) {
+        self.separating = separating;
     }
 }
 
@@ -321,6 +394,7 @@ impl VictimPolicy for Lamina {
 
 /// Names accepted by [`policy_by_name`].
 pub const POLICY_NAMES: &[&str] = &[
+    "auto",
     "greedy",
     "cost-benefit",
     "cost-benefit-sqrt",
@@ -332,6 +406,7 @@ pub const POLICY_NAMES: &[&str] = &[
 /// Builds a policy by name.
 pub fn policy_by_name(name: &str) -> Option<Box<dyn VictimPolicy>> {
     Some(match name {
+        "auto" => Box::new(Auto::default()),
         "greedy" => Box::new(Greedy),
         "cost-benefit" => Box::new(CostBenefit),
         "cost-benefit-sqrt" => Box::new(CostBenefitSqrt),

@@ -30,6 +30,7 @@ pub mod recovery;
 mod sb_writer;
 pub mod scrub;
 mod segments;
+mod shadow;
 pub mod shared;
 mod space;
 pub mod status;

@@ -130,7 +130,7 @@ impl<T: Copy + Default> PerBlock<T> {
 /// block addresses, not attacker-chosen strings that need a keyed hash, and the
 /// classifier looks them up several times per block written.
 #[derive(Default, Clone, Copy)]
-struct PageHash;
+pub(crate) struct PageHash;
 
 impl std::hash::BuildHasher for PageHash {
     type Hasher = PageHasher;
@@ -139,7 +139,7 @@ impl std::hash::BuildHasher for PageHash {
     }
 }
 
-struct PageHasher(u64);
+pub(crate) struct PageHasher(u64);
 
 impl std::hash::Hasher for PageHasher {
     fn finish(&self) -> u64 {

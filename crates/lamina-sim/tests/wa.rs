@@ -77,6 +77,17 @@ fn uniform_under_the_garbage_trigger_matches_the_model() {
 /// Uniform overwrites of a volume of `blocks` blocks on 8 MiB segments, on the array
 /// greedy without separation gets at `op` spare (`footprint_classes: Some(1)`).
 fn footprint_matched_uniform(blocks: u64, op: f64, classifier: &str, policy: &str) -> SimReport {
+    footprint_matched("uniform", blocks, op, classifier, policy)
+}
+
+/// [`footprint_matched_uniform`] with another workload.
+fn footprint_matched(
+    pattern: &str,
+    blocks: u64,
+    op: f64,
+    classifier: &str,
+    policy: &str,
+) -> SimReport {
     let cfg = SimConfig {
         segment_blocks: 2048,
         write_unit_blocks: 128,
@@ -86,8 +97,8 @@ fn footprint_matched_uniform(blocks: u64, op: f64, classifier: &str, policy: &st
         footprint_classes: Some(1),
         ..Default::default()
     };
-    let p = Pattern::parse("uniform").unwrap();
-    run_synthetic("uniform", &p, blocks, 4 * blocks, 1, &cfg, &mut |_| {})
+    let p = Pattern::parse(pattern).unwrap();
+    run_synthetic(pattern, &p, blocks, 4 * blocks, 1, &cfg, &mut |_| {})
         .unwrap_or_else(|e| panic!("{classifier}/{policy}: {e}"))
 }
 
@@ -119,8 +130,8 @@ fn placements_fit_their_open_segments_into_a_small_spare() {
     }
 }
 
-/// The default placement (SepBIT, which `lamina sim` and `lamina serve` use
-/// without options) costs nothing where it has nothing to learn: on uniform
+/// The default placement (SepBIT's classes with the `auto` victim policy, which
+/// `lamina sim` and `lamina serve` use without options) costs nothing where it has nothing to learn: on uniform
 /// traffic, footprint-matched, it writes within 0.5% of what greedy without
 /// separation writes, at 7% and 17.6% spare (with its classes always open it wrote
 /// 18% more at 7%, 2 GiB).
@@ -129,7 +140,7 @@ fn the_default_ties_greedy_on_uniform() {
     let default = SimConfig::default();
     assert_eq!(
         (default.classifier.as_str(), default.policy.as_str()),
-        ("auto", "cost-benefit-sqrt"),
+        ("auto", "auto"),
         "this test is about the default"
     );
     for op in [0.07, 0.176] {
@@ -144,6 +155,52 @@ fn the_default_ties_greedy_on_uniform() {
             "spare {op}: default {placed:.3} vs greedy {greedy:.3}"
         );
     }
+}
+
+/// Where the spare holds one class only (7%, 1 GiB, footprint-matched), SepBIT's
+/// win on hot/cold traffic comes from cost-benefit victims, not from its classes:
+/// the default's miniatures (`shadow.rs`) see it and follow cost-benefit, where
+/// greedy writes half as much again.
+#[test]
+fn the_default_follows_cost_benefit_on_hot_cold_traffic() {
+    let run = |classifier: &str, policy: &str| {
+        footprint_matched("hotcold:90/10", 1 << 30 >> 12, 0.07, classifier, policy)
+            .write_amplification()
+    };
+    let greedy = run("none", "greedy");
+    let sepbit = run("sepbit", "cost-benefit-sqrt");
+    let default = SimConfig::default();
+    let placed = run(&default.classifier, &default.policy);
+    println!("greedy {greedy:.3}, SepBIT {sepbit:.3}, default {placed:.3}");
+    assert!(sepbit < greedy * 0.8, "the case this test is about");
+    assert!(
+        placed < sepbit * 1.01,
+        "default {placed:.3} vs SepBIT {sepbit:.3}"
+    );
+}
+
+/// In one stream (`classifier = none`), the `auto` policy's miniature (`shadow.rs`)
+/// is what decides: it follows cost-benefit on hot/cold traffic, where greedy
+/// writes half as much again, and stays with greedy on uniform traffic.
+#[test]
+fn auto_victims_follow_the_better_policy_in_one_stream() {
+    let run = |pattern: &str, policy: &str| {
+        footprint_matched(pattern, 1 << 30 >> 12, 0.07, "none", policy).write_amplification()
+    };
+    let (greedy, cb, auto) = (
+        run("hotcold:90/10", "greedy"),
+        run("hotcold:90/10", "cost-benefit-sqrt"),
+        run("hotcold:90/10", "auto"),
+    );
+    println!("hot/cold: greedy {greedy:.3}, cost-benefit {cb:.3}, auto {auto:.3}");
+    assert!(cb < greedy * 0.8, "the case this test is about");
+    assert!(auto < cb * 1.02, "auto {auto:.3} vs cost-benefit {cb:.3}");
+    let (greedy, auto) = (run("uniform", "greedy"), run("uniform", "auto"));
+    println!("uniform: greedy {greedy:.3}, auto {auto:.3}");
+    assert!(
+        auto < greedy * 1.005,
+        "auto {auto:.3} vs greedy {greedy:.3}"
+    );
 }
 
 /// On uniform traffic nothing beats greedy (the model is a lower bound for online
@@ -253,6 +310,7 @@ fn volumes_smaller_than_a_segment_fit() {
         ("none", "greedy"),
         ("sepbit", "cost-benefit-sqrt"),
         ("auto", "cost-benefit-sqrt"),
+        ("auto", "auto"),
         ("lamina", "lamina"),
     ] {
         let cfg = SimConfig {

@@ -114,8 +114,10 @@ impl Default for ServeConfig {
 #[derive(Clone, Debug, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct EngineSection {
-    /// Victim policy: cost-benefit-sqrt (the default, SepBIT's), greedy,
-    /// cost-benefit, d-choices, salsa, lamina.
+    /// Victim policy: auto (the default: SepBIT's cost-benefit-sqrt while the
+    /// volume's classes separate, else greedy or cost-benefit-sqrt as a miniature
+    /// of the volume shows better), cost-benefit-sqrt, greedy, cost-benefit,
+    /// d-choices, salsa, lamina.
     pub gc_policy: Option<String>,
     /// Heat classifier: auto (the default: SepBIT, or none where a zoned array's
     /// open-zone limit cannot hold its streams), none, frequency, sepbit, lamina

@@ -76,8 +76,10 @@ pub struct SimArgs {
     /// User blocks written before measuring.
     #[arg(long, value_name = "N")]
     warmup: Option<u64>,
-    /// Victim policy: cost-benefit-sqrt (SepBIT's; as `lamina serve`), greedy,
-    /// cost-benefit, d-choices, salsa, lamina.
+    /// Victim policy: auto (as `lamina serve`: SepBIT's cost-benefit-sqrt while the
+    /// classes separate, else whichever of greedy and cost-benefit-sqrt moves less in
+    /// a miniature of the volume), cost-benefit-sqrt, greedy, cost-benefit,
+    /// d-choices, salsa, lamina.
     #[arg(long, default_value_t = SimConfig::default().policy)]
     policy: String,
     /// Heat classifier: auto (SepBIT; as `lamina serve`), none, frequency, sepbit,
