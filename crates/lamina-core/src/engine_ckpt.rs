@@ -135,6 +135,7 @@ impl Engine {
 
         let mut volumes = Vec::new();
         let mut placement = Vec::new();
+        let mut policies = Vec::new();
         let mut pages = Vec::new();
         let mut vols = Vec::new();
         for v in self
@@ -163,6 +164,14 @@ impl Engine {
                 classifier: v.classifier.name().into(),
                 state: v.classifier.save(),
             });
+            let state = v.policy.save();
+            if !state.is_empty() {
+                policies.push(PlacementRecord {
+                    volume: v.shared.id.0,
+                    classifier: v.policy.name().into(),
+                    state,
+                });
+            }
         }
         // Segments whose release record is already sealed will join the free queue
         // when that record is synced, possibly after this checkpoint's version; a
@@ -231,6 +240,7 @@ impl Engine {
             counters: self.counters.to_vec(),
             segment_times,
             placement,
+            policies,
             discarded: self.segments.discarded_runs(),
             skipped: Vec::new(),
         }

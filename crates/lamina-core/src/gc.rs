@@ -68,6 +68,10 @@ pub enum Scope {
 /// by users rather than by GC, never scores lower, other things equal.
 pub trait VictimPolicy: Send {
     fn name(&self) -> &'static str;
+    /// The name with what the policy does now, for `status` (its name by default).
+    fn describe(&self) -> String {
+        self.name().into()
+    }
     /// Score of a candidate; higher is a better victim. Must be monotone (see the
     /// trait's documentation).
     fn score(&self, c: &Candidate) -> f64;
@@ -102,6 +106,14 @@ pub trait VictimPolicy: Send {
     fn user_write(&mut self, _lba: u64) {}
     /// Told of every mapped block a trim unmaps.
     fn trimmed(&mut self, _lba: u64) {}
+    /// What the policy has learnt, for the checkpoint (empty: nothing to keep).
+    fn save(&self) -> Vec<u8> {
+        Vec::new()
+    }
+    /// Takes back what [`VictimPolicy::save`] gave, after a restart.
+    fn restore(&mut self, _state: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Best scoring candidate, with wear-aware tie-breaking.
@@ -184,6 +196,8 @@ impl VictimPolicy for CostBenefitSqrt {
 /// the volume (`shadow.rs`), greedy until the miniature knows.
 #[derive(Default)]
 pub struct Auto {
+    /// GC has picked in the volume (and told `separating`).
+    picked: bool,
     separating: bool,
     /// The policy the miniature found better in one stream (`shadow::GREEDY` or
     /// `shadow::COST_BENEFIT`).
@@ -200,6 +214,24 @@ impl Auto {
 impl VictimPolicy for Auto {
     fn name(&self) -> &'static str {
         "auto"
+    }
+    /// "auto (cost-benefit-sqrt: classes apart)", "auto (greedy: one stream)", ...;
+    /// "auto" until GC has picked a victim in the volume.
+    fn describe(&self) -> String {
+        if !self.picked {
+            return "auto".into();
+        }
+        let now = if self.cost_benefit() {
+            "cost-benefit-sqrt"
+        } else {
+            "greedy"
+        };
+        let why = if self.separating {
+            "classes apart"
+        } else {
+            "one stream"
+        };
+        format!("auto ({now}: {why})")
     }
     fn score(&self, c: &Candidate) -> f64 {
         // Both scores are monotone, so the victim index's bounds hold for either.
@@ -237,9 +269,29 @@ impl VictimPolicy for Auto {
         Scope::All
     }
     fn separating(&mut self, separating: bool) {
+        self.picked = true;
         self.separating = separating;
     }
+    /// The policy followed in one stream: the miniature starts empty after a
+    /// restart, and without this the volume would collect greedily until it has
+    /// learnt again.
+    fn save(&self) -> Vec<u8> {
+        vec![AUTO_STATE_VERSION, self.follow as u8]
+    }
+    fn restore(&mut self, state: &[u8]) -> Result<(), String> {
+        match *state {
+            [AUTO_STATE_VERSION, f] if f as usize <= crate::shadow::COST_BENEFIT => {
+                self.follow = f as usize;
+                Ok(())
+            }
+            [v, ..] if v != AUTO_STATE_VERSION => Err(format!("auto policy state version {v}")),
+            _ => Err(format!("auto policy state damaged ({} bytes)", state.len())),
+        }
+    }
 }
+
+/// Encoded state of the `auto` policy: a version byte, then the policy followed.
+const AUTO_STATE_VERSION: u8 = 1;
 
 /// d-choices: greedy among `d` candidates drawn at random (cheap on huge arrays;
 /// close to greedy for large d).
@@ -420,6 +472,30 @@ pub fn policy_by_name(name: &str) -> Option<Box<dyn VictimPolicy>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_says_what_it_does_and_keeps_its_choice() {
+        let mut a = Auto::default();
+        assert_eq!(a.describe(), "auto", "nothing picked yet");
+        a.separating(true);
+        assert_eq!(a.describe(), "auto (cost-benefit-sqrt: classes apart)");
+        a.separating(false);
+        assert_eq!(a.describe(), "auto (greedy: one stream)");
+        a.follow = crate::shadow::COST_BENEFIT;
+        let state = a.save();
+        let mut b = Auto::default();
+        b.restore(&state).unwrap();
+        b.separating(false);
+        assert_eq!(b.describe(), "auto (cost-benefit-sqrt: one stream)");
+        for bad in [&[][..], &[1], &[1, 2], &[2, 0], &[1, 0, 0]] {
+            assert!(b.restore(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            b.follow,
+            crate::shadow::COST_BENEFIT,
+            "a bad state changes nothing"
+        );
+    }
 
     fn cand(segment: u32, valid: u32, age: u64) -> Candidate {
         Candidate {

@@ -199,7 +199,7 @@ impl Engine {
                 gc_bytes_relocated: v.gc_blocks * bs,
                 write_amplification: ratio(v.media_blocks, v.user_blocks),
                 classifier: v.classifier.name().into(),
-                gc_policy: v.policy.name().into(),
+                gc_policy: v.policy.describe(),
                 classes,
                 classes_open: (v.caps.user, v.caps.gc),
             });

@@ -223,6 +223,7 @@ pub const MAX_PLACEMENT_STATE: usize = 64 << 10;
 const EXT_SEGMENT_TIMES: u32 = 1;
 const EXT_PLACEMENT: u32 = 2;
 const EXT_DISCARDED: u32 = 3;
+const EXT_POLICY: u32 = 4;
 
 /// Encoded size of a [`SegmentRecord`].
 pub const SEGMENT_RECORD_SIZE: usize = 34;
@@ -243,6 +244,9 @@ pub struct CheckpointMeta {
     pub segment_times: Vec<SegmentTimes>,
     /// Each volume's classifier and what it has learnt.
     pub placement: Vec<PlacementRecord>,
+    /// Each volume's GC victim policy and what it has learnt, in the same record
+    /// (`classifier` holds the policy's name), for the policies that keep state.
+    pub policies: Vec<PlacementRecord>,
     /// Free segments whose extent was discarded since they were last written, as
     /// ascending, disjoint runs `(first, count)`: a restart need not discard them
     /// again. Losing the section only costs discards done twice.
@@ -315,10 +319,16 @@ impl CheckpointMeta {
                 }
             });
         }
-        if !self.placement.is_empty() {
-            section(&mut w, EXT_PLACEMENT, |e| {
-                e.u32(self.placement.len() as u32);
-                for p in &self.placement {
+        for (tag, records) in [
+            (EXT_PLACEMENT, &self.placement),
+            (EXT_POLICY, &self.policies),
+        ] {
+            if records.is_empty() {
+                continue;
+            }
+            section(&mut w, tag, |e| {
+                e.u32(records.len() as u32);
+                for p in records {
                     debug_assert!(p.state.len() <= MAX_PLACEMENT_STATE);
                     e.u16(p.volume);
                     e.str(&p.classifier);
@@ -430,6 +440,7 @@ impl CheckpointMeta {
         // is skipped with a note, never an error that would keep the array closed.
         let mut segment_times = Vec::new();
         let mut placement = Vec::new();
+        let mut policies = Vec::new();
         let mut discarded = Vec::new();
         let mut skipped = Vec::new();
         let rest = &buf[r.position()..];
@@ -452,6 +463,7 @@ impl CheckpointMeta {
                     decode_segment_times(section, segments.len()).map(|t| segment_times = t)
                 }
                 EXT_PLACEMENT => decode_placement(section).map(|p| placement = p),
+                EXT_POLICY => decode_placement(section).map(|p| policies = p),
                 EXT_DISCARDED => decode_discarded(section, segments.len()).map(|d| discarded = d),
                 // A section a later build added.
                 _ => Ok(()),
@@ -468,6 +480,7 @@ impl CheckpointMeta {
             counters,
             segment_times,
             placement,
+            policies,
             discarded,
             skipped,
         })
@@ -624,9 +637,33 @@ mod tests {
             counters: vec![1, 2, 3],
             segment_times: vec![],
             placement: vec![],
+            policies: vec![],
             discarded: vec![],
             skipped: vec![],
         }
+    }
+
+    /// The victim policies' section travels like the classifiers' one, beside it.
+    #[test]
+    fn policy_state_roundtrips_beside_the_placement_state() {
+        let mut m = sample();
+        m.placement = vec![PlacementRecord {
+            volume: 0,
+            classifier: "sepbit".into(),
+            state: vec![1, 2, 3],
+        }];
+        m.policies = vec![PlacementRecord {
+            volume: 0,
+            classifier: "auto".into(),
+            state: vec![1, 1],
+        }];
+        assert_eq!(CheckpointMeta::decode(&m.encode()).unwrap(), m);
+        // A reader that knew only the placement section skips the policies'.
+        let only_placement = CheckpointMeta {
+            policies: vec![],
+            ..m.clone()
+        };
+        assert_ne!(m.encode(), only_placement.encode());
     }
 
     /// The discarded segments travel as runs; runs that overlap, go backwards, are

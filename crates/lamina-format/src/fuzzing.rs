@@ -174,6 +174,7 @@ pub fn seeds() -> Vec<(Kind, Vec<u8>)> {
             classifier: "sepbit".into(),
             state: vec![1, 2, 3, 4, 5, 6, 7, 8],
         }],
+        policies: vec![],
         discarded: vec![(0, 1)],
         skipped: vec![],
     }

@@ -192,6 +192,7 @@ pub fn open_unfinished(
         ckpt.generation,
     )?;
     let placement = &ckpt.meta.placement;
+    let policies = &ckpt.meta.policies;
     for ((vs, rec), live) in ckpt.volumes.into_iter().zip(live_per_volume) {
         let (u, g, m) = replayed.vol_media.get(&rec.id).copied().unwrap_or_default();
         let recorded = placement.iter().find(|p| p.volume == rec.id);
@@ -206,6 +207,16 @@ pub fn open_unfinished(
             if let Err(e) = vol.classifier.restore(&p.state) {
                 report.warnings.push(format!(
                     "volume {:?}: the placement state in the checkpoint is not usable ({e}); placement starts afresh",
+                    rec.name
+                ));
+            }
+        }
+        // And what its victim policy had learnt, likewise.
+        let policy = policies.iter().find(|p| p.volume == rec.id);
+        if let Some(p) = policy.filter(|p| p.classifier == vol.policy.name()) {
+            if let Err(e) = vol.policy.restore(&p.state) {
+                report.warnings.push(format!(
+                    "volume {:?}: the GC policy state in the checkpoint is not usable ({e}); it starts afresh",
                     rec.name
                 ));
             }
