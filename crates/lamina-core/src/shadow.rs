@@ -158,19 +158,18 @@ impl Shadow {
                 l.moved /= 2.0;
             }
         }
-        let old = match self.map.get(&lba) {
-            Some(&old) => old,
+        let full = self.map.len() as u64 >= 2 * MAX_SAMPLES;
+        let addrs = match self.map.entry(lba) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             // A volume grown since the miniature was sized: past twice its samples,
             // new addresses are left out.
-            None if self.map.len() as u64 >= 2 * MAX_SAMPLES => return,
-            None => [NONE; 2],
+            std::collections::hash_map::Entry::Vacant(_) if full => return,
+            std::collections::hash_map::Entry::Vacant(v) => v.insert([NONE; 2]),
         };
-        let mut new = [NONE; 2];
         for (k, log) in self.logs.iter_mut().enumerate() {
             log.user += 1.0;
-            new[k] = log.append(lba, old[k], false, self.seg_blocks, self.clock);
+            addrs[k] = log.append(lba, addrs[k], false, self.seg_blocks, self.clock);
         }
-        self.map.insert(lba, new);
         for k in 0..2 {
             self.collect(k);
         }
@@ -183,9 +182,7 @@ impl Shadow {
         }
         if let Some(old) = self.map.remove(&lba) {
             for (k, log) in self.logs.iter_mut().enumerate() {
-                let s = &mut log.segs[(old[k] / self.seg_blocks) as usize];
-                debug_assert!(s.live > 0);
-                s.live -= 1;
+                log.kill(old[k], self.seg_blocks);
             }
         }
     }
@@ -225,7 +222,7 @@ impl Shadow {
                 return;
             };
             let victim = log.closed.swap_remove(i);
-            let blocks = std::mem::take(&mut log.segs[victim as usize].blocks);
+            let mut blocks = std::mem::take(&mut log.segs[victim as usize].blocks);
             for (pos, &lba) in blocks.iter().enumerate() {
                 let addr = victim * seg_blocks + pos as u32;
                 // Trimmed blocks are no longer mapped.
@@ -239,7 +236,6 @@ impl Shadow {
                 }
             }
             let log = &mut self.logs[k];
-            let mut blocks = blocks;
             blocks.clear();
             let s = &mut log.segs[victim as usize];
             debug_assert_eq!(s.live, 0, "every live block was moved");
@@ -250,13 +246,18 @@ impl Shadow {
 }
 
 impl Log {
+    /// The copy at miniature address `addr` died.
+    fn kill(&mut self, addr: u32, seg_blocks: u32) {
+        let s = &mut self.segs[(addr / seg_blocks) as usize];
+        debug_assert!(s.live > 0);
+        s.live -= 1;
+    }
+
     /// Writes `lba` (mapped at `old`, or `NONE`) into the open user or GC segment
     /// and returns its new miniature address.
     fn append(&mut self, lba: u64, old: u32, gc: bool, seg_blocks: u32, clock: u64) -> u32 {
         if old != NONE {
-            let s = &mut self.segs[(old / seg_blocks) as usize];
-            debug_assert!(s.live > 0);
-            s.live -= 1;
+            self.kill(old, seg_blocks);
         }
         let open = if gc { self.open_gc } else { self.open };
         let open = if open == NONE || self.segs[open as usize].blocks.len() as u32 == seg_blocks {
@@ -332,18 +333,8 @@ mod tests {
         let blocks = 1u64 << 17;
         let mut s = Shadow::new(blocks, 2048);
         s.set_capacity(blocks * 5 / 4);
-        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
-        for lba in 0..blocks {
-            s.write(lba);
-        }
-        for _ in 0..6 * blocks {
-            let lba = if hot && rng.gen_bool(0.9) {
-                rng.gen_range(0..blocks / 10)
-            } else {
-                rng.gen_range(0..blocks)
-            };
-            s.write(lba);
-        }
+        let addrs: Vec<u64> = (0..blocks).collect();
+        overwrite(&mut s, &addrs, 6, hot);
         s
     }
 
@@ -352,8 +343,8 @@ mod tests {
         (0..blocks).filter(|&l| s.sampled(l)).collect()
     }
 
-    /// Writes the sampled addresses once, then `rounds` times their number of
-    /// overwrites: 90% of them to the first tenth when `hot`, else uniform.
+    /// Writes the addresses once, then `rounds` times their number of overwrites:
+    /// 90% of them to the first tenth when `hot`, else uniform.
     fn overwrite(s: &mut Shadow, addrs: &[u64], rounds: usize, hot: bool) {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(11);
         for &a in addrs {

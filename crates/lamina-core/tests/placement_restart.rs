@@ -46,10 +46,15 @@ type Filled = (
 );
 
 fn filled(seed: u64) -> Filled {
+    filled_with(config(), seed)
+}
+
+/// [`filled`] with another engine configuration.
+fn filled_with(cfg: EngineConfig, seed: u64) -> Filled {
     let devs: Vec<Arc<dyn BlockDevice>> =
         vec![Arc::new(MemDevice::new("d", device_bytes(SEGMENTS)))];
     format_devices(&devs, &small_params());
-    let mut e = open_rw(&devs, config());
+    let mut e = open_rw(&devs, cfg);
     let blocks = (e.status().usable_bytes / BS as u64) * 85 / 100;
     let vol = create_volume(&mut e, "v", blocks * BS as u64);
     let mut model = HashMap::new();
@@ -162,15 +167,7 @@ fn the_auto_policys_choice_survives_a_restart() {
         gc_policy: "auto".into(),
         ..config()
     };
-    let devs: Vec<Arc<dyn BlockDevice>> =
-        vec![Arc::new(MemDevice::new("d", device_bytes(SEGMENTS)))];
-    format_devices(&devs, &small_params());
-    let mut e = open_rw(&devs, cfg());
-    let blocks = (e.status().usable_bytes / BS as u64) * 85 / 100;
-    let vol = create_volume(&mut e, "v", blocks * BS as u64);
-    let mut model = HashMap::new();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
-    overwrite(&mut e, vol, &mut model, blocks, 4000, |i| i);
+    let (devs, mut e, vol, blocks, mut model, mut rng) = filled_with(cfg(), 13);
     overwrite(&mut e, vol, &mut model, 12 * blocks, 4000, |_| {
         hot_cold(&mut rng, blocks)
     });

@@ -658,7 +658,8 @@ mod tests {
             state: vec![1, 1],
         }];
         assert_eq!(CheckpointMeta::decode(&m.encode()).unwrap(), m);
-        // A reader that knew only the placement section skips the policies'.
+        // The policies travel in a section of their own (tag 4), which a reader that
+        // predates it skips as an unknown tag.
         let only_placement = CheckpointMeta {
             policies: vec![],
             ..m.clone()

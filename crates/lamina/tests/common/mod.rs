@@ -36,12 +36,17 @@ pub fn need(test: &str, tools: &[&str], root: bool) -> bool {
     if missing.is_empty() {
         return true;
     }
-    let msg = format!("{test}: needs {} (install: apt-get install fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs openssl man-db postgresql)", missing.join(", "));
+    unavailable(&format!("{test}: needs {} (install: apt-get install fio libnbd-bin nbdkit qemu-utils fuse3 e2fsprogs openssl man-db postgresql)", missing.join(", ")));
+    false
+}
+
+/// A test cannot run here (`msg` says why): it says so loudly and returns, so the
+/// caller skips, except under `CI=true`, where it fails.
+pub fn unavailable(msg: &str) {
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("{msg}");
     }
     eprintln!("\n*** SKIPPED {msg} ***\n");
-    false
 }
 
 /// The environment variable `name` parsed as a `T` (a test's rounds or seed);
