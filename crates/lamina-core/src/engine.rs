@@ -189,6 +189,14 @@ pub enum Request {
     /// Rename a volume (replies once a checkpoint records the new name). New
     /// connections use the new name at once; open ones go on.
     RenameVolume { name: String, new_name: String },
+    /// Make volume `name` from `origin` as it is now, sharing its blocks: a
+    /// read-only snapshot, or (`writable`) a clone. Replies once a checkpoint
+    /// records it; the new volume is visible to clients from then on.
+    CreateSnapshot {
+        origin: String,
+        name: String,
+        writable: bool,
+    },
     /// Write a checkpoint now (replies when committed).
     Checkpoint,
     /// Report counters.
@@ -475,6 +483,8 @@ pub struct Engine {
     /// Every segment, the free queue and the release pipeline.
     pub(crate) segments: SegmentTable,
     pub(crate) volumes: Vec<Option<Vol>>,
+    /// Snapshot families: which volumes share blocks (`lineage.rs`).
+    pub(crate) lineage: crate::lineage::Lineage,
     /// The largest number of GC streams of any volume (see
     /// [`Engine::refresh_gc_classes`]): the watermarks read it on every GC step, so
     /// it is kept instead of walking the volumes each time.
@@ -612,6 +622,7 @@ impl Engine {
                 t
             },
             volumes: Vec::new(),
+            lineage: Default::default(),
             gc_classes: 1,
             log: LogState::new(nbufs),
             next_version,
@@ -878,6 +889,14 @@ impl Engine {
                     Err(e) => self.reply(token, Err(e), None),
                 }
             }
+            Request::CreateSnapshot {
+                origin,
+                name,
+                writable,
+            } => match self.create_snapshot(&origin, &name, writable) {
+                Ok(()) => self.start_checkpoint(Some(token)),
+                Err(e) => self.reply(token, Err(e), None),
+            },
             Request::DeleteVolume { name } => match self.delete_volume(&name) {
                 Ok(()) => self.start_checkpoint(Some(token)),
                 Err(e) => self.reply(token, Err(e), None),
@@ -992,6 +1011,16 @@ impl Engine {
             .ok_or_else(|| {
                 EngineError::Invalid(format!("no {volume} (or it is being created or deleted)"))
             })?;
+        if vol
+            .shared
+            .read_only
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(EngineError::ReadOnly(format!(
+                "volume {:?} is a snapshot",
+                vol.shared.name()
+            )));
+        }
         let size = vol.shared.size_bytes();
         if offset.checked_add(length).is_none_or(|end| end > size) {
             return Err(EngineError::Invalid(format!(
@@ -1150,7 +1179,9 @@ impl Engine {
         self.volumes
             .iter()
             .flatten()
-            .filter(|v| v.deleting.is_none())
+            // A snapshot takes no writes: it holds what it shares, and what its
+            // origin overwrites, never more than the origin promised.
+            .filter(|v| v.deleting.is_none() && !self.lineage.read_only(v.shared.id))
             .fold(0u64, |a, v| a.saturating_add(v.recorded_size()))
     }
 
@@ -1488,14 +1519,21 @@ impl Engine {
         self.user_block_written();
     }
 
-    /// ENOSPC unless the array has room for the blocks of `lbas` not yet mapped
-    /// (thin provisioning: checked before a write or an allocating zero starts).
+    /// ENOSPC unless the array has room for the blocks of `lbas` not yet mapped,
+    /// and for those a snapshot or clone shares: an overwrite keeps the shared
+    /// block and takes another (thin provisioning: checked before a write or an
+    /// allocating zero starts).
     fn check_space(
         &mut self,
         vol: &VolumeShared,
         lbas: std::ops::Range<u64>,
     ) -> Result<(), EngineError> {
-        let new_blocks = lbas.filter(|&l| vol.map.load(Lba(l)) == UNMAPPED).count() as u64;
+        let new_blocks = lbas
+            .filter(|&l| {
+                let e = vol.map.load(Lba(l));
+                e == UNMAPPED || self.shared_elsewhere(vol.id, Lba(l), e)
+            })
+            .count() as u64;
         self.space.admit(new_blocks)
     }
 
@@ -1588,8 +1626,10 @@ impl Engine {
                 if old != UNMAPPED {
                     vol_shared.map.store(Lba(lba), UNMAPPED);
                     vol_shared.map.take_read(Lba(lba));
-                    self.unref(old);
-                    self.space.unmapped(1);
+                    if !self.shared_elsewhere(*volume, Lba(lba), old) {
+                        self.unref(old);
+                        self.space.unmapped(1);
+                    }
                     let v = self.vol_mut(*volume);
                     v.live_blocks -= 1;
                     v.policy.trimmed(lba);

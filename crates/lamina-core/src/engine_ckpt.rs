@@ -242,6 +242,7 @@ impl Engine {
             placement,
             policies,
             discarded: self.segments.discarded_runs(),
+            lineage: self.lineage.records(),
             skipped: Vec::new(),
         }
         .encode();

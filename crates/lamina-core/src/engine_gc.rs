@@ -61,6 +61,8 @@ pub(crate) struct GcState {
     /// Whether user writes wait for credit now, and how many times they did.
     held_for_credit: bool,
     pub pace_waits: u64,
+    /// The volumes that map the block being moved, reused for every block.
+    refs: Vec<crate::types::VolumeId>,
 }
 
 #[derive(Default)]
@@ -339,18 +341,23 @@ impl Engine {
     }
 
     fn is_live(&self, pba: Pba, r: &RawRecord) -> bool {
-        r.kind == kind::DATA
-            && self
-                .volumes
-                .get(r.vol().0 as usize)
+        if r.kind != kind::DATA {
+            return false;
+        }
+        let (lba, e) = (r.block(), encode_device(pba));
+        let live_in = |v: VolumeId| {
+            self.volumes
+                .get(v.0 as usize)
                 .and_then(|v| v.as_ref())
                 // A volume being deleted keeps its blocks where they are until the
                 // deletion commits (see `Vol::deleting`).
-                .is_some_and(|v| {
-                    v.deleting.is_none()
-                        && r.block().0 < v.shared.map.len()
-                        && v.shared.map.load(r.block()) == encode_device(pba)
-                })
+                .is_some_and(|v| v.deleting.is_none() && v.shared.map.load(lba) == e)
+        };
+        match self.lineage.family(r.vol()) {
+            None => live_in(r.vol()),
+            // Snapshots and clones: live while any member of the family maps it.
+            Some(f) => self.lineage.members(f).iter().any(|&m| live_in(m)),
+        }
     }
 
     pub(crate) fn progress_gc(&mut self) {
@@ -818,12 +825,29 @@ impl Engine {
         let (mut rp, mut bp) = (*run_pos, *block_pos);
         let mut blocked = false;
         let mut moved = 0usize;
+        let mut refs = std::mem::take(&mut self.gc.refs);
         'runs: while rp < batch_local.len() {
             let run = &batch_local[rp];
             while bp < run.count {
                 let (pba, r) = live_local[run.first + bp];
-                if self.is_live(pba, &r) {
-                    let volume = r.vol();
+                // Every volume that maps the block moves with it (snapshots and
+                // clones share blocks; otherwise this is the record's volume).
+                self.referrers(r.vol(), r.block(), encode_device(pba), &mut refs);
+                if !refs.is_empty() {
+                    // The block goes to a GC stream of the volume whose segment it
+                    // leaves: a volume's segments then hold only blocks that it or
+                    // volumes made from it map, so deleting a volume (refused while
+                    // volumes made from it exist) never strands another's blocks.
+                    let owner = VolumeId(self.segments.segs[seg as usize].volume);
+                    let volume = if self
+                        .volumes
+                        .get(owner.0 as usize)
+                        .is_some_and(|v| v.is_some())
+                    {
+                        owner
+                    } else {
+                        refs[0]
+                    };
                     let metadata_only = self.cfg.metadata_only;
                     // A run read across dead blocks fails as a whole if any of them
                     // is unreadable: read each live block of it on its own then.
@@ -867,7 +891,7 @@ impl Engine {
                             gc_stream = v.read_hot_stream.unwrap();
                             class = self.log.streams[gc_stream].class as usize;
                         }
-                        if self.ensure_unit(gc_stream, 1, 0).is_err() {
+                        if self.ensure_unit(gc_stream, 1, refs.len() - 1).is_err() {
                             blocked = true;
                             break 'runs;
                         }
@@ -879,7 +903,14 @@ impl Engine {
                             Some(b) => Some(&b[..]),
                             None => run_block(&batch_local[rp], &exact, at),
                         };
-                        self.append_data(gc_stream, volume, r.block(), block, Some(r.b));
+                        self.relocate_data(
+                            gc_stream,
+                            &refs,
+                            r.block(),
+                            block,
+                            Some(r.b),
+                            encode_device(pba),
+                        );
                         // Date the moved block by when a user last wrote it.
                         let st = &mut self.log.streams[gc_stream];
                         let to = st.seg.expect("ensure_unit opened it");
@@ -921,6 +952,7 @@ impl Engine {
             rp += 1;
             bp = 0;
         }
+        self.gc.refs = refs;
         // What each moved block is worth: the victim's net yield per live block.
         let blocks = self.geo.segment_blocks as f64;
         let live = live_local.len() as f64;

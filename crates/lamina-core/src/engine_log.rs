@@ -165,6 +165,62 @@ impl Engine {
         data: Option<&[u8]>,
         crc: Option<u32>,
     ) {
+        let (slot, seg) = self.put_block(s, volume, lba, data, crc);
+        let vol = self.vol_mut(volume);
+        let old = vol.shared.map.load(lba);
+        vol.shared.map.store(lba, encode_buffer(slot));
+        if old == UNMAPPED {
+            vol.live_blocks += 1;
+            self.space.mapped(1);
+        }
+        self.segments.add_valid(seg);
+        if self.shared_elsewhere(volume, lba, old) {
+            // A snapshot or clone still maps the old block: it stays, and the new
+            // one is a block more.
+            self.space.mapped(1);
+        } else {
+            self.unref(old);
+        }
+    }
+
+    /// Moves a block (GC) that every volume of `referrers` maps at `lba` as `old`:
+    /// one copy, a DATA record naming the first and an ALIAS record for each other
+    /// (room for them was asked of [`Engine::ensure_unit`]), every map pointed at it.
+    pub(crate) fn relocate_data(
+        &mut self,
+        s: usize,
+        referrers: &[VolumeId],
+        lba: Lba,
+        data: Option<&[u8]>,
+        crc: Option<u32>,
+        old: u32,
+    ) {
+        let (slot, seg) = self.put_block(s, referrers[0], lba, data, crc);
+        let index = self.log.streams[s].unit.as_ref().expect("put_block").data - 1;
+        for (k, &r) in referrers.iter().enumerate() {
+            let m = &self.vol(r).shared.map;
+            debug_assert_eq!(m.load(lba), old);
+            m.store(lba, encode_buffer(slot));
+            if k > 0 {
+                self.log.streams[s]
+                    .extras
+                    .push(RawRecord::alias(r.0, lba.0, index));
+            }
+        }
+        self.segments.add_valid(seg);
+        self.unref(old);
+    }
+
+    /// Writes one data block and its record into stream `s`'s open unit: the
+    /// block's buffer slot and its segment. The caller points maps at it.
+    fn put_block(
+        &mut self,
+        s: usize,
+        volume: VolumeId,
+        lba: Lba,
+        data: Option<&[u8]>,
+        crc: Option<u32>,
+    ) -> (u32, u32) {
         let h = self.geo.header_blocks as u32;
         let st = &mut self.log.streams[s];
         let u = st.unit.as_mut().expect("append without an open unit");
@@ -183,19 +239,11 @@ impl Engine {
         put_record(hdr, u.data as usize, &RawRecord::data(volume.0, lba.0, crc));
         let slot = self.shared.buffers.slot(u.buf, block);
         u.data += 1;
-        let seg = st.seg.unwrap() as usize;
+        let seg = st.seg.unwrap();
         st.appended += 1;
-        let vol = self.vol_mut(volume);
-        let old = vol.shared.map.load(lba);
-        vol.shared.map.store(lba, encode_buffer(slot));
-        if old == UNMAPPED {
-            vol.live_blocks += 1;
-            self.space.mapped(1);
-        }
-        self.segments.add_valid(seg as u32);
-        self.unref(old);
         self.durability.unsynced_writes = true;
         self.blocks_since_checkpoint += 1;
+        (slot, seg)
     }
 
     /// Makes sure stream `s` has an open unit with room for `data` more data blocks and
@@ -217,6 +265,10 @@ impl Engine {
             self.seal_unit(s);
         }
         let h = self.geo.header_blocks as u32;
+        assert!(
+            data as usize + extras + self.geo.row_blocks as usize - 1 <= records,
+            "a unit cannot hold {data} blocks and {extras} records"
+        );
         // The segment must hold a header and at least one data block (or just a
         // header for a records-only unit).
         let need = self.geo.round_to_row(h + data.max(1));
@@ -467,16 +519,41 @@ impl Engine {
             let mut r = record_at(hdr, i);
             if r.kind == kind::DATA {
                 let slot = self.shared.buffers.slot(u.buf, h as u32 + i as u32);
-                let current = self.volumes[r.volume() as usize]
-                    .as_ref()
-                    .is_some_and(|v| v.shared.map.load(r.block()) == encode_buffer(slot));
-                if current {
-                    live += 1;
-                } else {
-                    r.kind = kind::DEAD;
-                    put_record(hdr, i, &r);
+                // The record names a volume that maps the block: the one it was
+                // written for, or (snapshots and clones) another of its family.
+                match self.holder(VolumeId(r.volume()), r.block(), encode_buffer(slot)) {
+                    Some(v) => {
+                        live += 1;
+                        if v.0 != r.volume() {
+                            r = RawRecord::data(v.0, r.lba(), r.b);
+                            put_record(hdr, i, &r);
+                        }
+                    }
+                    None => {
+                        r.kind = kind::DEAD;
+                        put_record(hdr, i, &r);
+                    }
                 }
             }
+        }
+        // Aliases (GC moving a shared block) likewise name only volumes that
+        // still map the block, and never the one its DATA record names.
+        if self.log.streams[s]
+            .extras
+            .iter()
+            .any(|r| r.kind == kind::ALIAS)
+        {
+            let mut extras = std::mem::take(&mut self.log.streams[s].extras);
+            extras.retain(|a| {
+                a.kind != kind::ALIAS || {
+                    let slot = self.shared.buffers.slot(u.buf, h as u32 + a.b);
+                    let named = record_at(hdr, a.b as usize);
+                    named.kind == kind::DATA
+                        && named.volume() != a.volume()
+                        && self.maps(VolumeId(a.volume()), a.block(), encode_buffer(slot))
+                }
+            });
+            self.log.streams[s].extras = extras;
         }
         // Striped layouts: pad the unit to whole rows with dead zero blocks, so that
         // the row's parity is computed from this write alone (no read-modify-write).
@@ -728,10 +805,27 @@ impl Engine {
                 continue;
             }
             let slot = self.shared.buffers.slot(buf, h + i);
-            if let Some(v) = self.volumes[r.volume() as usize].as_ref() {
-                if v.shared.map.load(r.block()) == encode_buffer(slot) {
-                    let pba = self.geo.pba(SegmentId(seg), offset + h + i);
-                    v.shared.map.store(r.block(), encode_device(pba));
+            let pba = self.geo.pba(SegmentId(seg), offset + h + i);
+            let (named, lba) = (VolumeId(r.volume()), r.block());
+            let to_device = |v: &crate::engine::Vol| {
+                if v.shared.map.load(lba) == encode_buffer(slot) {
+                    v.shared.map.store(lba, encode_device(pba));
+                }
+            };
+            match self.lineage.family(named) {
+                None => {
+                    if let Some(v) = self.volumes[named.0 as usize].as_ref() {
+                        to_device(v);
+                    }
+                }
+                // Every member of the family that maps the block (aliases, and
+                // snapshots taken while the unit was being written).
+                Some(f) => {
+                    for m in self.lineage.members(f) {
+                        if let Some(v) = self.volumes[m.0 as usize].as_ref() {
+                            to_device(v);
+                        }
+                    }
                 }
             }
         }

@@ -16,17 +16,44 @@ impl Engine {
         self.check_new_name(name)?;
         check_volume_size(size_bytes)?;
         self.check_promise(name, size_bytes)?;
+        let next = self.next_volume_id()?;
+        let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
+        self.check_zone_room(name, placement.0.as_ref())?;
+        self.counters.next_volume_id = next.0 as u64 + 1;
+        let created = self.take_version();
+        let publish_at = self.ckpt.target_generation();
+        let shared = Arc::new(VolumeShared::new(
+            next,
+            name.to_string(),
+            size_bytes,
+            self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
+        ));
+        let vol = self.attach_volume_with(shared, created, false, placement);
+        vol.publish_at = publish_at;
+        self.update_class_caps();
+        Ok(())
+    }
+
+    /// The id a new volume gets (ids are never reused).
+    pub(crate) fn next_volume_id(&self) -> Result<VolumeId, EngineError> {
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
         if next >= u16::MAX as u64 {
             return Err(EngineError::Invalid(
                 "volume ids of this array are exhausted (65535 volumes created)".into(),
             ));
         }
-        let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
+        Ok(VolumeId(next as u16))
+    }
+
+    /// Whether the streams of a new volume with classifier `c` fit the devices'
+    /// open-zone limit beside the metadata stream and every other volume's.
+    pub(crate) fn check_zone_room(
+        &self,
+        name: &str,
+        c: &dyn crate::placement::Classifier,
+    ) -> Result<(), EngineError> {
         if self.zones.limit > 0 {
-            // Every stream may hold a zone open; with the metadata stream they must
-            // fit the devices' open-zone limit.
-            let need = self.zone_streams(placement.0.as_ref());
+            let need = self.zone_streams(c);
             let used = self.zone_streams_used();
             if 1 + used + need > self.zones.limit as usize {
                 return Err(EngineError::Invalid(format!(
@@ -36,18 +63,6 @@ impl Engine {
                 )));
             }
         }
-        self.counters.next_volume_id = next + 1;
-        let created = self.take_version();
-        let publish_at = self.ckpt.target_generation();
-        let shared = Arc::new(VolumeShared::new(
-            VolumeId(next as u16),
-            name.to_string(),
-            size_bytes,
-            self.shared.new_map(size_bytes / BLOCK_SIZE_U64),
-        ));
-        let vol = self.attach_volume_with(shared, created, false, placement);
-        vol.publish_at = publish_at;
-        self.update_class_caps();
         Ok(())
     }
 
@@ -359,6 +374,11 @@ impl Engine {
                 "volume {name:?} is being created or resized: try again in a moment"
             )));
         }
+        if self.lineage.read_only(vol.shared.id) {
+            return Err(EngineError::ReadOnly(format!(
+                "volume {name:?} is a snapshot: it keeps its size"
+            )));
+        }
         let old = vol.shared.size_bytes();
         let (old_blocks, new_blocks) = (old / BLOCK_SIZE_U64, size_bytes / BLOCK_SIZE_U64);
         if size_bytes > old {
@@ -421,6 +441,17 @@ impl Engine {
             .find(|v| *v.shared.name() == *name && v.deleting.is_none())
             .map(|v| v.shared.id)
             .ok_or_else(|| EngineError::Invalid(format!("no volume named {name:?}")))?;
+        let children = self.children_names(id);
+        if !children.is_empty() {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} has snapshots or clones made from it ({}): delete them first",
+                children
+                    .iter()
+                    .map(|c| format!("{c:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
         if self.pending.iter().any(|p| match p {
             Pending::Write { volume, .. }
             | Pending::Zero { volume, .. }
@@ -463,11 +494,16 @@ impl Engine {
                 }
                 // Only the pages that were made: a thin volume of petabytes with
                 // a few blocks written is a few pages, not a loop over its size.
+                let id = map.id;
                 map.map.for_each_mapped(|lba, old| {
                     map.map.store(lba, UNMAPPED);
-                    self.unref(old);
-                    self.space.unmapped(1);
+                    // What a snapshot or clone still maps stays.
+                    if !self.shared_elsewhere(id, lba, old) {
+                        self.unref(old);
+                        self.space.unmapped(1);
+                    }
                 });
+                self.lineage.deleted(id);
                 self.volumes[i] = None;
                 self.refresh_gc_classes();
             }

@@ -27,11 +27,15 @@ pub enum EngineError {
     /// The array is shutting down.
     #[error("shutting down")]
     ShuttingDown,
+    /// A write to a volume that takes none (a snapshot).
+    #[error("read-only: {0}")]
+    ReadOnly(String),
 }
 
 impl EngineError {
     /// The NBD (and POSIX) error number for replies.
     pub fn errno(&self) -> u32 {
+        const EPERM: u32 = 1;
         const EIO: u32 = 5;
         const EINVAL: u32 = 22;
         const ENOSPC: u32 = 28;
@@ -40,6 +44,7 @@ impl EngineError {
             EngineError::NoSpace(_) => ENOSPC,
             EngineError::Invalid(_) => EINVAL,
             EngineError::ShuttingDown => ESHUTDOWN,
+            EngineError::ReadOnly(_) => EPERM,
             EngineError::Io(_)
             | EngineError::Corrupt(_)
             | EngineError::Failed(_)

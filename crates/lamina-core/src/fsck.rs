@@ -7,7 +7,7 @@
 //!
 //! * every superblock copy of every device decodes and is of the newest generation;
 //! * every mapped block lies in a segment that holds data, and the unit header
-//!   before it names it (volume and LBA); with `data`, its CRC-32C matches too
+//!   before it names it (volume, or a volume of its snapshot family, and LBA); with `data`, its CRC-32C matches too
 //!   (on layouts with parity a block that needs rebuilding from its row is a
 //!   repairable finding);
 //! * every segment's live count equals the blocks the map points into it, and no
@@ -129,7 +129,18 @@ pub fn check(engine: &Engine, data: bool, report: &mut FsckReport) {
                             format!("volume {:?} block {lba}: beyond the array", vs.name()),
                         );
                     }
-                    live[s] += 1;
+                    // A block that snapshots or clones share is one block: counted
+                    // for the first volume (by id) of its family that maps it.
+                    let counted = engine.lineage.family(vs.id).is_some_and(|f| {
+                        engine
+                            .lineage
+                            .members(f)
+                            .iter()
+                            .any(|&m| m.0 < vs.id.0 && engine.maps(m, lba, e))
+                    });
+                    if !counted {
+                        live[s] += 1;
+                    }
                     let st = engine.segments.segs[s].state;
                     if !matches!(st, SegState::Closed | SegState::Open | SegState::Closing) {
                         report.find(

@@ -19,9 +19,9 @@ use crate::types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
 use lamina_format::summary::SummaryHeader;
 use lamina_format::superblock::Layout;
-use lamina_format::unit::{kind, pack_volume_lba, record_at, UnitHeader};
+use lamina_format::unit::{kind, record_at, UnitHeader};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// Blocks one device read covers at most.
@@ -43,6 +43,8 @@ pub struct VolumeShared {
     pub map: Map,
     /// Set when the volume is deleted; connections drop it.
     pub deleted: AtomicBool,
+    /// A snapshot: served read-only, and the engine refuses writes to it.
+    pub read_only: AtomicBool,
 }
 
 impl VolumeShared {
@@ -54,6 +56,7 @@ impl VolumeShared {
             size: AtomicU64::new(size_bytes),
             map,
             deleted: AtomicBool::new(false),
+            read_only: AtomicBool::new(false),
         }
     }
 
@@ -270,6 +273,11 @@ pub struct Shared {
     /// incarnation changed or whose prefix shrank while it read.
     seg_written: Box<[AtomicU32]>,
     volumes: RwLock<Vec<Option<Arc<VolumeShared>>>>,
+    /// Per volume id: its snapshot family (its own id when it shares nothing), so
+    /// that a read may accept a block whose unit names another member of the
+    /// reader's family (snapshots and clones share blocks at the same LBA). Ids are
+    /// never reused, so an entry never goes stale. 128 KiB per array.
+    family: Box<[AtomicU16]>,
     crc_cache: CrcCache,
     pub read_stats: ReadStats,
 }
@@ -296,6 +304,7 @@ impl Shared {
             seg_free: (0..segs).map(|_| AtomicBool::new(false)).collect(),
             seg_written: (0..segs).map(|_| AtomicU32::new(u32::MAX)).collect(),
             volumes: RwLock::new(Vec::new()),
+            family: (0..=u16::MAX).map(AtomicU16::new).collect(),
             crc_cache: CrcCache::new(CrcCache::entries_for(
                 header_cache_bytes,
                 geo.write_unit_blocks,
@@ -309,6 +318,25 @@ impl Shared {
     }
 
     // ---- volumes ----
+
+    /// Records that volume `vol` belongs to snapshot family `family` (the engine).
+    pub(crate) fn set_family(&self, vol: VolumeId, family: u16) {
+        self.family[vol.0 as usize].store(family, Ordering::Release);
+    }
+
+    /// Whether a unit record naming `owner` (`volume << 48 | lba`) names block
+    /// `lba` of volume `vol`: the same volume, or a member of its family.
+    #[inline]
+    fn owns(&self, vol: VolumeId, lba: u64, owner: u64) -> bool {
+        let (v, l) = (
+            (owner >> 48) as u16,
+            owner & lamina_format::unit::MAX_RECORD_LBA,
+        );
+        l == lba
+            && (v == vol.0
+                || self.family[v as usize].load(Ordering::Acquire)
+                    == self.family[vol.0 as usize].load(Ordering::Acquire))
+    }
 
     /// The volume exported under `name`; `""` is the first volume (the default).
     pub fn volume(&self, name: &str) -> Option<Arc<VolumeShared>> {
@@ -1016,10 +1044,7 @@ impl Shared {
         let idx = (seg_off - unit_start)
             .checked_sub(self.geo.header_blocks as u32)
             .map_or(usize::MAX, |i| i as usize);
-        if idx >= crcs.owners.len()
-            || crcs.owners[idx] != pack_volume_lba(vol.id.0, lba)
-            || crcs.dead[idx]
-        {
+        if idx >= crcs.owners.len() || !self.owns(vol.id, lba, crcs.owners[idx]) || crcs.dead[idx] {
             return Err(bad(format!(
                 "the unit header at {seg} offset {unit_start} does not name this block"
             )));
@@ -1091,8 +1116,10 @@ impl Shared {
         for (k, block) in dst.chunks_exact(BLOCK_SIZE).enumerate() {
             let idx = first_index + k;
             let lba = first_lba + k as u64;
-            let want_owner = pack_volume_lba(vol.id.0, lba);
-            if idx >= crcs.owners.len() || crcs.owners[idx] != want_owner || crcs.dead[idx] {
+            if idx >= crcs.owners.len()
+                || !self.owns(vol.id, lba, crcs.owners[idx])
+                || crcs.dead[idx]
+            {
                 return Err((
                     k,
                     corrupt(

@@ -213,6 +213,27 @@ pub struct PlacementRecord {
     pub state: Vec<u8>,
 }
 
+/// A volume that shares blocks with others: a snapshot, a clone, or a volume
+/// something was made from. Volumes that share nothing have no record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LineageRecord {
+    pub volume: u16,
+    /// The family: the id of the volume the first snapshot was taken of. Blocks are
+    /// shared only within a family, always at the same LBA.
+    pub family: u16,
+    /// The volume this one was made from ([`NO_ORIGIN`] for the family's root).
+    pub origin: u16,
+    /// [`LINEAGE_READ_ONLY`], [`LINEAGE_DELETED`].
+    pub flags: u16,
+}
+
+/// [`LineageRecord::origin`] of a family's root.
+pub const NO_ORIGIN: u16 = u16::MAX;
+/// A snapshot: read-only.
+pub const LINEAGE_READ_ONLY: u16 = 1;
+/// A deleted member, kept while its family lives: unit records may still name it.
+pub const LINEAGE_DELETED: u16 = 2;
+
 /// Largest placement state a checkpoint carries per volume: classifier state must
 /// stay bounded whatever the volume's size.
 pub const MAX_PLACEMENT_STATE: usize = 64 << 10;
@@ -224,6 +245,10 @@ const EXT_SEGMENT_TIMES: u32 = 1;
 const EXT_PLACEMENT: u32 = 2;
 const EXT_DISCARDED: u32 = 3;
 const EXT_POLICY: u32 = 4;
+/// Snapshot families. Unlike the others, recovery needs it: a checkpoint whose
+/// lineage section cannot be read is refused (an array with shared blocks has a
+/// version 3 superblock, so a build that predates the section refuses it too).
+const EXT_LINEAGE: u32 = 5;
 
 /// Encoded size of a [`SegmentRecord`].
 pub const SEGMENT_RECORD_SIZE: usize = 34;
@@ -251,6 +276,8 @@ pub struct CheckpointMeta {
     /// ascending, disjoint runs `(first, count)`: a restart need not discard them
     /// again. Losing the section only costs discards done twice.
     pub discarded: Vec<(u32, u32)>,
+    /// Snapshot families (tag 5), one record per volume that shares blocks.
+    pub lineage: Vec<LineageRecord>,
     /// Optional sections this build could not read and skipped (not encoded).
     pub skipped: Vec<String>,
 }
@@ -334,6 +361,17 @@ impl CheckpointMeta {
                     e.str(&p.classifier);
                     e.u32(p.state.len() as u32);
                     e.buf.extend_from_slice(&p.state);
+                }
+            });
+        }
+        if !self.lineage.is_empty() {
+            section(&mut w, EXT_LINEAGE, |e| {
+                e.u32(self.lineage.len() as u32);
+                for l in &self.lineage {
+                    e.u16(l.volume);
+                    e.u16(l.family);
+                    e.u16(l.origin);
+                    e.u16(l.flags);
                 }
             });
         }
@@ -442,6 +480,7 @@ impl CheckpointMeta {
         let mut placement = Vec::new();
         let mut policies = Vec::new();
         let mut discarded = Vec::new();
+        let mut lineage = Vec::new();
         let mut skipped = Vec::new();
         let rest = &buf[r.position()..];
         let mut x = Reader::new(rest, WHAT);
@@ -465,6 +504,11 @@ impl CheckpointMeta {
                 EXT_PLACEMENT => decode_placement(section).map(|p| placement = p),
                 EXT_POLICY => decode_placement(section).map(|p| policies = p),
                 EXT_DISCARDED => decode_discarded(section, segments.len()).map(|d| discarded = d),
+                // Needed to recover: an error, not a note.
+                EXT_LINEAGE => {
+                    lineage = decode_lineage(section)?;
+                    Ok(())
+                }
                 // A section a later build added.
                 _ => Ok(()),
             };
@@ -482,9 +526,40 @@ impl CheckpointMeta {
             placement,
             policies,
             discarded,
+            lineage,
             skipped,
         })
     }
+}
+
+/// The lineage section: one record per sharing volume, each volume once.
+fn decode_lineage(b: &[u8]) -> Result<Vec<LineageRecord>, FormatError> {
+    let mut r = Reader::new(b, "checkpoint lineage");
+    let invalid = |detail: String| FormatError::Invalid {
+        what: "checkpoint lineage",
+        detail,
+    };
+    let n = r.u32()? as usize;
+    if n.saturating_mul(8) > b.len() - r.position() {
+        return Err(invalid(format!("{n} records do not fit in the section")));
+    }
+    let mut out: Vec<LineageRecord> = Vec::with_capacity(n);
+    for _ in 0..n {
+        let l = LineageRecord {
+            volume: r.u16()?,
+            family: r.u16()?,
+            origin: r.u16()?,
+            flags: r.u16()?,
+        };
+        if l.volume == NO_ORIGIN || l.flags & !(LINEAGE_READ_ONLY | LINEAGE_DELETED) != 0 {
+            return Err(invalid(format!("bad record {l:?}")));
+        }
+        if out.iter().any(|o| o.volume == l.volume) {
+            return Err(invalid(format!("volume {} listed twice", l.volume)));
+        }
+        out.push(l);
+    }
+    Ok(out)
 }
 
 /// Appends an optional section: `tag`, the length of what `body` writes, then that.
@@ -639,6 +714,7 @@ mod tests {
             placement: vec![],
             policies: vec![],
             discarded: vec![],
+            lineage: vec![],
             skipped: vec![],
         }
     }
@@ -669,6 +745,45 @@ mod tests {
 
     /// The discarded segments travel as runs; runs that overlap, go backwards, are
     /// empty or leave the table make the section skipped, never the checkpoint.
+    #[test]
+    fn lineage_roundtrips_and_a_damaged_one_is_refused() {
+        let mut m = sample();
+        m.lineage = vec![
+            LineageRecord {
+                volume: 0,
+                family: 0,
+                origin: NO_ORIGIN,
+                flags: 0,
+            },
+            LineageRecord {
+                volume: 3,
+                family: 0,
+                origin: 0,
+                flags: LINEAGE_READ_ONLY,
+            },
+            LineageRecord {
+                volume: 4,
+                family: 0,
+                origin: 3,
+                flags: LINEAGE_DELETED,
+            },
+        ];
+        let enc = m.encode();
+        assert_eq!(CheckpointMeta::decode(&enc).unwrap(), m);
+        // Recovery needs the families: a damaged section is an error, where the
+        // other optional sections are skipped.
+        let mut dup = m.clone();
+        dup.lineage[2].volume = 3;
+        assert!(CheckpointMeta::decode(&dup.encode()).is_err());
+        let mut flags = m.clone();
+        flags.lineage[1].flags = 0x80;
+        assert!(CheckpointMeta::decode(&flags.encode()).is_err());
+        let mut cut = m.encode();
+        let at = cut.len() - 8 * 3 - 4;
+        cut[at..at + 4].copy_from_slice(&1000u32.to_le_bytes());
+        assert!(CheckpointMeta::decode(&cut).is_err());
+    }
+
     #[test]
     fn discarded_runs_roundtrip_and_bad_ones_are_skipped() {
         let mut m = sample();

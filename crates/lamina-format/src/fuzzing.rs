@@ -66,6 +66,7 @@ pub fn seeds() -> Vec<(Kind, Vec<u8>)> {
             data_offset: DEFAULT_DATA_OFFSET,
             created_unix: 1_700_000_000,
             version_reserved: 1 << 32,
+            shared_blocks: layout == Layout::Said6,
             checkpoint: Some(CheckpointRef {
                 version: 99,
                 generation: 3,
@@ -176,6 +177,12 @@ pub fn seeds() -> Vec<(Kind, Vec<u8>)> {
         }],
         policies: vec![],
         discarded: vec![(0, 1)],
+        lineage: vec![crate::checkpoint::LineageRecord {
+            volume: 0,
+            family: 0,
+            origin: crate::checkpoint::NO_ORIGIN,
+            flags: 0,
+        }],
         skipped: vec![],
     }
     .encode();

@@ -34,6 +34,10 @@ pub const DEVICE_REMOVED: u32 = 3;
 /// The superblock's version once a member is removed ([`DEVICE_REMOVED`]); other
 /// superblocks keep [`FORMAT_VERSION`].
 pub const VERSION_WITH_REMOVED: u16 = 2;
+/// The superblock's version once volumes share blocks (snapshots and clones): a
+/// build that knows nothing of shared blocks would take a block that only a
+/// snapshot maps for dead and reuse its segment, so it must refuse the array.
+pub const VERSION_WITH_SHARING: u16 = 3;
 /// Longest array name, in bytes.
 pub const MAX_NAME_LEN: usize = 63;
 
@@ -163,6 +167,9 @@ pub struct Superblock {
     pub version_reserved: u64,
     pub checkpoint: Option<CheckpointRef>,
     pub devices: Vec<DeviceEntry>,
+    /// Volumes may share blocks (a snapshot or clone was ever made): written as
+    /// [`VERSION_WITH_SHARING`], and never cleared.
+    pub shared_blocks: bool,
 }
 
 impl Superblock {
@@ -174,7 +181,9 @@ impl Superblock {
         put_u64(&mut b[..], OFF_MAGIC, SUPERBLOCK_MAGIC);
         // Version 2 only once a member is removed: a build that knows nothing of
         // removed members must refuse the array rather than use their segments.
-        let version = if self.devices.iter().any(|d| d.state == DEVICE_REMOVED) {
+        let version = if self.shared_blocks {
+            VERSION_WITH_SHARING
+        } else if self.devices.iter().any(|d| d.state == DEVICE_REMOVED) {
             VERSION_WITH_REMOVED
         } else {
             FORMAT_VERSION
@@ -224,7 +233,7 @@ impl Superblock {
             WHAT,
             SUPERBLOCK_MAGIC,
             BLOCK_SIZE,
-            &[FORMAT_VERSION, VERSION_WITH_REMOVED],
+            &[FORMAT_VERSION, VERSION_WITH_REMOVED, VERSION_WITH_SHARING],
         )?;
         let b = &b[..BLOCK_SIZE];
         check_crc(b, WHAT, OFF_CRC)?;
@@ -294,6 +303,7 @@ impl Superblock {
             version_reserved: get_u64(b, OFF_VERSION_RESERVED),
             checkpoint,
             devices,
+            shared_blocks: version == VERSION_WITH_SHARING,
         };
         if sb.segment_blocks < 8
             || sb.write_unit_blocks < 2
@@ -337,6 +347,7 @@ mod tests {
             data_offset: DEFAULT_DATA_OFFSET,
             created_unix: 1_700_000_000,
             version_reserved: 1 << 32,
+            shared_blocks: false,
             checkpoint: Some(CheckpointRef {
                 version: 99,
                 generation: 3,
@@ -367,6 +378,23 @@ mod tests {
     }
 
     #[test]
+    fn shared_blocks_take_version_3_and_survive_a_roundtrip() {
+        let mut sb = sample();
+        sb.shared_blocks = true;
+        let b = sb.encode();
+        assert_eq!(
+            crate::codec::get_u16(&b[..], OFF_VERSION),
+            VERSION_WITH_SHARING
+        );
+        assert_eq!(Superblock::decode(&b[..]).unwrap(), sb);
+        sb.shared_blocks = false;
+        assert_eq!(
+            crate::codec::get_u16(&sb.encode()[..], OFF_VERSION),
+            FORMAT_VERSION
+        );
+    }
+
+    #[test]
     fn roundtrip() {
         let sb = sample();
         let enc = sb.encode();
@@ -393,7 +421,10 @@ mod tests {
     fn a_removed_member_raises_the_version() {
         use crate::codec::get_u16;
         let mut sb = sample();
-        assert_eq!(get_u16(&sb.encode()[..], OFF_VERSION), FORMAT_VERSION);
+        assert_eq!(
+            crate::codec::get_u16(&sb.encode()[..], OFF_VERSION),
+            FORMAT_VERSION
+        );
         sb.devices[0].state = DEVICE_REMOVED;
         let enc = sb.encode();
         assert_eq!(get_u16(&enc[..], OFF_VERSION), VERSION_WITH_REMOVED);
@@ -410,8 +441,8 @@ mod tests {
             Err(FormatError::Invalid { .. })
         ));
         assert!(matches!(
-            reversion(3),
-            Err(FormatError::UnsupportedVersion { found: 3, .. })
+            reversion(4),
+            Err(FormatError::UnsupportedVersion { found: 4, .. })
         ));
     }
 

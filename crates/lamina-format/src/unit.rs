@@ -8,7 +8,8 @@
 //!   CRC-32C of the block; or a checkpoint block index; or a block that was already
 //!   stale when the unit was sealed),
 //! * the remaining records are events that ride along: trims (two slots: range, then
-//!   the trim's version) and segment releases.
+//!   the trim's version), segment releases, and aliases (a data block of the unit
+//!   that other volumes of a snapshot family also map).
 //!
 //! Recovery reads only headers: a unit is accepted when its magic, checksum, array id,
 //! segment, offset and incarnation all match what the reader expects at that place,
@@ -74,6 +75,10 @@ pub mod kind {
     /// Summary only: a unit boundary. `a` = offset of the unit in the segment,
     /// `b` = data blocks, `c` = header blocks. Its data records follow it.
     pub const UNIT: u16 = 7;
+    /// Another volume's reference to one of this unit's data blocks (snapshots and
+    /// clones share blocks): `a` = volume << 48 | lba, `b` = the index of the data
+    /// block in this unit. Ordered by the unit's version, as a DATA record is.
+    pub const ALIAS: u16 = 8;
 
     /// Kinds that occupy a data block slot.
     pub fn is_data_bearing(k: u16) -> bool {
@@ -132,6 +137,15 @@ impl RawRecord {
             c: 0,
         }
     }
+    pub fn alias(volume: u16, lba: u64, index: u32) -> Self {
+        debug_assert!(lba <= MAX_RECORD_LBA);
+        RawRecord {
+            a: pack_volume_lba(volume, lba),
+            b: index,
+            kind: kind::ALIAS,
+            c: 0,
+        }
+    }
     pub fn unit(offset: u32, data_blocks: u32, header_blocks: u16) -> Self {
         RawRecord {
             a: offset as u64,
@@ -140,11 +154,11 @@ impl RawRecord {
             c: header_blocks,
         }
     }
-    /// Volume of a DATA / DEAD / TRIM record.
+    /// Volume of a DATA / DEAD / TRIM / ALIAS record.
     pub fn volume(&self) -> u16 {
         (self.a >> 48) as u16
     }
-    /// LBA of a DATA / DEAD / TRIM record.
+    /// LBA of a DATA / DEAD / TRIM / ALIAS record.
     pub fn lba(&self) -> u64 {
         self.a & MAX_RECORD_LBA
     }

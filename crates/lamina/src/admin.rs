@@ -6,6 +6,7 @@
 //! {"op":"metrics"}                                 -> {"ok":true,"metrics":"..."}
 //! {"op":"volume-create","name":"v","size":1073741824} -> {"ok":true}
 //! {"op":"volume-delete","name":"v","force":false} -> {"ok":true} (refused while clients are connected unless force)
+//! {"op":"volume-snapshot","origin":"v","name":"s","writable":false} -> {"ok":true} (a clone when writable)
 //! {"op":"checkpoint"}                              -> {"ok":true}
 //! {"op":"member-fail","index":2}                   -> {"ok":true}
 //! {"op":"scrub"}                    -> {"progress":[d,t]}... {"ok":true,"scrub":{...}}
@@ -36,7 +37,8 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
     };
     let result: Result<Value, String> = match op {
         "status" => status()
-            .map(|s| {
+            .map(|mut s| {
+                lamina_core::status::count_exclusive(&rt.shared, &mut s);
                 let mut v = status_json(&s, true);
                 v["last_scrub"] = rt.last_scrub.lock().unwrap().clone().unwrap_or(Value::Null);
                 v["qos"] = rt
@@ -102,6 +104,22 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
                     })
                     .map_err(|e| e.to_string()),
                 _ => Err("volume-rename needs \"name\" and \"new_name\"".into()),
+            }
+        }
+        "volume-snapshot" => {
+            let origin = req.get("origin").and_then(|v| v.as_str());
+            let name = req.get("name").and_then(|v| v.as_str());
+            let writable = req.get("writable").and_then(|v| v.as_bool()) == Some(true);
+            match (origin, name) {
+                (Some(origin), Some(name)) => rt
+                    .call(Request::CreateSnapshot {
+                        origin: origin.to_string(),
+                        name: name.to_string(),
+                        writable,
+                    })
+                    .map(|_| json!({"ok": true}))
+                    .map_err(|e| e.to_string()),
+                _ => Err("volume-snapshot needs \"origin\" and \"name\"".into()),
             }
         }
         "volume-delete" => match req.get("name").and_then(|v| v.as_str()) {
@@ -425,6 +443,10 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                 write_amplification: v["write_amplification"].as_f64(),
                 classifier: v["classifier"].as_str().unwrap_or("").into(),
                 gc_policy: v["gc_policy"].as_str().unwrap_or("").into(),
+                exclusive_bytes: v["exclusive_bytes"].as_u64().unwrap_or(0),
+                snapshot: v["snapshot"].as_bool().unwrap_or(false),
+                origin: v["origin"].as_str().map(Into::into),
+                family: v["family"].as_u64().map(|f| f as u16),
                 classes_open: (
                     v["classes_open"]["user"].as_u64().unwrap_or(0) as u8,
                     v["classes_open"]["gc"].as_u64().unwrap_or(0) as u8,
@@ -510,15 +532,35 @@ fn resize_volume(rt: &Runtime, name: &str, target: NewSize, force: bool) -> Resu
 /// Deletes a volume; one with clients connected only with `force`, which first
 /// disconnects them (as `lvremove` and `zfs destroy` refuse a busy volume).
 fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String> {
-    if let Some(v) = rt.shared.volume(name) {
-        let n = rt.clients.count(v.id);
-        if n > 0 && !force {
+    let vol = rt.shared.volume(name);
+    let n = vol.as_ref().map_or(0, |v| rt.clients.count(v.id));
+    if n > 0 && !force {
+        return Err(format!(
+            "volume {name:?} is in use by {n} client connection(s); disconnect them \
+             first, or delete with --force (which disconnects them)"
+        ));
+    }
+    if n > 0 {
+        // Not for a deletion the engine will refuse anyway: clients would be cut
+        // off for nothing. (Their requests in flight must be gone before the
+        // engine takes it, so they are disconnected first.)
+        let status = rt
+            .call(Request::Status)
+            .map_err(|e| e.to_string())?
+            .expect("status reply carries a report");
+        let children: Vec<String> = status
+            .volumes
+            .iter()
+            .filter(|v| v.origin.as_deref() == Some(name))
+            .map(|v| format!("{:?}", v.name))
+            .collect();
+        if !children.is_empty() {
             return Err(format!(
-                "volume {name:?} is in use by {n} client connection(s); disconnect them \
-                 first, or delete with --force (which disconnects them)"
+                "volume {name:?} has snapshots or clones made from it ({}): delete them first",
+                children.join(", ")
             ));
         }
-        if n > 0 {
+        if let Some(v) = &vol {
             let closed = rt.clients.disconnect(v.id);
             tracing::warn!("volume {name:?}: disconnected {closed} client(s) to delete it");
         }

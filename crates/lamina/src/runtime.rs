@@ -589,7 +589,10 @@ impl Backend for LaminaBackend {
     }
 
     fn read_only(&self, export: &Self::Export) -> bool {
-        self.read_only.all || self.read_only.volumes.contains(&*export.vol.name())
+        self.read_only.all
+            || self.read_only.volumes.contains(&*export.vol.name())
+            // Snapshots.
+            || export.vol.read_only.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn pace(&self, export: &Self::Export, bytes: u64) -> Duration {

@@ -178,6 +178,7 @@ pub fn format(
         version_reserved: 1,
         checkpoint: None,
         devices: entries,
+        shared_blocks: false,
     };
     if zones.is_some() {
         // Start from empty zones: whatever an earlier user left would hold zones

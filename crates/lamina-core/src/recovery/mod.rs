@@ -173,7 +173,22 @@ pub fn open_unfinished(
     let replayed = replay::replay(geo, &walk, &verified.torn, &ckpt, &mut report);
     let clocks = replay::VolumeClocks::new(&ckpt.volumes, walk.data_units());
     replay::settle_segments(&mut segs, geo, &walk, &ckpt, &clocks);
-    let live_per_volume = replay::count_live(geo, &ckpt.volumes, &mut segs, &mut report);
+    // Snapshot families, before anything is published: readers need a volume's
+    // family to accept the blocks it shares, and a snapshot is read-only.
+    let lineage = crate::lineage::Lineage::from_records(&ckpt.meta.lineage, |id| {
+        ckpt.volumes.iter().any(|(v, _)| v.id.0 == id)
+    });
+    for r in lineage.records() {
+        shared.set_family(crate::types::VolumeId(r.volume), r.family);
+    }
+    for (v, _) in &ckpt.volumes {
+        v.read_only.store(
+            lineage.read_only(v.id),
+            std::sync::atomic::Ordering::Release,
+        );
+    }
+    let (live_per_volume, mapped) =
+        replay::count_live(geo, &ckpt.volumes, &lineage, &mut segs, &mut report);
     let free = replay::free_queue(&segs, &walk.walked_queue, &ckpt.meta.free_queue);
     replay::publish(&shared, &segs, &walk);
 
@@ -227,8 +242,9 @@ pub fn open_unfinished(
         vol.gc_blocks = rec.gc_blocks_relocated + g;
         vol.media_blocks = rec.media_blocks_written + m;
         vol.live_blocks = live;
-        engine.space.mapped(live);
     }
+    engine.space.mapped(mapped);
+    engine.lineage = lineage;
     // Fit the open classes to the spare now that the mapped blocks are counted
     // (recovery leaves no data segment open, so nothing is closed here).
     engine.update_class_caps();

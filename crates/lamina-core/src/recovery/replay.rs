@@ -15,7 +15,7 @@ use crate::segments::{Origins, ORIGIN_SLOTS};
 use crate::shared::{Shared, VolumeShared};
 use crate::types::{Lba, SegmentId};
 use lamina_format::checkpoint::{SegmentState, VolumeRecord};
-use lamina_format::unit::{kind, StreamKind};
+use lamina_format::unit::{kind, RawRecord, StreamKind};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
@@ -64,24 +64,36 @@ pub(super) fn replay(
                     e.2 += blocks;
                 }
             }
+            // Data block `i` of the unit, for the volume and LBA of record `r`
+            // (its DATA record, or an ALIAS naming it), if it is whole.
+            let data_event = |r: &RawRecord, i: usize| {
+                (u.records[i].kind == kind::DATA && !torn.contains(&(f.seg, u.offset, i))).then(
+                    || {
+                        let pba = geo.pba(SegmentId(f.seg), u.offset + u.header_blocks + i as u32);
+                        (
+                            u.version,
+                            Ev::Data {
+                                volume: r.volume(),
+                                lba: r.lba(),
+                                pba: pba.0,
+                            },
+                        )
+                    },
+                )
+            };
             for i in 0..u.data_blocks as usize {
-                let r = &u.records[i];
-                if r.kind == kind::DATA && !torn.contains(&(f.seg, u.offset, i)) {
-                    events.push((
-                        u.version,
-                        Ev::Data {
-                            volume: r.volume(),
-                            lba: r.lba(),
-                            pba: geo
-                                .pba(SegmentId(f.seg), u.offset + u.header_blocks + i as u32)
-                                .0,
-                        },
-                    ));
+                if let Some(ev) = data_event(&u.records[i], i) {
+                    events.push(ev);
                     report.blocks_replayed += 1;
                 }
             }
             let extras = &u.records[u.data_blocks as usize..];
             for (i, r) in extras.iter().enumerate() {
+                // Another volume's reference to a block of this unit (GC moved a
+                // block that snapshots or clones share): a DATA record for it.
+                if r.kind == kind::ALIAS && r.b < u.data_blocks {
+                    events.extend(data_event(r, r.b as usize));
+                }
                 if r.kind == kind::TRIM {
                     if let Some(v) = extras.get(i + 1).filter(|v| v.kind == kind::VERSION) {
                         events.push((
@@ -259,21 +271,38 @@ pub(super) fn settle_segments(
 /// Valid counts and live blocks from the final maps: a block mapped into a segment
 /// that holds nothing is marked bad (reads of it fail) with a warning, and closed
 /// segments with nothing valid are free. Returns each volume's live blocks.
+/// Counts the live blocks of every segment from the final maps: what each volume
+/// maps (per volume), and the blocks mapped at all (the total; a block that
+/// several volumes of a snapshot family map counts once).
 pub(super) fn count_live(
     geo: &Geometry,
     volumes: &[(Arc<VolumeShared>, VolumeRecord)],
+    lineage: &crate::lineage::Lineage,
     segs: &mut [Seg],
     report: &mut RecoveryReport,
-) -> Vec<u64> {
+) -> (Vec<u64>, u64) {
     let limit_blocks = geo.segment_count as u64 * geo.segment_blocks as u64;
     let mut live_per_volume = Vec::new();
-    for (v, _) in volumes {
+    let mut distinct = 0u64;
+    for (k, (v, _)) in volumes.iter().enumerate() {
         let mut live = 0u64;
+        // Members of the family counted before this one.
+        let before: Vec<&VolumeShared> = lineage.family(v.id).map_or(Vec::new(), |f| {
+            volumes[..k]
+                .iter()
+                .filter(|(o, _)| lineage.family(o.id) == Some(f))
+                .map(|(o, _)| &**o)
+                .collect()
+        });
         v.map.for_each_mapped(|lba, e| {
             live += 1;
-            if e == BAD {
+            if e == BAD || before.iter().any(|o| o.map.load(lba) == e) {
+                if e == BAD {
+                    distinct += 1;
+                }
                 return;
             }
+            distinct += 1;
             let pba = (e - 1) as u64;
             let ok = pba < limit_blocks && {
                 let s = &segs[(pba / geo.segment_blocks as u64) as usize];
@@ -296,7 +325,7 @@ pub(super) fn count_live(
             *s = Seg::free(s.erase_count);
         }
     }
-    live_per_volume
+    (live_per_volume, distinct)
 }
 
 /// The free queue: the part of the checkpoint's queue the walk went through, in its
@@ -601,7 +630,13 @@ mod tests {
         map.store(Lba(2), at(geo, 6, 1)); // segment 6 is free
         map.store(Lba(3), BAD);
         let mut report = RecoveryReport::default();
-        let live = count_live(geo, &ckpt.volumes, &mut segs, &mut report);
+        let (live, _) = count_live(
+            geo,
+            &ckpt.volumes,
+            &crate::lineage::Lineage::default(),
+            &mut segs,
+            &mut report,
+        );
         assert_eq!(live, vec![4], "bad blocks are still the volume's");
         assert_eq!(segs[2].valid, 2);
         assert_eq!(segs[3].state, SegState::Free, "closed with nothing valid");

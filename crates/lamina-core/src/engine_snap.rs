@@ -1,0 +1,171 @@
+//! Snapshots and clones: volumes that start as a copy of another's map and share
+//! its blocks (docs/design.md, "Snapshots and clones"). Which volumes share is in
+//! `lineage.rs`; this module has what the engine asks of it: who else maps a
+//! block, and making a snapshot or clone.
+
+use crate::engine::*;
+use crate::error::EngineError;
+use crate::map::{decode, Entry};
+use crate::shared::VolumeShared;
+use crate::types::{Lba, VolumeId, BLOCK_SIZE_U64};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// The most volumes a family may have, whatever the geometry: beyond a few dozen,
+/// blocks that all of them share cost more header than data when GC moves them.
+const MAX_FAMILY: usize = 64;
+
+impl Engine {
+    /// Whether volume `v` (live or being deleted) maps `entry` at `lba`.
+    #[inline]
+    pub(crate) fn maps(&self, v: VolumeId, lba: Lba, entry: u32) -> bool {
+        self.volumes
+            .get(v.0 as usize)
+            .and_then(|v| v.as_ref())
+            .is_some_and(|v| v.shared.map.load(lba) == entry)
+    }
+
+    /// Whether a volume of `vol`'s family other than `vol` maps the block `entry`
+    /// at `lba`: then `vol` letting go of it does not free it.
+    #[inline]
+    pub(crate) fn shared_elsewhere(&self, vol: VolumeId, lba: Lba, entry: u32) -> bool {
+        let Some(f) = self.lineage.family(vol) else {
+            return false;
+        };
+        matches!(decode(entry), Entry::Device(_) | Entry::Buffer(_))
+            && self
+                .lineage
+                .members(f)
+                .iter()
+                .any(|&m| m != vol && self.maps(m, lba, entry))
+    }
+
+    /// A volume that maps `entry` at `lba`: `named` (the one a record names) if
+    /// it does, else the first member of its family that does.
+    pub(crate) fn holder(&self, named: VolumeId, lba: Lba, entry: u32) -> Option<VolumeId> {
+        if self.maps(named, lba, entry) {
+            return Some(named);
+        }
+        let f = self.lineage.family(named)?;
+        self.lineage
+            .members(f)
+            .iter()
+            .copied()
+            .find(|&m| self.maps(m, lba, entry))
+    }
+
+    /// Every volume that maps `entry` at `lba`, `named` first if it does; empty
+    /// when only volumes being deleted do (GC leaves their blocks alone).
+    pub(crate) fn referrers(&self, named: VolumeId, lba: Lba, entry: u32, out: &mut Vec<VolumeId>) {
+        out.clear();
+        if self.maps(named, lba, entry) {
+            out.push(named);
+        }
+        if let Some(f) = self.lineage.family(named) {
+            for &m in self.lineage.members(f) {
+                if m != named && self.maps(m, lba, entry) {
+                    out.push(m);
+                }
+            }
+        }
+        let deleting = |v: &VolumeId| {
+            self.volumes[v.0 as usize]
+                .as_ref()
+                .is_some_and(|v| v.deleting.is_some())
+        };
+        if out.iter().all(deleting) {
+            out.clear();
+        }
+    }
+
+    /// See [`Request::CreateSnapshot`].
+    pub(crate) fn create_snapshot(
+        &mut self,
+        origin: &str,
+        name: &str,
+        writable: bool,
+    ) -> Result<(), EngineError> {
+        let from = self
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| *v.shared.name() == *origin && v.deleting.is_none())
+            .ok_or_else(|| EngineError::Invalid(format!("no volume named {origin:?}")))?;
+        if !from.published {
+            return Err(EngineError::Invalid(format!(
+                "volume {origin:?} is still being created"
+            )));
+        }
+        let (from_id, size_bytes) = (from.shared.id, from.shared.size_bytes());
+        if from.growing.is_some() {
+            return Err(EngineError::Invalid(format!(
+                "volume {origin:?} is being resized; try again"
+            )));
+        }
+        self.check_new_name(name)?;
+        // GC moves a block that every member maps with one record per member in
+        // one unit header: the family must fit one, with room to spare.
+        let most = self.max_family();
+        let members = self
+            .lineage
+            .family(from_id)
+            .map_or(1, |f| self.lineage.members(f).len());
+        if members >= most {
+            return Err(EngineError::Invalid(format!(
+                "volume {origin:?} and the snapshots and clones related to it are {members} volumes, the most one family may have on this array ({most}): delete some first"
+            )));
+        }
+        if writable {
+            self.check_promise(name, size_bytes)?;
+        }
+        let id = self.next_volume_id()?;
+        let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
+        self.check_zone_room(name, placement.0.as_ref())?;
+        // The point in time: every write acknowledged so far is in the origin's
+        // map. Units still open are sealed first, so that the copy names no block
+        // of a unit whose records are not yet final (a sealed unit's blocks are
+        // converted in every map that holds them when their write completes).
+        self.start_flush();
+        let from = self.vol(from_id);
+        let map = self.shared.new_map(from.shared.map.len());
+        from.shared.map.for_each_mapped(|lba, e| map.store(lba, e));
+        let live = from.live_blocks;
+        let shared = Arc::new(VolumeShared::new(id, name.to_string(), size_bytes, map));
+        shared.read_only.store(!writable, Ordering::Release);
+        self.counters.next_volume_id = id.0 as u64 + 1;
+        self.lineage.add(from_id, id, !writable);
+        let family = self.lineage.family(id).expect("just added");
+        self.shared.set_family(from_id, family);
+        self.shared.set_family(id, family);
+        self.sb.shared_blocks = true;
+        let created = self.take_version();
+        let publish_at = self.ckpt.target_generation();
+        let vol = self.attach_volume_with(shared, created, false, placement);
+        vol.publish_at = publish_at;
+        vol.live_blocks = live;
+        self.update_class_caps();
+        tracing::info!(
+            "{} {name:?} of volume {origin:?} taken ({live} blocks shared)",
+            if writable { "clone" } else { "snapshot" }
+        );
+        Ok(())
+    }
+
+    /// The most volumes one family may have: GC writes a record per member that
+    /// maps a block it moves, all in the unit that takes the block.
+    pub(crate) fn max_family(&self) -> usize {
+        let pad = self.geo.row_blocks as usize - 1;
+        (self.geo.unit_records as usize - pad - 1).clamp(2, MAX_FAMILY)
+    }
+
+    /// The names of the live volumes made from `vol`.
+    pub(crate) fn children_names(&self, vol: VolumeId) -> Vec<String> {
+        self.lineage
+            .children(vol)
+            .into_iter()
+            .filter_map(|c| self.volumes.get(c.0 as usize)?.as_ref())
+            // Those being deleted too: they hold their blocks until that commits.
+            .map(|v| v.shared.name().to_string())
+            .collect()
+    }
+}

@@ -1,0 +1,484 @@
+//! Snapshots and clones against a reference model: every volume (origins,
+//! read-only snapshots, writable clones) is a byte array in the model; random
+//! writes, trims, snapshots, clones, deletions, GC churn, checkpoints, clean
+//! restarts and crashes (restarts without a checkpoint) run against both, and every
+//! volume must read back its model. After each case `fsck` must find nothing: every
+//! shared block counted once, every unit record naming a volume of the block's
+//! family. A power-cut test checks that snapshots survive one whole while their
+//! origin is written and collected.
+
+mod common;
+use common::*;
+use lamina_core::{EngineError, Request};
+use lamina_device::mem::MemDevice;
+use lamina_device::BlockDevice;
+use proptest::prelude::*;
+use std::sync::Arc;
+
+const VOL_BLOCKS: u64 = 256;
+const SIZE: u64 = VOL_BLOCKS * BS as u64;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write {
+        vol: usize,
+        block: u64,
+        blocks: u64,
+        seed: u8,
+    },
+    Zero {
+        vol: usize,
+        block: u64,
+        blocks: u64,
+    },
+    Snapshot {
+        vol: usize,
+    },
+    Clone {
+        vol: usize,
+    },
+    Delete {
+        vol: usize,
+    },
+    Churn {
+        vol: usize,
+        first: u64,
+        rounds: u8,
+    },
+    Flush,
+    Checkpoint,
+    Restart,
+    Crash,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let v = 0..8usize;
+    prop_oneof![
+        8 => (v.clone(), 0..VOL_BLOCKS, 1..64u64, any::<u8>()).prop_map(|(vol, b, n, seed)| Op::Write { vol, block: b, blocks: n.min(VOL_BLOCKS - b), seed }),
+        2 => (v.clone(), 0..VOL_BLOCKS, 1..96u64).prop_map(|(vol, b, n)| Op::Zero { vol, block: b, blocks: n.min(VOL_BLOCKS - b) }),
+        2 => v.clone().prop_map(|vol| Op::Snapshot { vol }),
+        1 => v.clone().prop_map(|vol| Op::Clone { vol }),
+        1 => v.clone().prop_map(|vol| Op::Delete { vol }),
+        2 => (v, 0..VOL_BLOCKS - 32, 1..24u8).prop_map(|(vol, first, rounds)| Op::Churn { vol, first, rounds }),
+        1 => Just(Op::Flush),
+        1 => Just(Op::Checkpoint),
+        1 => Just(Op::Restart),
+        1 => Just(Op::Crash),
+    ]
+}
+
+/// Checkpoints only when asked (volume changes, restarts): recovery then replays
+/// long stretches of the log, GC moves included, which is where a shared block's
+/// other referrers must be found.
+fn config() -> lamina_core::EngineConfig {
+    lamina_core::EngineConfig {
+        checkpoint_interval_blocks: 1 << 40,
+        ..small_config()
+    }
+}
+
+/// Makes `name` from `origin`: a snapshot, or a clone when `writable`.
+fn make(
+    e: &mut lamina_core::Engine,
+    origin: &str,
+    name: &str,
+    writable: bool,
+) -> Result<(), EngineError> {
+    call(
+        e,
+        Request::CreateSnapshot {
+            origin: origin.into(),
+            name: name.into(),
+            writable,
+        },
+    )
+    .result
+}
+
+struct ModelVol {
+    name: String,
+    data: Vec<u8>,
+    read_only: bool,
+    /// Index of the volume it was made from.
+    origin: Option<usize>,
+    alive: bool,
+}
+
+fn bytes(seed: u8, offset: u64, len: u64) -> Vec<u8> {
+    (0..len)
+        .map(|i| (offset + i).wrapping_mul(131).wrapping_add(seed as u64) as u8 | 1)
+        .collect()
+}
+
+fn check(e: &lamina_core::Engine, vols: &[ModelVol], when: &str) -> Result<(), TestCaseError> {
+    for m in vols.iter().filter(|m| m.alive) {
+        let v = e.shared().volume(&m.name);
+        prop_assert!(v.is_some(), "{when}: volume {} missing", m.name);
+        let v = v.unwrap();
+        let mut got = vec![0u8; SIZE as usize];
+        e.shared().read(&v, 0, &mut got).unwrap();
+        if got != m.data {
+            let b = (0..VOL_BLOCKS as usize)
+                .find(|&b| got[b * BS..(b + 1) * BS] != m.data[b * BS..(b + 1) * BS])
+                .unwrap();
+            prop_assert!(
+                false,
+                "{when}: volume {} differs from the model at block {b}",
+                m.name
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Offline check of the whole array: nothing found.
+fn fsck_clean(devs: &[Arc<dyn BlockDevice>]) -> Result<(), TestCaseError> {
+    let (e, _) =
+        lamina_core::open(devs.to_vec(), config(), lamina_core::OpenMode::ReadOnly).unwrap();
+    let mut r = lamina_core::fsck::FsckReport::default();
+    lamina_core::fsck::check(&e, true, &mut r);
+    prop_assert!(r.findings.is_empty(), "fsck: {:?}", r.findings);
+    Ok(())
+}
+
+fn live_bytes(e: &lamina_core::Engine) -> u64 {
+    e.status().live_bytes
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn snapshots_and_clones_match_the_model(ops in proptest::collection::vec(op(), 1..50)) {
+        // Small enough that GC runs in most cases: at most four volumes live at
+        // once (the 2300 usable blocks hold them wholly diverged).
+        let d: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(48)));
+        let devs = vec![d];
+        format_devices(&devs, &small_params());
+        let mut e = open_rw(&devs, config());
+        create_volume(&mut e, "v0", SIZE);
+        let mut vols = vec![ModelVol { name: "v0".into(), data: vec![0; SIZE as usize], read_only: false, origin: None, alive: true }];
+        let pick = |vols: &[ModelVol], i: usize| {
+            let alive: Vec<usize> = (0..vols.len()).filter(|&k| vols[k].alive).collect();
+            alive[i % alive.len()]
+        };
+        for op in ops {
+            match op {
+                Op::Write { vol, block, blocks, seed } => {
+                    let k = pick(&vols, vol);
+                    let id = e.shared().volume(&vols[k].name).unwrap().id;
+                    let (off, len) = (block * BS as u64, blocks * BS as u64);
+                    let data = bytes(seed, off, len);
+                    let r = call(&mut e, Request::Write { volume: id, offset: off, data: data.clone(), fua: seed % 5 == 0 }).result;
+                    if vols[k].read_only {
+                        prop_assert!(matches!(r, Err(EngineError::ReadOnly(_))), "a write to snapshot {}: {r:?}", vols[k].name);
+                    } else {
+                        r.unwrap();
+                        vols[k].data[off as usize..(off + len) as usize].copy_from_slice(&data);
+                    }
+                }
+                Op::Zero { vol, block, blocks } => {
+                    let k = pick(&vols, vol);
+                    let id = e.shared().volume(&vols[k].name).unwrap().id;
+                    let (off, len) = (block * BS as u64, blocks * BS as u64);
+                    let r = call(&mut e, Request::Zero { volume: id, offset: off, length: len, fua: false, allocate: blocks % 3 == 0 }).result;
+                    if vols[k].read_only {
+                        prop_assert!(r.is_err());
+                    } else {
+                        r.unwrap();
+                        vols[k].data[off as usize..(off + len) as usize].fill(0);
+                    }
+                }
+                Op::Snapshot { vol } | Op::Clone { vol } => {
+                    if vols.iter().filter(|m| m.alive).count() >= 4 {
+                        continue;
+                    }
+                    let writable = matches!(op, Op::Clone { .. });
+                    let k = pick(&vols, vol);
+                    let name = format!("{}{}", if writable { "c" } else { "s" }, vols.len());
+                    make(&mut e, &vols[k].name, &name, writable).unwrap();
+                    let data = vols[k].data.clone();
+                    vols.push(ModelVol { name, data, read_only: !writable, origin: Some(k), alive: true });
+                }
+                Op::Delete { vol } => {
+                    let k = pick(&vols, vol);
+                    let has_children = vols.iter().any(|m| m.alive && m.origin == Some(k));
+                    let before = live_bytes(&e);
+                    let r = call(&mut e, Request::DeleteVolume { name: vols[k].name.clone() }).result;
+                    if has_children {
+                        prop_assert!(r.is_err(), "deleting {} with volumes made from it", vols[k].name);
+                    } else {
+                        r.unwrap();
+                        vols[k].alive = false;
+                        prop_assert!(live_bytes(&e) <= before);
+                    }
+                    if vols.iter().all(|m| !m.alive) {
+                        create_volume(&mut e, "v0b", SIZE);
+                        vols.push(ModelVol { name: "v0b".into(), data: vec![0; SIZE as usize], read_only: false, origin: None, alive: true });
+                    }
+                }
+                Op::Churn { vol, first, rounds } => {
+                    let k = pick(&vols, vol);
+                    if vols[k].read_only {
+                        continue;
+                    }
+                    let id = e.shared().volume(&vols[k].name).unwrap().id;
+                    for r in 0..rounds as u64 {
+                        for lba in first..first + 32 {
+                            let (off, len) = (lba * BS as u64, BS as u64);
+                            let data = bytes(r as u8 ^ 0x5a, off, len);
+                            call(&mut e, Request::Write { volume: id, offset: off, data: data.clone(), fua: false }).result.unwrap();
+                            vols[k].data[off as usize..(off + len) as usize].copy_from_slice(&data);
+                        }
+                    }
+                }
+                Op::Flush => call(&mut e, Request::Flush).result.unwrap(),
+                Op::Checkpoint => call(&mut e, Request::Checkpoint).result.unwrap(),
+                Op::Restart | Op::Crash => {
+                    // What the engine counted must be what recovery counts from
+                    // the maps: each shared block once.
+                    let before = live_bytes(&e);
+                    if matches!(op, Op::Restart) {
+                        call(&mut e, Request::Checkpoint).result.unwrap();
+                    } else {
+                        call(&mut e, Request::Flush).result.unwrap();
+                    }
+                    drop(e);
+                    e = open_rw(&devs, config());
+                    check(&e, &vols, &format!("after {op:?}"))?;
+                    prop_assert_eq!(live_bytes(&e), before, "live bytes across {:?}", op);
+                }
+            }
+        }
+        check(&e, &vols, "at the end")?;
+        let before = live_bytes(&e);
+        call(&mut e, Request::Flush).result.unwrap();
+        drop(e);
+        let e = open_rw(&devs, config());
+        check(&e, &vols, "after the last restart")?;
+        prop_assert_eq!(live_bytes(&e), before);
+        drop(e);
+        fsck_clean(&devs)?;
+    }
+}
+
+/// A snapshot survives a power cut whole, however much its origin is overwritten
+/// and collected after it: the snapshot's creation is durable when it returns,
+/// and GC moving a shared block records every volume that maps it.
+#[test]
+fn a_snapshot_survives_a_power_cut_and_gc_of_its_origin() {
+    use lamina_device::crash::{CrashDevice, PowerCut};
+    use rand::SeedableRng;
+    let dev = Arc::new(CrashDevice::new("c", device_bytes(64)));
+    let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
+    format_devices(&devs, &small_params());
+    let mut e = open_rw(&devs, config());
+    let usable = e.usable_bytes() / BS as u64;
+    // Written and partly rewritten, the origin fits without GC; once the
+    // snapshot holds its blocks and the origin diverges, GC must run.
+    let blocks = usable / 4;
+    let v = create_volume(&mut e, "v", blocks * BS as u64);
+    for lba in 0..blocks {
+        write_block(&mut e, v, lba, 1, false).unwrap();
+    }
+    // Seven blocks of eight again (the same data elsewhere): the first segments
+    // are mostly garbage, so GC picks them early, while origin and snapshot both
+    // map the blocks left in them, and must record both.
+    for lba in (0..blocks).filter(|l| l % 8 != 0) {
+        write_block(&mut e, v, lba, 1, false).unwrap();
+    }
+    make(&mut e, "v", "s", false).unwrap();
+    let s = e.shared().volume("s").unwrap().id;
+    let gc_before = e.status().gc_bytes_relocated;
+    assert_eq!(gc_before, 0, "GC ran before the snapshot");
+    for round in 2..=9u64 {
+        // The blocks left in the first segments stay shared until the last
+        // round, so that GC finds them mapped by both volumes.
+        for lba in (0..blocks).filter(|l| l % 4 != round % 4 && (l % 8 != 0 || round == 9)) {
+            write_block(&mut e, v, lba, round, false).unwrap();
+        }
+    }
+    assert!(
+        e.status().gc_bytes_relocated > gc_before,
+        "GC did not run: the test must move shared blocks"
+    );
+    // No flush: only what was flushed (the snapshot, through its checkpoint) is
+    // promised for the origin; each of its blocks holds some round's write.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let image = dev.power_cut(
+        &mut rng,
+        PowerCut {
+            keep_probability: 0.5,
+        },
+    );
+    drop(e);
+    let dev2: Arc<dyn BlockDevice> = Arc::new(CrashDevice::from_image("c", image));
+    let e = open_rw(std::slice::from_ref(&dev2), config());
+    for lba in 0..blocks {
+        assert_eq!(
+            decode_pattern(lba, &read_block(&e, s, lba)).unwrap(),
+            1,
+            "snapshot block {lba}"
+        );
+        let got = decode_pattern(lba, &read_block(&e, v, lba)).unwrap();
+        assert!((1..=9).contains(&got), "origin block {lba}: round {got}");
+    }
+    drop(e);
+    let (e, _) = lamina_core::open(vec![dev2], config(), lamina_core::OpenMode::ReadOnly).unwrap();
+    let mut r = lamina_core::fsck::FsckReport::default();
+    lamina_core::fsck::check(&e, true, &mut r);
+    assert!(r.findings.is_empty(), "fsck: {:?}", r.findings);
+}
+
+/// Deleting a snapshot frees what only it held; deleting its origin first is
+/// refused; space comes back to what the origin alone holds.
+#[test]
+fn deleting_a_snapshot_frees_only_what_it_alone_held() {
+    let d: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(64)));
+    let devs = vec![d];
+    format_devices(&devs, &small_params());
+    let mut e = open_rw(&devs, config());
+    let v = create_volume(&mut e, "v", 256 * BS as u64);
+    for lba in 0..256 {
+        write_block(&mut e, v, lba, 1, false).unwrap();
+    }
+    let alone = e.status().live_bytes;
+    make(&mut e, "v", "s", false).unwrap();
+    assert_eq!(e.status().live_bytes, alone, "a snapshot costs no space");
+    for lba in 0..64 {
+        write_block(&mut e, v, lba, 2, false).unwrap();
+    }
+    let mut st = e.status();
+    lamina_core::status::count_exclusive(e.shared(), &mut st);
+    assert_eq!(st.live_bytes, alone + 64 * BS as u64);
+    let vv = st.volumes.iter().find(|x| x.name == "v").unwrap();
+    assert_eq!(vv.exclusive_bytes, 64 * BS as u64, "its overwrites");
+    let sv = st.volumes.iter().find(|x| x.name == "s").unwrap();
+    assert_eq!(sv.exclusive_bytes, 64 * BS as u64);
+    assert!(sv.snapshot && sv.origin.as_deref() == Some("v"));
+    let err = call(&mut e, Request::DeleteVolume { name: "v".into() })
+        .result
+        .unwrap_err();
+    assert!(err.to_string().contains("\"s\""), "{err}");
+    let s = e.shared().volume("s").unwrap().id;
+    let err = call(
+        &mut e,
+        Request::Write {
+            volume: s,
+            offset: 0,
+            data: vec![1; BS],
+            fua: false,
+        },
+    )
+    .result
+    .unwrap_err();
+    assert_eq!(err.errno(), 1, "EPERM: {err}");
+    call(&mut e, Request::DeleteVolume { name: "s".into() })
+        .result
+        .unwrap();
+    assert_eq!(e.status().live_bytes, alone);
+    for lba in 0..256 {
+        let want = if lba < 64 { 2 } else { 1 };
+        assert_eq!(decode_pattern(lba, &read_block(&e, v, lba)).unwrap(), want);
+    }
+    drop(e);
+    let e = open_rw(&devs, config());
+    assert_eq!(e.status().live_bytes, alone);
+}
+
+/// Overwriting what a snapshot holds takes new space: a full array answers
+/// ENOSPC (never a write that waits for GC to free what it cannot), the snapshot
+/// stays whole, and deleting it gives the space back.
+#[test]
+fn overwrites_under_a_snapshot_are_refused_when_the_array_is_full() {
+    let d: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(48)));
+    let devs = vec![d];
+    format_devices(&devs, &small_params());
+    let mut e = open_rw(&devs, config());
+    let blocks = e.usable_bytes() / BS as u64 * 3 / 5;
+    let v = create_volume(&mut e, "v", blocks * BS as u64);
+    for lba in 0..blocks {
+        write_block(&mut e, v, lba, 1, false).unwrap();
+    }
+    make(&mut e, "v", "s", false).unwrap();
+    let s = e.shared().volume("s").unwrap().id;
+    let mut refused = None;
+    for lba in 0..blocks {
+        if let Err(err) = write_block(&mut e, v, lba, 2, false) {
+            assert!(matches!(err, EngineError::NoSpace(_)), "{err}");
+            refused = Some(lba);
+            break;
+        }
+    }
+    let at = refused.expect("the origin and its snapshot cannot both fit");
+    assert!(at > 0);
+    // Refused when admitted, as thin provisioning promises, not after GC ran
+    // out of victims mid-write.
+    let st = e.status();
+    assert_eq!(st.writes_refused_nospace, 1);
+    assert!(st.live_bytes <= st.usable_bytes);
+    for lba in 0..blocks {
+        assert_eq!(decode_pattern(lba, &read_block(&e, s, lba)).unwrap(), 1);
+    }
+    call(&mut e, Request::DeleteVolume { name: "s".into() })
+        .result
+        .unwrap();
+    for lba in at..blocks {
+        write_block(&mut e, v, lba, 2, false).unwrap();
+    }
+    for lba in 0..blocks {
+        assert_eq!(decode_pattern(lba, &read_block(&e, v, lba)).unwrap(), 2);
+    }
+}
+
+/// A family as large as it may be: GC moves blocks that every member maps, one
+/// record per member in the unit that takes each block, and recovery points
+/// every member at the copies; one more member is refused with a clear error.
+#[test]
+fn the_largest_family_survives_gc_and_one_more_is_refused() {
+    let d: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(64)));
+    let devs = vec![d];
+    format_devices(&devs, &small_params());
+    let mut e = open_rw(&devs, config());
+    let blocks = e.usable_bytes() / BS as u64 / 4;
+    let v = create_volume(&mut e, "v", blocks * BS as u64);
+    for lba in 0..blocks {
+        write_block(&mut e, v, lba, 1, false).unwrap();
+    }
+    // Garbage in the first segments, so GC takes them while all map the rest.
+    for lba in (0..blocks).filter(|l| l % 8 != 0) {
+        write_block(&mut e, v, lba, 1, false).unwrap();
+    }
+    let mut n = 1;
+    let err = loop {
+        match make(&mut e, "v", &format!("s{n}"), false) {
+            Ok(()) => n += 1,
+            Err(err) => break err,
+        }
+        assert!(n <= 64, "no limit on a family's size");
+    };
+    assert!(err.to_string().contains("the most one family"), "{err}");
+    assert!(n >= 8, "{n} volumes");
+    let gc0 = e.status().gc_bytes_relocated;
+    for round in 2..=12u64 {
+        for lba in (0..blocks).filter(|l| l % 8 != 0) {
+            write_block(&mut e, v, lba, round, false).unwrap();
+        }
+    }
+    assert!(e.status().gc_bytes_relocated > gc0, "GC ran");
+    call(&mut e, Request::Flush).result.unwrap();
+    drop(e);
+    let e = open_rw(&devs, config());
+    for k in [1, n / 2, n - 1] {
+        let s = e.shared().volume(&format!("s{k}")).unwrap().id;
+        for lba in 0..blocks {
+            assert_eq!(
+                decode_pattern(lba, &read_block(&e, s, lba)).unwrap(),
+                1,
+                "s{k} block {lba}"
+            );
+        }
+    }
+    drop(e);
+    fsck_clean(&devs).unwrap();
+}
