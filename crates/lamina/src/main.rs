@@ -625,12 +625,16 @@ enum VolumeCmd {
         #[arg(required = true, num_args = 2..=3, value_name = "[DIR] SNAPSHOT NEW_NAME")]
         args: Vec<String>,
     },
-    /// List volumes.
+    /// List volumes: size, what each maps (LIVE), what deleting it would free
+    /// (EXCLUSIVE), and for snapshots and clones their type and origin.
     List {
         /// Array directory (default ./lamina-data).
         dir: Option<PathBuf>,
         #[arg(long)]
         json: bool,
+        /// Only snapshots (as `zfs list -t snapshot`).
+        #[arg(long)]
+        snapshots: bool,
     },
     /// Delete a volume and release its space. A volume with clients connected is
     /// refused unless --force is given.
@@ -1617,9 +1621,16 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                 }
             );
         }
-        VolumeCmd::List { dir, json } => {
+        VolumeCmd::List {
+            dir,
+            json,
+            snapshots,
+        } => {
             let dir = absolute(&dir.unwrap_or_else(default_dir))?;
-            let (report, running) = get_status(&dir)?;
+            let (mut report, running) = get_status(&dir)?;
+            if snapshots {
+                report.volumes.retain(|v| v.snapshot);
+            }
             if json {
                 let v = output::status_json(&report, running);
                 println!("{}", serde_json::to_string_pretty(&v["volumes"])?);
