@@ -10,15 +10,7 @@ use common::*;
 fn ext4_survives_restart_with_identical_files() {
     if !need(
         "ext4::ext4_survives_restart_with_identical_files",
-        &[
-            "nbdfuse",
-            "fusermount3",
-            "losetup",
-            "mkfs.ext4",
-            "e2fsck",
-            "mount",
-            "sha256sum",
-        ],
+        EXT4_TOOLS,
         true,
     ) {
         return;

@@ -196,15 +196,7 @@ fn snapshots_and_clones_online() {
 fn ext4_on_a_clone_while_its_origin_is_written() {
     if !need(
         "snapshots::ext4_on_a_clone_while_its_origin_is_written",
-        &[
-            "nbdfuse",
-            "fusermount3",
-            "losetup",
-            "mkfs.ext4",
-            "e2fsck",
-            "mount",
-            "sha256sum",
-        ],
+        EXT4_TOOLS,
         true,
     ) {
         return;

@@ -412,6 +412,17 @@ pub fn unmount_fuse(t: &TempDir) {
     }
 }
 
+/// What a test of ext4 on a volume through [`Stack`] runs.
+pub const EXT4_TOOLS: &[&str] = &[
+    "nbdfuse",
+    "fusermount3",
+    "losetup",
+    "mkfs.ext4",
+    "e2fsck",
+    "mount",
+    "sha256sum",
+];
+
 /// nbdfuse + loop device + mount point, torn down in reverse order on drop.
 pub struct Stack {
     fuse_dir: PathBuf,
