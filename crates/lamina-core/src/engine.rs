@@ -189,6 +189,10 @@ pub enum Request {
     /// Rename a volume (replies once a checkpoint records the new name). New
     /// connections use the new name at once; open ones go on.
     RenameVolume { name: String, new_name: String },
+    /// Give volume `name` the contents of its snapshot `snapshot` (replies once a
+    /// checkpoint records it). Refused while requests of the volume are in
+    /// progress; its writes are refused until the reply.
+    Rollback { name: String, snapshot: String },
     /// Make volume `name` from `origin` as it is now, sharing its blocks: a
     /// read-only snapshot, or (`writable`) a clone. Replies once a checkpoint
     /// records it; the new volume is visible to clients from then on.
@@ -294,6 +298,9 @@ pub(crate) struct Vol {
     /// that records it has committed, so no acknowledged write lies beyond the
     /// size recovery would find.
     pub growing: Option<(u64, u64)>,
+    /// Rolled back to a snapshot, until the checkpoint that records it commits
+    /// (see `Engine::rollback_until`).
+    pub rolling_back: bool,
 }
 
 impl Vol {
@@ -510,6 +517,10 @@ pub struct Engine {
     /// No checkpoint starts by itself (recovery holds them while it moves the blocks
     /// of rows a crash left without parity; see `recovery::open`).
     pub(crate) hold_checkpoints: bool,
+    /// A rollback waits for the checkpoint of this generation: until it commits,
+    /// GC moves nothing (so a crash finds every block of the volume as it was) and
+    /// the rolled-back volume takes no writes.
+    pub(crate) rollback_until: Option<u64>,
     pub(crate) classifier_factory: Option<ClassifierFactory>,
 }
 
@@ -641,6 +652,7 @@ impl Engine {
             now_ms: 0,
             shutting_down: false,
             hold_checkpoints: false,
+            rollback_until: None,
             sbw: SbWriter::default(),
             classifier_factory: None,
             geo,
@@ -897,6 +909,10 @@ impl Engine {
                 Ok(()) => self.start_checkpoint(Some(token)),
                 Err(e) => self.reply(token, Err(e), None),
             },
+            Request::Rollback { name, snapshot } => match self.rollback(&name, &snapshot) {
+                Ok(()) => self.start_checkpoint(Some(token)),
+                Err(e) => self.reply(token, Err(e), None),
+            },
             Request::DeleteVolume { name } => match self.delete_volume(&name) {
                 Ok(()) => self.start_checkpoint(Some(token)),
                 Err(e) => self.reply(token, Err(e), None),
@@ -1011,6 +1027,12 @@ impl Engine {
             .ok_or_else(|| {
                 EngineError::Invalid(format!("no {volume} (or it is being created or deleted)"))
             })?;
+        if vol.rolling_back {
+            return Err(EngineError::Invalid(format!(
+                "volume {:?} is being rolled back: try again in a moment",
+                vol.shared.name()
+            )));
+        }
         if vol
             .shared
             .read_only

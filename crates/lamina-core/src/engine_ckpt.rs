@@ -315,12 +315,7 @@ impl Engine {
                 self.ckpt.waiters.extend(waiters);
                 self.start_checkpoint(None);
             } else {
-                let map_pages: u64 = self
-                    .volumes
-                    .iter()
-                    .flatten()
-                    .map(|v| v.live_blocks / 1024 + 1)
-                    .sum();
+                let map_pages = self.map_pages();
                 let due = self.cfg.checkpoint_interval_blocks.max(16 * map_pages);
                 if self.blocks_since_checkpoint >= due
                     && !self.shutting_down

@@ -361,7 +361,8 @@ impl Engine {
     }
 
     pub(crate) fn progress_gc(&mut self) {
-        if self.failed.is_some() {
+        // A rollback in progress: nothing moves until its checkpoint commits.
+        if self.failed.is_some() || self.rollback_until.is_some() {
             return;
         }
         match &self.gc.phase {
@@ -808,6 +809,9 @@ impl Engine {
 
     /// Relocates the blocks of the current batch. False when blocked.
     fn gc_relocate_batch(&mut self) -> bool {
+        if self.rollback_until.is_some() {
+            return false; // resumed once the rollback's checkpoint commits
+        }
         let Phase::Relocate {
             seg,
             live,

@@ -128,7 +128,7 @@ impl Engine {
         self.start_flush();
         let from = self.vol(from_id);
         let map = self.shared.new_map(from.shared.map.len());
-        from.shared.map.for_each_mapped(|lba, e| map.store(lba, e));
+        map.copy_entries_from(&from.shared.map);
         let live = from.live_blocks;
         let shared = Arc::new(VolumeShared::new(id, name.to_string(), size_bytes, map));
         shared.read_only.store(!writable, Ordering::Release);
@@ -147,6 +147,94 @@ impl Engine {
         tracing::info!(
             "{} {name:?} of volume {origin:?} taken ({live} blocks shared)",
             if writable { "clone" } else { "snapshot" }
+        );
+        Ok(())
+    }
+
+    /// See [`Request::Rollback`]. The volume's map becomes a copy of the
+    /// snapshot's at once; its old map moves to a hidden volume that is deleted
+    /// by the same checkpoint, so the blocks only it maps are freed when (and only
+    /// when) the rollback is durable. Until then GC moves nothing and the volume
+    /// takes no writes: a crash before the checkpoint commits finds the volume
+    /// exactly as it was (its old map in the previous checkpoint, every block of
+    /// it where that map says).
+    pub(crate) fn rollback(&mut self, name: &str, snapshot: &str) -> Result<(), EngineError> {
+        let find = |n: &str| {
+            self.volumes
+                .iter()
+                .flatten()
+                .find(|v| *v.shared.name() == *n && v.deleting.is_none() && v.published)
+                .map(|v| v.shared.id)
+                .ok_or_else(|| EngineError::Invalid(format!("no volume named {n:?}")))
+        };
+        let (id, snap) = (find(name)?, find(snapshot)?);
+        if self.lineage.origin(snap) != Some(id) || !self.lineage.read_only(snap) {
+            return Err(EngineError::Invalid(format!(
+                "{snapshot:?} is not a snapshot of volume {name:?}"
+            )));
+        }
+        if self.lineage.read_only(id) {
+            return Err(EngineError::ReadOnly(format!(
+                "volume {name:?} is a snapshot"
+            )));
+        }
+        let v = self.vol(id);
+        if v.growing.is_some() || v.rolling_back || self.rollback_until.is_some() {
+            return Err(EngineError::Invalid(
+                "a resize or rollback is in progress: try again in a moment".into(),
+            ));
+        }
+        if self.vol(snap).shared.size_bytes() != v.shared.size_bytes() {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} was resized since snapshot {snapshot:?} was taken: resize it back first"
+            )));
+        }
+        self.check_no_requests(name, id)?;
+        // GC waits for the checkpoint: it must have room to be written without it.
+        let need = self.gc_start_segments() as u64
+            + self
+                .map_pages()
+                .div_ceil(self.geo.data_blocks_per_segment())
+            + 2;
+        if (self.segments.free.len() as u64) < need {
+            return Err(EngineError::NoSpace(format!(
+                "a rollback needs {need} free segments, the array has {}: free space first",
+                self.segments.free.len()
+            )));
+        }
+        let ghost = self.next_volume_id()?;
+        self.start_flush();
+        let v = self.vol(id);
+        let old = self.shared.new_map(v.shared.map.len());
+        old.copy_entries_from(&v.shared.map);
+        let old = Arc::new(VolumeShared::new(
+            ghost,
+            format!("{name}@rollback"),
+            v.shared.size_bytes(),
+            old,
+        ));
+        // The volume takes the snapshot's map: unmapped where it has nothing.
+        let map = &v.shared.map;
+        map.for_each_mapped(|lba, _| map.store(lba, crate::map::UNMAPPED));
+        map.copy_entries_from(&self.vol(snap).shared.map);
+        let live = self.vol(snap).live_blocks;
+        let old_live = v.live_blocks;
+        self.counters.next_volume_id = ghost.0 as u64 + 1;
+        self.lineage.add(id, ghost, true);
+        let family = self.lineage.family(ghost).expect("just added");
+        self.shared.set_family(ghost, family);
+        let gen = self.ckpt.target_generation();
+        let placement = self.placement_for("", 0, None);
+        let created = self.take_version();
+        let g = self.attach_volume_with(old, created, false, placement);
+        g.live_blocks = old_live;
+        g.deleting = Some(gen);
+        let v = self.vol_mut(id);
+        v.live_blocks = live;
+        v.rolling_back = true;
+        self.rollback_until = Some(gen);
+        tracing::info!(
+            "volume {name:?} rolled back to snapshot {snapshot:?} (durable at checkpoint {gen})"
         );
         Ok(())
     }

@@ -34,6 +34,29 @@ impl Engine {
         Ok(())
     }
 
+    /// Refuses a change to volume `id` while requests of it wait in the engine.
+    pub(crate) fn check_no_requests(&self, name: &str, id: VolumeId) -> Result<(), EngineError> {
+        if self.pending.iter().any(|p| match p {
+            Pending::Write { volume, .. }
+            | Pending::Zero { volume, .. }
+            | Pending::Blocks { volume, .. } => *volume == id,
+        }) {
+            return Err(EngineError::Invalid(format!(
+                "volume {name:?} has requests in progress"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Map pages the volumes hold, about (what a checkpoint writes of them).
+    pub(crate) fn map_pages(&self) -> u64 {
+        self.volumes
+            .iter()
+            .flatten()
+            .map(|v| v.live_blocks / 1024 + 1)
+            .sum()
+    }
+
     /// The id a new volume gets (ids are never reused).
     pub(crate) fn next_volume_id(&self) -> Result<VolumeId, EngineError> {
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
@@ -155,6 +178,7 @@ impl Engine {
             publish_at: 0,
             growing: None,
             deleting: None,
+            rolling_back: false,
         });
         self.refresh_gc_classes();
         self.volumes[i].as_mut().unwrap()
@@ -452,15 +476,7 @@ impl Engine {
                     .join(", ")
             )));
         }
-        if self.pending.iter().any(|p| match p {
-            Pending::Write { volume, .. }
-            | Pending::Zero { volume, .. }
-            | Pending::Blocks { volume, .. } => *volume == id,
-        }) {
-            return Err(EngineError::Invalid(format!(
-                "volume {name:?} has requests in progress"
-            )));
-        }
+        self.check_no_requests(name, id)?;
         // Hidden and closed to I/O now; destroyed when a checkpoint without it commits.
         self.shared.remove_volume(id);
         let gen = self.ckpt.target_generation();
@@ -487,6 +503,13 @@ impl Engine {
                     v.shared.name()
                 );
             }
+            if v.rolling_back && self.rollback_until.is_some_and(|r| r <= gen) {
+                v.rolling_back = false;
+                tracing::info!(
+                    "volume {:?} rolled back (checkpoint {gen})",
+                    v.shared.name()
+                );
+            }
             if v.deleting.is_some_and(|d| d <= gen) {
                 let (streams, map) = (v.streams.clone(), v.shared.clone());
                 for s in streams {
@@ -507,6 +530,9 @@ impl Engine {
                 self.volumes[i] = None;
                 self.refresh_gc_classes();
             }
+        }
+        if self.rollback_until.is_some_and(|r| r <= gen) {
+            self.rollback_until = None;
         }
     }
 }

@@ -679,6 +679,34 @@ impl Map {
         });
     }
 
+    /// Makes this map's entries those of `src`, page by page as words (a
+    /// snapshot's map from its origin's: a copy of a few bytes per block instead
+    /// of a store per entry). Engine thread only, while nothing else writes `src`
+    /// (the engine is its only writer) and no one reads `self` (not published
+    /// yet); both maps are of one array, so their entries are coded alike.
+    pub fn copy_entries_from(&self, src: &Map) {
+        assert!(
+            self.width == src.width
+                && self.pba_codes == src.pba_codes
+                && self.buffer_slots == src.buffer_slots
+                && self.len() >= src.len(),
+            "maps of different arrays or sizes"
+        );
+        let len = src.len();
+        let entries = HEAD_WORDS..self.page_words;
+        src.for_each_page(|page, p| {
+            let first = page * PAGE_ENTRIES as u64;
+            // Pages beyond a shrunk end, and pages with nothing mapped.
+            if first >= len || entries.clone().all(|w| p[w].load(Ordering::Relaxed) == 0) {
+                return;
+            }
+            let d = self.page_mut(first);
+            for w in entries.clone() {
+                d[w].store(p[w].load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+        });
+    }
+
     /// Pages made so far (memory: each is `page_bytes()`).
     pub fn pages_made(&self) -> u64 {
         let mut n = 0;
@@ -731,6 +759,30 @@ impl Drop for Map {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A snapshot's copy: device, buffer and bad entries alike, pages with
+    /// nothing mapped left unmade.
+    #[test]
+    fn a_page_copy_holds_every_entry_and_no_more() {
+        let m = Map::new(5000, 1 << 20, 64);
+        let entries = [
+            (0, encode_device(Pba(7))),
+            (1023, encode_buffer(3)),
+            (1024, BAD),
+        ];
+        for (lba, e) in entries {
+            m.store(Lba(lba), e);
+        }
+        m.store(Lba(4999), encode_device(Pba(99)));
+        m.store(Lba(3000), encode_device(Pba(5)));
+        m.store(Lba(3000), UNMAPPED); // a page left with nothing mapped
+        let c = Map::new(5000, 1 << 20, 64);
+        c.copy_entries_from(&m);
+        for lba in 0..5000 {
+            assert_eq!(c.load(Lba(lba)), m.load(Lba(lba)), "lba {lba}");
+        }
+        assert_eq!(c.pages_made(), 3, "the empty page is not copied");
+    }
 
     /// Runs follow the entries exactly, across made and never-made pages, and stop
     /// at the end asked for.

@@ -7,6 +7,7 @@
 //! {"op":"volume-create","name":"v","size":1073741824} -> {"ok":true}
 //! {"op":"volume-delete","name":"v","force":false} -> {"ok":true} (refused while clients are connected unless force)
 //! {"op":"volume-snapshot","origin":"v","name":"s","writable":false} -> {"ok":true} (a clone when writable)
+//! {"op":"volume-rollback","name":"v","snapshot":"s","force":false} -> {"ok":true} (refused while clients are connected unless force)
 //! {"op":"checkpoint"}                              -> {"ok":true}
 //! {"op":"member-fail","index":2}                   -> {"ok":true}
 //! {"op":"scrub"}                    -> {"progress":[d,t]}... {"ok":true,"scrub":{...}}
@@ -120,6 +121,15 @@ fn handle(rt: &Runtime, io: IoOptions, req: &Value) -> Value {
                     .map(|_| json!({"ok": true}))
                     .map_err(|e| e.to_string()),
                 _ => Err("volume-snapshot needs \"origin\" and \"name\"".into()),
+            }
+        }
+        "volume-rollback" => {
+            let name = req.get("name").and_then(|v| v.as_str());
+            let snapshot = req.get("snapshot").and_then(|v| v.as_str());
+            let force = req.get("force").and_then(|v| v.as_bool()) == Some(true);
+            match (name, snapshot) {
+                (Some(name), Some(snapshot)) => rollback_volume(rt, name, snapshot, force),
+                _ => Err("volume-rollback needs \"name\" and \"snapshot\"".into()),
             }
         }
         "volume-delete" => match req.get("name").and_then(|v| v.as_str()) {
@@ -531,6 +541,30 @@ fn resize_volume(rt: &Runtime, name: &str, target: NewSize, force: bool) -> Resu
 
 /// Deletes a volume; one with clients connected only with `force`, which first
 /// disconnects them (as `lvremove` and `zfs destroy` refuse a busy volume).
+/// A rollback changes what clients read under them: refused while the volume has
+/// any, unless `force` (which disconnects them).
+fn rollback_volume(rt: &Runtime, name: &str, snapshot: &str, force: bool) -> Result<Value, String> {
+    if let Some(v) = rt.shared.volume(name) {
+        let n = rt.clients.count(v.id);
+        if n > 0 && !force {
+            return Err(format!(
+                "volume {name:?} is in use by {n} client connection(s); disconnect them \
+                 first, or roll back with --force (which disconnects them)"
+            ));
+        }
+        if n > 0 {
+            let closed = rt.clients.disconnect(v.id);
+            tracing::warn!("volume {name:?}: disconnected {closed} client(s) to roll it back");
+        }
+    }
+    rt.call(Request::Rollback {
+        name: name.to_string(),
+        snapshot: snapshot.to_string(),
+    })
+    .map(|_| json!({"ok": true}))
+    .map_err(|e| e.to_string())
+}
+
 fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String> {
     let vol = rt.shared.volume(name);
     let n = vol.as_ref().map_or(0, |v| rt.clients.count(v.id));

@@ -625,6 +625,23 @@ enum VolumeCmd {
         #[arg(required = true, num_args = 2..=3, value_name = "[DIR] SNAPSHOT NEW_NAME")]
         args: Vec<String>,
     },
+    /// Give a volume the contents of one of its snapshots again (as `zfs rollback`,
+    /// `lvconvert --merge`): everything written since the snapshot is gone.
+    ///
+    /// Online, but the volume must have no clients (--force disconnects them): they
+    /// would see its contents change under them. The snapshot stays. What only the
+    /// volume held is freed once the rollback is durable; a crash before the command
+    /// returns leaves the volume as it was.
+    #[command(after_help = "Example:\n  lamina volume rollback /srv/tank vm1 vm1-before-upgrade")]
+    Rollback {
+        /// [DIR] NAME SNAPSHOT: the array directory (default ./lamina-data), the
+        /// volume and its snapshot.
+        #[arg(required = true, num_args = 2..=3, value_name = "[DIR] NAME SNAPSHOT")]
+        args: Vec<String>,
+        /// Disconnect the volume's clients first.
+        #[arg(long)]
+        force: bool,
+    },
     /// List volumes: size, what each maps (LIVE), what deleting it would free
     /// (EXCLUSIVE), and for snapshots and clones their type and origin.
     List {
@@ -1531,6 +1548,21 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
                 "{} {new_name:?} of volume {origin:?} made",
                 if writable { "clone" } else { "snapshot" }
             );
+        }
+        VolumeCmd::Rollback { mut args, force } => {
+            let snapshot = args.pop().expect("clap asks for two or three");
+            let (dir, name) = dir_and_name(args)?;
+            let req = json!({"op": "volume-rollback", "name": name, "snapshot": snapshot, "force": force});
+            if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
+                offline(
+                    &dir,
+                    Request::Rollback {
+                        name: name.clone(),
+                        snapshot: snapshot.clone(),
+                    },
+                )?;
+            }
+            println!("volume {name:?} rolled back to snapshot {snapshot:?}");
         }
         VolumeCmd::Delete { args, force } => {
             let (dir, name) = dir_and_name(args)?;

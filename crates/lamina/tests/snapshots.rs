@@ -173,6 +173,24 @@ fn snapshots_and_clones_online() {
     assert_eq!(gens(&s.sock, "c"), cg);
     assert!(gens(&s.sock, "v").iter().all(|&g| g == 139));
 
+    // Rollback: refused while the volume has a client, then the volume is its
+    // snapshot again, for good.
+    let busy = Client::connect_unix(&s.sock, "v").unwrap();
+    let out = lamina_output(&["volume", "rollback", d, "v", "s"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    drop(busy);
+    let out = lamina_output(&["volume", "rollback", d, "v", "c"]);
+    assert!(
+        !out.status.success(),
+        "a clone is no snapshot of v: {out:?}"
+    );
+    lamina(&["volume", "rollback", d, "v", "s"]);
+    assert_eq!(gens(&s.sock, "v"), snap);
+    s.kill9();
+    let s = Server::start(&dir);
+    assert_eq!(gens(&s.sock, "v"), snap);
+    assert_eq!(gens(&s.sock, "s"), snap);
+
     // Deleting the clone and the snapshot frees what only they held; then the
     // origin can go.
     let live = |dir: &Path| status_json(dir)["live_bytes"].as_u64().unwrap();
