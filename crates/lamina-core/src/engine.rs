@@ -1341,7 +1341,8 @@ impl Engine {
 
     /// True when user writes wait for a segment that nothing can free.
     fn stuck_without_space(&mut self) -> bool {
-        self.segments.free.len() <= self.user_floor()
+        self.rollback_until.is_none()
+            && self.segments.free.len() <= self.user_floor()
             && self.gc.is_idle()
             && self.segments.in_release() == 0
             && self.durability.sync_idle()

@@ -74,6 +74,12 @@ impl CkptState {
     }
 
     /// Generation of the first checkpoint whose snapshot will see a change made now.
+    /// A checkpoint is being written (its tables were taken; its map pages are
+    /// read from the live maps as they are written).
+    pub(crate) fn in_progress(&self) -> bool {
+        self.writer.is_some()
+    }
+
     pub(crate) fn target_generation(&self) -> u64 {
         if self.writer.is_some() {
             self.last_gen + 2

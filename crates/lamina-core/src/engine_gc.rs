@@ -590,7 +590,12 @@ impl Engine {
     /// and its unit has room. Pacing is asked first: a held block must not take a
     /// buffer or open a segment (GC may need the buffer to earn the credit).
     pub(crate) fn room_for_user_block(&mut self, stream: usize) -> bool {
-        if self.held_for_credit() || self.ensure_unit(stream, 1, 0).is_err() {
+        // A rollback holds GC until its checkpoint commits: user writes wait too,
+        // so that the free segments that checkpoint needs stay free.
+        if self.rollback_until.is_some()
+            || self.held_for_credit()
+            || self.ensure_unit(stream, 1, 0).is_err()
+        {
             self.user_block_held();
             return false;
         }

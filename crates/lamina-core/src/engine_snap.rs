@@ -11,6 +11,9 @@ use crate::types::{Lba, VolumeId, BLOCK_SIZE_U64};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// Why a rollback was refused when it may be tried again at once.
+pub const ROLLBACK_BUSY: &str = "a checkpoint is being written: try the rollback again";
+
 /// The most volumes a family may have, whatever the geometry: beyond a few dozen,
 /// blocks that all of them share cost more header than data when GC moves them.
 const MAX_FAMILY: usize = 64;
@@ -190,12 +193,23 @@ impl Engine {
             )));
         }
         self.check_no_requests(name, id)?;
-        // GC waits for the checkpoint: it must have room to be written without it.
-        let need = self.gc_start_segments() as u64
-            + self
-                .map_pages()
-                .div_ceil(self.geo.data_blocks_per_segment())
-            + 2;
+        // The map changes without records in the log: a checkpoint being written
+        // now would save some pages from before and some from after it.
+        if self.ckpt.in_progress() {
+            return Err(EngineError::Invalid(ROLLBACK_BUSY.into()));
+        }
+        // GC and user writes wait for the checkpoint: it must fit in what is free,
+        // every map page written (the volume's pages become the snapshot's).
+        let pages: u64 = self
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| v.deleting.is_none())
+            .map(|v| v.shared.map.used_pages().len() as u64)
+            .sum::<u64>()
+            + self.vol(snap).shared.map.used_pages().len() as u64;
+        let need =
+            self.user_floor() as u64 + pages.div_ceil(self.geo.data_blocks_per_segment()) + 2;
         if (self.segments.free.len() as u64) < need {
             return Err(EngineError::NoSpace(format!(
                 "a rollback needs {need} free segments, the array has {}: free space first",
@@ -214,9 +228,15 @@ impl Engine {
             old,
         ));
         // The volume takes the snapshot's map: unmapped where it has nothing.
-        let map = &v.shared.map;
-        map.for_each_mapped(|lba, _| map.store(lba, crate::map::UNMAPPED));
-        map.copy_entries_from(&self.vol(snap).shared.map);
+        // Entry by entry, through the map's sequence words: a client that reads
+        // meanwhile (there should be none) gets each block old or new, never torn.
+        let (map, from) = (&v.shared.map, &self.vol(snap).shared.map);
+        map.for_each_mapped(|lba, _| {
+            if from.load(lba) == crate::map::UNMAPPED {
+                map.store(lba, crate::map::UNMAPPED);
+            }
+        });
+        from.for_each_mapped(|lba, e| map.store(lba, e));
         let live = self.vol(snap).live_blocks;
         let old_live = v.live_blocks;
         self.counters.next_volume_id = ghost.0 as u64 + 1;

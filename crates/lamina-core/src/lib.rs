@@ -15,6 +15,7 @@ mod engine_gc;
 mod engine_log;
 mod engine_members;
 mod engine_snap;
+pub use engine_snap::ROLLBACK_BUSY;
 mod engine_volumes;
 pub use engine_volumes::{check_volume_size, trim_tail};
 pub mod error;

@@ -1553,14 +1553,31 @@ fn volume(cmd: VolumeCmd) -> Result<()> {
             let snapshot = args.pop().expect("clap asks for two or three");
             let (dir, name) = dir_and_name(args)?;
             let req = json!({"op": "volume-rollback", "name": name, "snapshot": snapshot, "force": force});
-            if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
-                offline(
-                    &dir,
-                    Request::Rollback {
-                        name: name.clone(),
-                        snapshot: snapshot.clone(),
-                    },
-                )?;
+            let once = || -> Result<()> {
+                if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
+                    offline(
+                        &dir,
+                        Request::Rollback {
+                            name: name.clone(),
+                            snapshot: snapshot.clone(),
+                        },
+                    )?;
+                }
+                Ok(())
+            };
+            // The engine refuses a rollback while a checkpoint is being written
+            // (a few ms to seconds): try again, for up to a minute.
+            let t0 = std::time::Instant::now();
+            loop {
+                match once() {
+                    Err(e)
+                        if format!("{e:#}").contains(lamina_core::ROLLBACK_BUSY)
+                            && t0.elapsed() < std::time::Duration::from_secs(60) =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                    }
+                    r => break r?,
+                }
             }
             println!("volume {name:?} rolled back to snapshot {snapshot:?}");
         }
