@@ -123,7 +123,12 @@ impl Engine {
         }
         let id = self.next_volume_id()?;
         let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
-        self.check_zone_room(name, placement.0.as_ref())?;
+        // A snapshot takes no writes, and GC moves the blocks it shares within the
+        // streams of the volumes whose segments hold them: its streams never open
+        // a segment, so on zoned devices they hold no zone.
+        if writable {
+            self.check_zone_room(name, placement.0.as_ref())?;
+        }
         // The point in time: every write acknowledged so far is in the origin's
         // map. Units still open are sealed first, so that the copy names no block
         // of a unit whose records are not yet final (a sealed unit's blocks are

@@ -252,6 +252,8 @@ impl Engine {
         self.volumes
             .iter()
             .flatten()
+            // A snapshot's streams open no segment (see `create_snapshot`).
+            .filter(|v| !self.lineage.read_only(v.shared.id))
             .map(|v| v.streams.len() - v.small_stream.is_some() as usize)
             .sum()
     }

@@ -81,24 +81,6 @@ fn config() -> lamina_core::EngineConfig {
     }
 }
 
-/// Makes `name` from `origin`: a snapshot, or a clone when `writable`.
-fn make(
-    e: &mut lamina_core::Engine,
-    origin: &str,
-    name: &str,
-    writable: bool,
-) -> Result<(), EngineError> {
-    call(
-        e,
-        Request::CreateSnapshot {
-            origin: origin.into(),
-            name: name.into(),
-            writable,
-        },
-    )
-    .result
-}
-
 /// The array as a power cut leaves `dev` (half of what was not synced reached the
 /// media), opened: the engine and its device.
 fn after_power_cut(
@@ -256,7 +238,7 @@ proptest! {
                     let writable = matches!(op, Op::Clone { .. });
                     let k = pick(&vols, vol);
                     let name = format!("{}{}", if writable { "c" } else { "s" }, vols.len());
-                    make(&mut e, &vols[k].name, &name, writable).unwrap();
+                    make_snapshot(&mut e, &vols[k].name, &name, writable).unwrap();
                     let data = vols[k].data.clone();
                     vols.push(ModelVol { name, data, read_only: !writable, origin: Some(k), alive: true });
                 }
@@ -357,7 +339,7 @@ fn a_snapshot_survives_a_power_cut_and_gc_of_its_origin() {
     for lba in (0..blocks).filter(|l| l % 8 != 0) {
         write_block(&mut e, v, lba, 1, false).unwrap();
     }
-    make(&mut e, "v", "s", false).unwrap();
+    make_snapshot(&mut e, "v", "s", false).unwrap();
     let s = e.shared().volume("s").unwrap().id;
     let gc_before = e.status().gc_bytes_relocated;
     assert_eq!(gc_before, 0, "GC ran before the snapshot");
@@ -406,7 +388,7 @@ fn deleting_a_snapshot_frees_only_what_it_alone_held() {
         write_block(&mut e, v, lba, 1, false).unwrap();
     }
     let alone = e.status().live_bytes;
-    make(&mut e, "v", "s", false).unwrap();
+    make_snapshot(&mut e, "v", "s", false).unwrap();
     assert_eq!(e.status().live_bytes, alone, "a snapshot costs no space");
     for lba in 0..64 {
         write_block(&mut e, v, lba, 2, false).unwrap();
@@ -463,7 +445,7 @@ fn overwrites_under_a_snapshot_are_refused_when_the_array_is_full() {
     for lba in 0..blocks {
         write_block(&mut e, v, lba, 1, false).unwrap();
     }
-    make(&mut e, "v", "s", false).unwrap();
+    make_snapshot(&mut e, "v", "s", false).unwrap();
     let s = e.shared().volume("s").unwrap().id;
     let mut refused = None;
     for lba in 0..blocks {
@@ -514,7 +496,7 @@ fn the_largest_family_survives_gc_and_one_more_is_refused() {
     }
     let mut n = 1;
     let err = loop {
-        match make(&mut e, "v", &format!("s{n}"), false) {
+        match make_snapshot(&mut e, "v", &format!("s{n}"), false) {
             Ok(()) => n += 1,
             Err(err) => break err,
         }
@@ -568,7 +550,7 @@ fn power_cuts_while_snapshots_are_taken_and_deleted() {
             match rng.gen_range(0..100) {
                 0..=2 if snaps.len() < 4 => {
                     let name = format!("s{step}");
-                    make(&mut e, "v", &name, false).unwrap();
+                    make_snapshot(&mut e, "v", &name, false).unwrap();
                     snaps.push((name, last.clone()));
                 }
                 3..=4 if !snaps.is_empty() => {
@@ -654,7 +636,7 @@ fn a_rollback_survives_a_power_cut_whole_or_not_at_all() {
     for lba in 0..blocks {
         write_block(&mut e, v, lba, 1, false).unwrap();
     }
-    make(&mut e, "v", "s", false).unwrap();
+    make_snapshot(&mut e, "v", "s", false).unwrap();
     for round in 2..=6u64 {
         for lba in (0..blocks).filter(|l| l % 3 != round % 3) {
             write_block(&mut e, v, lba, round, false).unwrap();
@@ -736,4 +718,28 @@ fn a_rollback_survives_a_power_cut_whole_or_not_at_all() {
     assert!(first == 1 || first == 100, "block 0: round {first}");
     drop(e);
     fsck_clean(&[dev3]).unwrap();
+}
+
+/// On a parity array: a family under GC, then a member fails; every volume reads
+/// back through parity, before and after a restart.
+#[test]
+fn a_family_on_said5_survives_gc_and_a_member_loss() {
+    let d: Vec<Arc<dyn BlockDevice>> = (0..4)
+        .map(|i| {
+            Arc::new(MemDevice::new(format!("m{i}"), device_bytes(32))) as Arc<dyn BlockDevice>
+        })
+        .collect();
+    format_devices(&d, &layout_params(lamina_format::superblock::Layout::Said5));
+    let mut e = open_rw(&d, config());
+    let gc0 = e.status().gc_bytes_relocated;
+    let models = snapshot_family_under_gc(&mut e, 5, u64::MAX);
+    assert!(e.status().gc_bytes_relocated > gc0, "GC ran");
+    check_family(&e, &models);
+    call(&mut e, Request::FailMember { index: 1 })
+        .result
+        .unwrap();
+    check_family(&e, &models);
+    drop(e);
+    let e = open_rw(&d, config());
+    check_family(&e, &models);
 }

@@ -615,3 +615,28 @@ fn said5_zoned_power_cut_then_a_member_loss_keeps_every_block() {
         "some power cut left rows whose blocks had to move"
     );
 }
+
+/// Snapshots and clones on a zoned array with conventional zones: a family
+/// written with frequent small flushes (units moved to the small stream), every
+/// volume as its model says, before and after a restart; the zone rules hold, and
+/// the snapshot's streams hold no zone (the origin's and clone's fit the limit).
+#[test]
+fn a_snapshot_family_on_zones_survives_small_flushes_and_restarts() {
+    let z = zoned_conv(1, 140, ZONE, 12, 36);
+    let devs = dyn_devs(&z);
+    format_devices(&devs, &layout_params(Layout::Jbod));
+    // The default classifier: the origin's and the clone's streams must share the
+    // 12 open zones ("auto" fits them); the snapshot's hold none.
+    let config = small_config;
+    let mut e = open_rw(&devs, config());
+    let models = snapshot_family_under_gc(&mut e, 3, 3);
+    assert!(
+        e.small_units_moved() > 0,
+        "no unit went to the small stream"
+    );
+    check_family(&e, &models);
+    within_the_rules(&z, 12);
+    drop(e);
+    let e = open_rw(&devs, config());
+    check_family(&e, &models);
+}

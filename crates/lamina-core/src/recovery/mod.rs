@@ -25,7 +25,7 @@ use crate::engine::{Engine, EngineConfig, Token, VERSION_LEASE};
 use crate::error::EngineError;
 use crate::io::execute;
 use crate::shared::Shared;
-use crate::types::{SegmentId, BLOCK_SIZE};
+use crate::types::{SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_device::zoned::{ZoneCond, ZoneType};
 use lamina_device::BlockDevice;
 use lamina_format::superblock::Layout;
@@ -249,8 +249,15 @@ pub fn open_unfinished(
     // (recovery leaves no data segment open, so nothing is closed here).
     engine.update_class_caps();
     if writable && engine.zones.zoned {
-        // Small streams take conventional segments only: no zone.
-        let streams = engine.log.streams.iter().filter(|s| !s.small).count() as u32;
+        // Small streams take conventional segments only: no zone. Nor do a
+        // snapshot's streams take one: a snapshot takes no writes, and GC moves
+        // its blocks within the segments' owners' streams.
+        let streams = engine
+            .log
+            .streams
+            .iter()
+            .filter(|s| !s.small && !engine.lineage.read_only(VolumeId(s.volume)))
+            .count() as u32;
         if engine.zones.limit > 0 && streams > engine.zones.limit {
             return Err(EngineError::Invalid(format!(
                 "the volumes' streams and the metadata stream need {streams} zones open at once, the devices allow {}: configure fewer heat classes (classifier) or geometry_aware = false",

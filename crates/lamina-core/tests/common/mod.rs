@@ -210,3 +210,73 @@ impl Driver {
         }
     }
 }
+
+/// A snapshot family under GC, on whatever devices and layout: volume "v" of
+/// 1/`part` of the array, written, seven blocks of eight rewritten (so GC takes the
+/// first segments while the snapshot shares what is left in them), snapshot "s",
+/// clone "c" of it with writes of its own, then five rounds over v (flushed every
+/// `flush_every` writes: small units on zoned arrays). Returns the model of each
+/// volume: per block, the generation it holds.
+pub fn snapshot_family_under_gc(
+    e: &mut Engine,
+    part: u64,
+    flush_every: u64,
+) -> Vec<(&'static str, Vec<u64>)> {
+    let blocks = e.usable_bytes() / BS as u64 / part;
+    let v = create_volume(e, "v", blocks * BS as u64);
+    let mut mv = vec![1u64; blocks as usize];
+    for lba in 0..blocks {
+        write_block(e, v, lba, 1, false).unwrap();
+    }
+    for lba in (0..blocks).filter(|l| l % 8 != 0) {
+        write_block(e, v, lba, 1, false).unwrap();
+    }
+    for (name, origin, writable) in [("s", "v", false), ("c", "s", true)] {
+        make_snapshot(e, origin, name, writable).unwrap();
+    }
+    let (ms, mut mc) = (mv.clone(), mv.clone());
+    let c = e.shared().volume("c").unwrap().id;
+    for lba in 0..8 {
+        write_block(e, c, lba * 3, 50, false).unwrap();
+        mc[(lba * 3) as usize] = 50;
+    }
+    let mut n = 0;
+    for round in 2..=10u64 {
+        for lba in (0..blocks).filter(|l| l % 8 != 0 && l % 5 != round % 5) {
+            n += 1;
+            write_block(e, v, lba, round, n % flush_every == 0).unwrap();
+            mv[lba as usize] = round;
+        }
+    }
+    call(e, Request::Flush).result.unwrap();
+    vec![("v", mv), ("s", ms), ("c", mc)]
+}
+
+/// Every volume of `models` reads back as its model says.
+pub fn check_family(e: &Engine, models: &[(&'static str, Vec<u64>)]) {
+    for (name, gens) in models {
+        let id = e.shared().volume(name).unwrap().id;
+        for (lba, &g) in gens.iter().enumerate() {
+            let got = decode_pattern(lba as u64, &read_block(e, id, lba as u64));
+            assert_eq!(got, Ok(g), "{name} block {lba}");
+        }
+    }
+}
+
+/// Makes `name` from `origin`: a snapshot, or a clone when `writable`.
+pub fn make_snapshot(
+    e: &mut Engine,
+    origin: &str,
+    name: &str,
+    writable: bool,
+) -> Result<(), lamina_core::EngineError> {
+    call(
+        e,
+        Request::CreateSnapshot {
+            origin: origin.into(),
+            name: name.into(),
+            writable,
+        },
+    )
+    .result
+}
