@@ -503,6 +503,37 @@ fn bad_configuration_and_commands_get_clear_messages() {
         &["volume", "create", d, "w", "--size", "12Q"],
         "invalid size",
     );
+    // Snapshots, clones and rollbacks (offline here): each refusal names why.
+    fails_with(
+        &["volume", "snapshot", d, "nope", "s"],
+        "no volume named \"nope\"",
+    );
+    fails_with(&["volume", "snapshot", d, "v", "v"], "already exists");
+    fails_with(&["volume", "snapshot", d, "v", "a b"], "volume name");
+    fails_with(
+        &["volume", "clone", d, "nope", "c"],
+        "no volume named \"nope\"",
+    );
+    fails_with(
+        &["volume", "rollback", d, "v", "nope"],
+        "no volume named \"nope\"",
+    );
+    lamina(&["volume", "snapshot", d, "v", "s1"]);
+    lamina(&["volume", "clone", d, "s1", "c1"]);
+    fails_with(
+        &["volume", "rollback", d, "v", "c1"],
+        "is not a snapshot of volume \"v\"",
+    );
+    fails_with(&["volume", "rollback", d, "s1", "s1"], "is not a snapshot");
+    fails_with(
+        &["volume", "resize", d, "s1", "--size", "16M"],
+        "is a snapshot",
+    );
+    fails_with(&["volume", "delete", d, "v"], "delete them first");
+    fails_with(&["volume", "delete", d, "s1"], "\"c1\"");
+    for name in ["c1", "s1"] {
+        lamina(&["volume", "delete", d, name]);
+    }
     // 10^10 or 10 GiB? Not guessed.
     usage(
         &["volume", "create", d, "w", "--size", "10GB"],
