@@ -187,8 +187,10 @@ impl Engine {
     /// Fits the volumes' open classes to the spare space (see `classcap`): classes
     /// no longer kept have their open segments closed, so that GC can reclaim them.
     pub(crate) fn update_class_caps(&mut self) {
+        // Snapshots take no writes and open no segment: the spare is shared by the
+        // volumes that write.
         let ids: Vec<usize> = (0..self.volumes.len())
-            .filter(|&i| self.volumes[i].is_some())
+            .filter(|&i| self.volumes[i].is_some() && !self.lineage.read_only(VolumeId(i as u16)))
             .collect();
         let wanted: Vec<crate::classcap::Caps> = ids
             .iter()

@@ -524,7 +524,12 @@ fn bad_configuration_and_commands_get_clear_messages() {
         &["volume", "rollback", d, "v", "c1"],
         "is not a snapshot of volume \"v\"",
     );
-    fails_with(&["volume", "rollback", d, "s1", "s1"], "is not a snapshot");
+    lamina(&["volume", "snapshot", d, "s1", "s2"]);
+    fails_with(
+        &["volume", "rollback", d, "s1", "s2"],
+        "\"s1\" is a snapshot",
+    );
+    lamina(&["volume", "delete", d, "s2"]);
     fails_with(
         &["volume", "resize", d, "s1", "--size", "16M"],
         "is a snapshot",

@@ -228,8 +228,10 @@ pub fn snapshot_family_under_gc(
     for lba in 0..blocks {
         write_block(e, v, lba, 1, false).unwrap();
     }
+    // A new generation, so that a map left pointing at a dead copy reads wrong.
     for lba in (0..blocks).filter(|l| l % 8 != 0) {
-        write_block(e, v, lba, 1, false).unwrap();
+        write_block(e, v, lba, 2, false).unwrap();
+        mv[lba as usize] = 2;
     }
     for (name, origin, writable) in [("s", "v", false), ("c", "s", true)] {
         make_snapshot(e, origin, name, writable).unwrap();
@@ -241,7 +243,7 @@ pub fn snapshot_family_under_gc(
         mc[(lba * 3) as usize] = 50;
     }
     let mut n = 0;
-    for round in 2..=10u64 {
+    for round in 3..=10u64 {
         for lba in (0..blocks).filter(|l| l % 8 != 0 && l % 5 != round % 5) {
             n += 1;
             write_block(e, v, lba, round, n % flush_every == 0).unwrap();
