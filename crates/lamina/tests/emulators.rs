@@ -349,6 +349,10 @@ fn emulated_ssd_is_served_at_the_drives_pace() {
     assert!(late < 5000.0, "{stats}");
     let (unpaced, stats2) = emulated_writes(&t, "unpaced", n, &["--no-pace"]);
     assert_eq!(stats2["host_bytes_written"], n * 4096);
+    // A stall of this machine (writeback, another job) only ever slows a run: the
+    // unpaced run is timed twice, and the faster counts.
+    let (again, _) = emulated_writes(&t, "unpaced2", n, &["--no-pace"]);
+    let unpaced = unpaced.min(again);
     assert!(
         paced > 2.0 * unpaced && paced > 0.02,
         "paced writes took {paced:.4} s, unpaced {unpaced:.4} s"
