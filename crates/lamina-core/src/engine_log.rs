@@ -812,20 +812,15 @@ impl Engine {
                     v.shared.map.store(lba, encode_device(pba));
                 }
             };
-            match self.lineage.family(named) {
-                None => {
-                    if let Some(v) = self.volumes[named.0 as usize].as_ref() {
-                        to_device(v);
-                    }
-                }
-                // Every member of the family that maps the block (aliases, and
-                // snapshots taken while the unit was being written).
-                Some(f) => {
-                    for m in self.lineage.members(f) {
-                        if let Some(v) = self.volumes[m.0 as usize].as_ref() {
-                            to_device(v);
-                        }
-                    }
+            // Every member of the family that maps the block (aliases, and
+            // snapshots taken while the unit was being written).
+            let holders = match self.lineage.family(named) {
+                None => std::slice::from_ref(&named),
+                Some(f) => self.lineage.members(f),
+            };
+            for m in holders {
+                if let Some(v) = self.volumes[m.0 as usize].as_ref() {
+                    to_device(v);
                 }
             }
         }

@@ -134,23 +134,10 @@ impl Engine {
         // of a unit whose records are not yet final (a sealed unit's blocks are
         // converted in every map that holds them when their write completes).
         self.start_flush();
-        let from = self.vol(from_id);
-        let map = self.shared.new_map(from.shared.map.len());
-        map.copy_entries_from(&from.shared.map);
-        let live = from.live_blocks;
-        let shared = Arc::new(VolumeShared::new(id, name.to_string(), size_bytes, map));
-        shared.read_only.store(!writable, Ordering::Release);
-        self.counters.next_volume_id = id.0 as u64 + 1;
-        self.lineage.add(from_id, id, !writable);
-        let family = self.lineage.family(id).expect("just added");
-        self.shared.set_family(from_id, family);
-        self.shared.set_family(id, family);
-        self.sb.shared_blocks = true;
-        let created = self.take_version();
         let publish_at = self.ckpt.target_generation();
-        let vol = self.attach_volume_with(shared, created, false, placement);
+        let vol = self.add_member(from_id, id, name, !writable, placement);
         vol.publish_at = publish_at;
-        vol.live_blocks = live;
+        let live = vol.live_blocks;
         self.update_class_caps();
         tracing::info!(
             "{} {name:?} of volume {origin:?} taken ({live} blocks shared)",
@@ -223,18 +210,14 @@ impl Engine {
         }
         let ghost = self.next_volume_id()?;
         self.start_flush();
-        let v = self.vol(id);
-        let old = self.shared.new_map(v.shared.map.len());
-        old.copy_entries_from(&v.shared.map);
-        let old = Arc::new(VolumeShared::new(
-            ghost,
-            format!("{name}@rollback"),
-            v.shared.size_bytes(),
-            old,
-        ));
+        let gen = self.ckpt.target_generation();
+        let placement = self.placement_for("", 0, None);
+        let g = self.add_member(id, ghost, &format!("{name}@rollback"), true, placement);
+        g.deleting = Some(gen);
         // The volume takes the snapshot's map: unmapped where it has nothing.
         // Entry by entry, through the map's sequence words: a client that reads
         // meanwhile (there should be none) gets each block old or new, never torn.
+        let v = self.vol(id);
         let (map, from) = (&v.shared.map, &self.vol(snap).shared.map);
         map.for_each_mapped(|lba, _| {
             if from.load(lba) == crate::map::UNMAPPED {
@@ -243,17 +226,6 @@ impl Engine {
         });
         from.for_each_mapped(|lba, e| map.store(lba, e));
         let live = self.vol(snap).live_blocks;
-        let old_live = v.live_blocks;
-        self.counters.next_volume_id = ghost.0 as u64 + 1;
-        self.lineage.add(id, ghost, true);
-        let family = self.lineage.family(ghost).expect("just added");
-        self.shared.set_family(ghost, family);
-        let gen = self.ckpt.target_generation();
-        let placement = self.placement_for("", 0, None);
-        let created = self.take_version();
-        let g = self.attach_volume_with(old, created, false, placement);
-        g.live_blocks = old_live;
-        g.deleting = Some(gen);
         let v = self.vol_mut(id);
         v.live_blocks = live;
         v.rolling_back = true;
@@ -262,6 +234,43 @@ impl Engine {
             "volume {name:?} rolled back to snapshot {snapshot:?} (durable at checkpoint {gen})"
         );
         Ok(())
+    }
+
+    /// Attaches volume `id` (unpublished), made from `from` as it is now: a copy
+    /// of its map, sharing its blocks, in its family (read-only: a snapshot). The
+    /// caller has sealed the open units (see `create_snapshot`).
+    fn add_member(
+        &mut self,
+        from: VolumeId,
+        id: VolumeId,
+        name: &str,
+        read_only: bool,
+        placement: (
+            Box<dyn crate::placement::Classifier>,
+            Box<dyn crate::gc::VictimPolicy>,
+        ),
+    ) -> &mut Vol {
+        let v = self.vol(from);
+        let map = self.shared.new_map(v.shared.map.len());
+        map.copy_entries_from(&v.shared.map);
+        let live = v.live_blocks;
+        let shared = Arc::new(VolumeShared::new(
+            id,
+            name.to_string(),
+            v.shared.size_bytes(),
+            map,
+        ));
+        shared.read_only.store(read_only, Ordering::Release);
+        self.counters.next_volume_id = id.0 as u64 + 1;
+        self.lineage.add(from, id, read_only);
+        let family = self.lineage.family(id).expect("just added");
+        self.shared.set_family(from, family);
+        self.shared.set_family(id, family);
+        self.sb.shared_blocks = true;
+        let created = self.take_version();
+        let vol = self.attach_volume_with(shared, created, false, placement);
+        vol.live_blocks = live;
+        vol
     }
 
     /// The most volumes one family may have: GC writes a record per member that
