@@ -22,7 +22,7 @@
 
 use crate::error::EngineError;
 use crate::gc::{policy_by_name, VictimPolicy};
-use crate::geometry::Geometry;
+use crate::geometry::{Geometry, Tier};
 use crate::io::{IoCompletion, IoKind, IoOp};
 use crate::map::{decode, Entry, UNMAPPED};
 use crate::placement::Written;
@@ -319,6 +319,8 @@ pub(crate) struct Want {
     /// Zoned devices: a segment in a conventional zone (`Some(true)`, the
     /// metadata stream's small writes) or in a sequential one (data).
     pub conventional: Option<bool>,
+    /// The tier whose free queue the segment comes from.
+    pub tier: Tier,
 }
 
 impl Want {
@@ -326,6 +328,7 @@ impl Want {
         Want {
             outer: None,
             conventional: Some(true),
+            tier: Tier::Capacity,
         }
     }
 }
@@ -626,6 +629,7 @@ impl Engine {
                     free,
                     next_version,
                     geo.data_blocks_per_segment() as u32,
+                    geo.cache_first,
                 );
                 for r in removed {
                     t.withhold(r);
@@ -718,8 +722,14 @@ impl Engine {
         self.space.usable * BLOCK_SIZE_U64
     }
 
+    /// Free segments of the capacity tier (of the array, without a cache tier).
     pub fn free_segments(&self) -> usize {
         self.segments.free.len()
+    }
+
+    /// Free segments of the cache tier (0 without one).
+    pub fn cache_free_segments(&self) -> usize {
+        self.segments.cache_free.len()
     }
 
     // ---------------------------------------------------------------- versions
@@ -1265,7 +1275,7 @@ impl Engine {
             let before = (
                 self.pending.len(),
                 self.out.queued(),
-                self.segments.free.len(),
+                self.segments.free_count(),
                 self.gc_progress_mark(),
             );
             self.progress_pending();
@@ -1279,7 +1289,7 @@ impl Engine {
             if (
                 self.pending.len(),
                 self.out.queued(),
-                self.segments.free.len(),
+                self.segments.free_count(),
                 self.gc_progress_mark(),
             ) == before
             {
@@ -1341,9 +1351,16 @@ impl Engine {
 
     /// True when user writes wait for a segment that nothing can free.
     fn stuck_without_space(&mut self) -> bool {
+        let (free, floor) = if self.geo.tiered() {
+            (self.segments.cache_free.len(), 0)
+        } else {
+            (self.segments.free.len(), self.user_floor())
+        };
         self.rollback_until.is_none()
-            && self.segments.free.len() <= self.user_floor()
+            && free <= floor
             && self.gc.is_idle()
+            && !(self.segments.victims.oldest_cached().is_some()
+                && self.segments.free.len() > self.user_floor())
             && self.segments.in_release() == 0
             && self.durability.sync_idle()
             && self.out.in_flight() == 0
@@ -1831,7 +1848,8 @@ impl Engine {
             self.shared.set_segment_free(s, true);
         }
         // When free segments run low, run a flush to move the protocol forward.
-        let low = self.segments.free.len() < self.gc_start_segments();
+        let low = self.segments.free.len() < self.gc_start_segments()
+            || (self.geo.tiered() && self.segments.cache_free.len() < self.cache_watermarks().0);
         let stalled = !self.pending.is_empty() || !self.gc.is_idle();
         if (low || stalled)
             && self.segments.wants_flush(synced)

@@ -185,7 +185,7 @@ impl Engine {
         // the snapshot lists them at the tail of the free queue, in the order the
         // engine will append them. Their content is dead either way: they emptied
         // before their release record was written.
-        let mut free_queue: Vec<u32> = self.segments.free.iter().copied().collect();
+        let mut free_queue: Vec<u32> = self.segments.all_free().collect();
         free_queue.extend(self.segments.releasing.iter().copied());
         let segments = self
             .segments

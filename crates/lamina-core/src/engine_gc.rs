@@ -63,6 +63,12 @@ pub(crate) struct GcState {
     pub pace_waits: u64,
     /// The volumes that map the block being moved, reused for every block.
     refs: Vec<crate::types::VolumeId>,
+    /// Compaction (arrays with a cache tier) runs from the cache's start
+    /// watermark until its stop watermark.
+    compacting: bool,
+    /// Cache segments compacted, and blocks compaction moved to the capacity tier.
+    pub compactions: u64,
+    pub compacted_blocks: u64,
 }
 
 #[derive(Default)]
@@ -303,7 +309,11 @@ impl Engine {
             let now = v.user_blocks;
             let candidate = |i: u32| crate::victims::candidate(&segs[i as usize], i, full, now);
             let all: Vec<Candidate> = (0..segs.len() as u32)
-                .filter(|&i| segs[i as usize].volume as usize == vi && self.segments.collectable(i))
+                .filter(|&i| {
+                    segs[i as usize].volume as usize == vi
+                        && self.segments.collectable(i)
+                        && !self.geo.is_cache(i)
+                })
                 .map(candidate)
                 .collect();
             let q = crate::victims::Query {
@@ -379,18 +389,33 @@ impl Engine {
                         self.gc.active = true;
                     }
                 }
+                let compact = self.compaction_due();
                 let seg = match self.repair_victim() {
                     Some(seg) => {
                         self.gc.repaired += 1;
                         seg
                     }
                     None => {
-                        if !self.gc.active {
-                            return;
-                        }
-                        let Some(seg) = self.pick_victim() else {
+                        // Compaction moves the cache's oldest segment to the
+                        // capacity tier, as a user write would fill it: not into
+                        // the capacity tier's floor, which GC keeps for itself.
+                        let cached = if compact && free > self.user_floor() {
+                            self.segments.victims.oldest_cached()
+                        } else {
+                            None
+                        };
+                        let Some(seg) = cached.or_else(|| {
+                            if self.gc.active {
+                                self.pick_victim()
+                            } else {
+                                None
+                            }
+                        }) else {
                             return;
                         };
+                        if self.geo.is_cache(seg) {
+                            self.gc.compactions += 1;
+                        }
                         seg
                     }
                 };
@@ -586,6 +611,33 @@ impl Engine {
         }
     }
 
+    /// Compaction's watermarks: free cache segments below which it starts, and
+    /// at which it stops. A quarter of the cache is kept free for bursts; what
+    /// stays in the rest is what later writes may still overwrite there, and a
+    /// block overwritten in the cache never costs the capacity tier a write.
+    pub(crate) fn cache_watermarks(&self) -> (usize, usize) {
+        let n = self.geo.cache_segments() as usize;
+        let start = (n / 4).max(4);
+        (start, start + (n / 8).max(2))
+    }
+
+    /// Whether compaction should run now (arrays with a cache tier), with
+    /// hysteresis between the watermarks.
+    fn compaction_due(&mut self) -> bool {
+        if !self.geo.tiered() {
+            return false;
+        }
+        let (start, stop) = self.cache_watermarks();
+        let free = self.segments.cache_free.len();
+        if free < start {
+            self.gc.compacting = true;
+        }
+        if free >= stop {
+            self.gc.compacting = false;
+        }
+        self.gc.compacting
+    }
+
     /// Whether user stream `stream` can take one more block now: pacing allows it
     /// and its unit has room. Pacing is asked first: a held block must not take a
     /// buffer or open a segment (GC may need the buffer to earn the credit).
@@ -604,7 +656,13 @@ impl Engine {
 
     /// A user block could not be written now: counts a wait at the floor.
     fn user_block_held(&mut self) {
-        if self.segments.free.len() <= self.user_floor() && !self.gc.held_at_floor {
+        let floor = if self.geo.tiered() {
+            0
+        } else {
+            self.user_floor()
+        };
+        let free = self.segments.free_in(self.stream_tier(StreamKind::User));
+        if free.len() <= floor && !self.gc.held_at_floor {
             self.gc.held_at_floor = true;
             self.gc.floor_waits += 1;
         }
@@ -632,7 +690,12 @@ impl Engine {
 
     /// Pacing: whether user blocks need credit now.
     fn pacing(&self) -> bool {
-        self.cfg.gc_pacing && !self.gc.is_idle() && self.pacing_band().is_some()
+        // With a cache tier user writes take no capacity segments: GC's debt
+        // there is compaction's to pay, not theirs (pacing is not built for it).
+        self.cfg.gc_pacing
+            && !self.geo.tiered()
+            && !self.gc.is_idle()
+            && self.pacing_band().is_some()
     }
 
     /// Pacing: whether the next user block must wait for credit (counted once per
@@ -931,6 +994,9 @@ impl Engine {
                             o.add(Origins::slot(offset, self.geo.segment_blocks), from.at);
                         }
                         self.counters.gc_blocks += 1;
+                        if self.geo.is_cache(seg) {
+                            self.gc.compacted_blocks += 1;
+                        }
                         moved += 1;
                         self.blocks_since_checkpoint =
                             self.blocks_since_checkpoint.saturating_sub(1);

@@ -9,6 +9,7 @@
 //! counts that other owners keep.
 
 use crate::engine::{Blocked, Engine, Purpose, Want, ALLOC_WINDOW};
+use crate::geometry::Tier;
 use crate::io::IoKind;
 use crate::map::{decode, encode_buffer, encode_device, Entry, UNMAPPED};
 use crate::segments::{Seg, SegState};
@@ -350,11 +351,16 @@ impl Engine {
             }
             seg
         } else {
-            let floor = match kind {
-                StreamKind::User => self.user_floor(),
+            // With a cache tier, user streams write only into it: the capacity
+            // tier's floor is then compaction's to keep, and the cache's last
+            // segment may go to a user stream (compaction needs none of it).
+            let tier = self.stream_tier(kind);
+            let floor = match (kind, tier) {
+                (_, Tier::Cache) => 0,
+                (StreamKind::User, _) => self.user_floor(),
                 _ => 1,
             };
-            if self.segments.free.len() <= floor {
+            if self.segments.free_in(tier).len() <= floor {
                 return Err(Blocked);
             }
             // Geometry-aware: the read-hot GC stream's segments go outer, other
@@ -364,6 +370,7 @@ impl Engine {
             let want = Want {
                 outer,
                 conventional: Some(self.log.streams[s].small),
+                tier,
             };
             if self.log.streams[s].small && !self.conventional_free() {
                 // The small stream holds no zone: without a conventional segment
@@ -409,6 +416,17 @@ impl Engine {
             .any(|i| self.seg_conventional(self.segments.free[i]))
     }
 
+    /// The tier a stream of `kind` writes into: with a cache tier, user writes go
+    /// there and everything else (GC, compaction, checkpoints) to the capacity
+    /// tier.
+    pub(crate) fn stream_tier(&self, kind: StreamKind) -> Tier {
+        if kind == StreamKind::User && self.geo.tiered() {
+            Tier::Cache
+        } else {
+            Tier::Capacity
+        }
+    }
+
     /// Segment `seg` lies in a conventional zone of a zoned device.
     pub(crate) fn seg_conventional(&self, seg: u32) -> bool {
         self.zones.conventional(seg)
@@ -444,6 +462,7 @@ impl Engine {
     /// Takes a free segment (see [`Engine::pop_free_for`]) and waits out its last
     /// readers.
     fn take_free(&mut self, want: Want) -> Option<u32> {
+        let free = self.segments.free_in(want.tier);
         // A segment being discarded is not taken: the discard could land on what
         // is written next. (If the whole window is being discarded, which takes a
         // free queue of at most `MAX_DISCARDS`, the stream waits for a discard to
@@ -455,18 +474,17 @@ impl Engine {
         // this engine, with the read in flight until it reaps it. Pins taken after
         // this look are a reader's check that finds the map moved on (a free
         // segment holds nothing mapped), and end at once.
-        let window = (0..self.segments.free.len().min(ALLOC_WINDOW)).filter(|&i| {
-            let seg = self.segments.free[i];
+        let window = (0..free.len().min(ALLOC_WINDOW)).filter(|&i| {
+            let seg = free[i];
             !self.segments.segs[seg as usize].discarding
                 && !self.shared.segment_pinned(SegmentId(seg))
         });
         // Segments of the kind the stream does not want come last.
         let miss = |i: usize| {
             want.conventional
-                .is_some_and(|c| self.seg_conventional(self.segments.free[i]) != c)
-                as u8
+                .is_some_and(|c| self.seg_conventional(free[i]) != c) as u8
         };
-        let offset = |i: usize| self.geo.locate(SegmentId(self.segments.free[i]), 0).1;
+        let offset = |i: usize| self.geo.locate(SegmentId(free[i]), 0).1;
         let i = if let Some(outer) = want.outer.filter(|_| self.geometry_aware) {
             window.min_by_key(|&i| {
                 (
@@ -483,14 +501,14 @@ impl Engine {
             // Wear levelling across JBOD members: among the next free segments,
             // take one on the member with the least written per byte of capacity.
             window.min_by(|&a, &b| {
-                let wa = self.member_wear(self.geo.locate(SegmentId(self.segments.free[a]), 0).0);
-                let wb = self.member_wear(self.geo.locate(SegmentId(self.segments.free[b]), 0).0);
+                let wa = self.member_wear(self.geo.locate(SegmentId(free[a]), 0).0);
+                let wb = self.member_wear(self.geo.locate(SegmentId(free[b]), 0).0);
                 miss(a).cmp(&miss(b)).then(wa.total_cmp(&wb))
             })?
         } else {
             window.min_by_key(|&i| (miss(i), i))?
         };
-        let seg = self.segments.free.remove(i)?;
+        let seg = self.segments.take_free_at(want.tier, i)?;
         self.shared.set_segment_free(seg, false);
         while self.shared.segment_pinned(SegmentId(seg)) {
             std::thread::yield_now();

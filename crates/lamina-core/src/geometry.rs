@@ -13,7 +13,7 @@
 
 use crate::types::{Pba, SegmentId, BLOCK_SIZE_U64};
 use lamina_format::summary::summary_blocks;
-use lamina_format::superblock::{Layout, Superblock};
+use lamina_format::superblock::{Layout, Superblock, TIER_CACHE};
 use lamina_format::unit::{header_blocks_for, records_capacity};
 
 /// Record slots every unit keeps beyond one per data block, for trims and releases.
@@ -55,6 +55,20 @@ pub struct Geometry {
     pub members: usize,
     /// Parity members per stripe (0 for JBOD and SAID0).
     pub parity: usize,
+    /// The first segment of the cache tier (`segment_count` when the array has
+    /// none): the cache members are the last of a JBOD, so their segments are the
+    /// highest numbers (see [`Geometry::is_cache`]).
+    pub cache_first: u32,
+}
+
+/// Which tier of the array a segment (or a stream's next segment) is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Tier {
+    /// Where data lives; every segment of an array without a cache tier.
+    #[default]
+    Capacity,
+    /// The fast tier every user write lands in first; compaction moves it on.
+    Cache,
 }
 
 /// Parity members a layout keeps per stripe.
@@ -102,6 +116,14 @@ impl Geometry {
                 removed: false,
             }]
         };
+        let segment_count = devices.iter().map(|d| d.segment_count).sum();
+        // `Superblock::decode` checked that cache members follow the capacity
+        // members of a JBOD.
+        let cache_first = sb
+            .devices
+            .iter()
+            .position(|d| d.tier == TIER_CACHE)
+            .map_or(segment_count, |i| sb.devices[i].first_segment);
         Geometry {
             array_id: sb.array_id(),
             layout: sb.layout,
@@ -112,20 +134,49 @@ impl Geometry {
             unit_records: records_capacity(header_blocks) as u32,
             summary_blocks: summary,
             data_end: sb.segment_blocks - summary,
-            segment_count: devices.iter().map(|d| d.segment_count).sum(),
+            segment_count,
             data_offset: sb.data_offset,
             devices,
             row_blocks,
             members,
             parity,
+            cache_first,
         }
     }
 
-    /// Segments that hold data or may: those of members not removed.
+    /// Whether the array has a cache tier.
+    #[inline]
+    pub fn tiered(&self) -> bool {
+        self.cache_first < self.segment_count
+    }
+
+    /// Whether `seg` is in the cache tier.
+    #[inline]
+    pub fn is_cache(&self, seg: u32) -> bool {
+        seg >= self.cache_first
+    }
+
+    /// The tier of segment `seg`.
+    #[inline]
+    pub fn tier(&self, seg: u32) -> Tier {
+        if self.is_cache(seg) {
+            Tier::Cache
+        } else {
+            Tier::Capacity
+        }
+    }
+
+    /// Segments of the cache tier.
+    pub fn cache_segments(&self) -> u32 {
+        self.segment_count - self.cache_first
+    }
+
+    /// Segments that hold data for good, or may: those of the capacity tier's
+    /// members not removed (the cache tier only stages what compaction moves on).
     pub fn usable_segments(&self) -> u32 {
         self.devices
             .iter()
-            .filter(|d| !d.removed)
+            .filter(|d| !d.removed && d.first_segment < self.cache_first)
             .map(|d| d.segment_count)
             .sum()
     }

@@ -52,5 +52,5 @@ pub use recovery::{
 };
 pub use shared::{DeviceRead, ReadError, ReadStart, Shared, VolumeShared};
 pub use space::{check_overcommit, check_thresholds};
-pub use status::{ClassStatus, MemberStatus, StatusReport, VolumeStatus};
+pub use status::{CacheStatus, ClassStatus, MemberStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};

@@ -17,6 +17,7 @@
 //! release records; this module owns the states and the queues, and checks every
 //! transition against the state it expects.
 
+use crate::geometry::Tier;
 use crate::victims::VictimIndex;
 use lamina_format::unit::StreamKind;
 use std::collections::{HashMap, VecDeque};
@@ -158,8 +159,14 @@ impl Seg {
 pub(crate) struct SegmentTable {
     pub segs: Vec<Seg>,
     /// Segments allocation may take, in the order recovery expects them taken
-    /// (within a window; see `Engine::take_free`).
+    /// (within a window; see `Engine::take_free`): the capacity tier's (every
+    /// segment of an array without a cache tier).
     pub free: VecDeque<u32>,
+    /// The cache tier's free segments, in the same kind of order (recovery walks
+    /// each tier's queue on its own): segments `cache_first..`.
+    pub cache_free: VecDeque<u32>,
+    /// The first segment of the cache tier (the segment count without one).
+    cache_first: u32,
     /// Emptied, waiting for the flush generation in their `gen` to be synced.
     pub draining: Vec<u32>,
     /// Emptiness durable, waiting for the next flush to carry their release record.
@@ -236,18 +243,30 @@ impl SegmentTable {
     /// retired just before it (discarded once a checkpoint of this run, which
     /// starts at `opened_at` or later, is durable).
     /// `full`: data blocks of a segment.
-    pub fn new(mut segs: Vec<Seg>, free: VecDeque<u32>, opened_at: u64, full: u32) -> Self {
+    /// `free` is the free queue of both tiers (segments from `cache_first` up
+    /// are the cache tier's): each tier's queue keeps its order.
+    pub fn new(
+        mut segs: Vec<Seg>,
+        free: VecDeque<u32>,
+        opened_at: u64,
+        full: u32,
+        cache_first: u32,
+    ) -> Self {
         debug_assert!(free
             .iter()
             .all(|&s| segs[s as usize].state == SegState::Free));
         for &s in &free {
             segs[s as usize].retired = opened_at.saturating_sub(1);
         }
+        let (cache_free, free): (VecDeque<u32>, VecDeque<u32>) =
+            free.into_iter().partition(|&s| s >= cache_first);
         let mut t = SegmentTable {
             proportion: Proportion::of(&segs),
-            victims: VictimIndex::new(segs.len(), full),
+            victims: VictimIndex::new(segs.len(), full, cache_first),
             segs,
             free,
+            cache_free,
+            cache_first,
             draining: Vec::new(),
             release_ready: Vec::new(),
             releasing: Vec::new(),
@@ -278,6 +297,42 @@ impl SegmentTable {
             && s.kind != StreamKind::Meta
             && !s.gc_exclude
             && !self.is_withheld(seg)
+    }
+
+    /// The free queue of `tier`.
+    pub fn free_in(&self, tier: Tier) -> &VecDeque<u32> {
+        match tier {
+            Tier::Capacity => &self.free,
+            Tier::Cache => &self.cache_free,
+        }
+    }
+
+    /// The free queue `seg` belongs in.
+    fn free_of_mut(&mut self, seg: u32) -> &mut VecDeque<u32> {
+        if seg >= self.cache_first {
+            &mut self.cache_free
+        } else {
+            &mut self.free
+        }
+    }
+
+    /// Takes entry `i` of `tier`'s free queue.
+    pub fn take_free_at(&mut self, tier: Tier, i: usize) -> Option<u32> {
+        match tier {
+            Tier::Capacity => self.free.remove(i),
+            Tier::Cache => self.cache_free.remove(i),
+        }
+    }
+
+    /// Both free queues, capacity first, each in its order: what a checkpoint
+    /// records (recovery splits it again by tier).
+    pub fn all_free(&self) -> impl Iterator<Item = u32> + '_ {
+        self.free.iter().chain(&self.cache_free).copied()
+    }
+
+    /// Free segments of both tiers.
+    pub fn free_count(&self) -> usize {
+        self.free.len() + self.cache_free.len()
     }
 
     /// Segments somewhere in the release pipeline (free once flushes complete).
@@ -410,7 +465,7 @@ impl SegmentTable {
             ..Seg::free(old.erase_count)
         };
         if !self.is_withheld(seg) {
-            self.free.push_back(seg);
+            self.free_of_mut(seg).push_back(seg);
         }
     }
 
@@ -418,6 +473,7 @@ impl SegmentTable {
     /// queue, and out of it again when they are released.
     pub fn withhold(&mut self, range: std::ops::Range<u32>) {
         self.free.retain(|s| !range.contains(s));
+        self.cache_free.retain(|s| !range.contains(s));
         for seg in range.clone() {
             self.victims.remove(seg, &self.segs[seg as usize]);
         }
@@ -609,7 +665,7 @@ mod tests {
             s.state = SegState::Closed;
             s.erase_count = 3;
         }
-        SegmentTable::new(segs, VecDeque::new(), 1, 100)
+        SegmentTable::new(segs, VecDeque::new(), 1, 100, n as u32)
     }
 
     #[test]

@@ -150,9 +150,13 @@ pub struct StatusReport {
     pub space_critical: f64,
     /// Writes refused with ENOSPC since the array was opened.
     pub writes_refused_nospace: u64,
+    /// Segments of the capacity tier (of the array, without a cache tier), and
+    /// how many of them are free and in use.
     pub segment_count: u64,
     pub free_segments: u64,
     pub used_segments: u64,
+    /// The cache tier, if the array has one.
+    pub cache: Option<CacheStatus>,
     pub user_bytes_written: u64,
     pub media_bytes_written: u64,
     pub gc_bytes_relocated: u64,
@@ -179,6 +183,24 @@ pub struct StatusReport {
     pub durable_version: u64,
     pub failed: Option<String>,
     pub volumes: Vec<VolumeStatus>,
+}
+
+/// The cache tier of an array (issue 14): every user write lands there first, and
+/// compaction moves what is still live to the capacity tier.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheStatus {
+    pub segment_count: u64,
+    pub free_segments: u64,
+    /// Live blocks in cache segments: data not yet on the capacity tier.
+    pub dirty_bytes: u64,
+    /// Cache segments compacted, and the live bytes compaction moved out of them,
+    /// since the array was opened.
+    pub compactions: u64,
+    pub compacted_bytes: u64,
+    /// Compaction starts below this many free cache segments and stops at the
+    /// second figure.
+    pub compaction_start: u64,
+    pub compaction_stop: u64,
 }
 
 fn ratio(media: u64, user: u64) -> Option<f64> {
@@ -375,6 +397,23 @@ impl Engine {
             writes_refused_nospace: self.space.refused,
             segment_count: self.geo.usable_segments() as u64,
             free_segments: self.segments.free.len() as u64,
+            cache: self.geo.tiered().then(|| {
+                let (start, stop) = self.cache_watermarks();
+                let first = self.geo.cache_first as usize;
+                CacheStatus {
+                    segment_count: self.geo.cache_segments() as u64,
+                    free_segments: self.segments.cache_free.len() as u64,
+                    dirty_bytes: self.segments.segs[first..]
+                        .iter()
+                        .map(|s| s.valid as u64)
+                        .sum::<u64>()
+                        * bs,
+                    compactions: self.gc.compactions,
+                    compacted_bytes: self.gc.compacted_blocks * bs,
+                    compaction_start: start as u64,
+                    compaction_stop: stop as u64,
+                }
+            }),
             used_segments: (self.geo.usable_segments() as u64)
                 .saturating_sub(self.segments.free.len() as u64),
             user_bytes_written: c.user_blocks * bs,

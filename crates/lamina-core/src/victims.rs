@@ -40,7 +40,9 @@ pub const WEAR_SCAN: usize = 256;
 const NOT_HELD: u8 = u8::MAX;
 /// Per segment: holding data, not a candidate.
 const HELD: u8 = u8::MAX - 1;
-const _: () = assert!(BUCKETS + 1 < HELD as u32);
+/// A candidate of the cache tier: in `cached`, oldest first, not in a bucket.
+const CACHED: u8 = u8::MAX - 2;
+const _: () = assert!(BUCKETS + 1 < CACHED as u32);
 
 #[derive(Default)]
 struct ClassIndex {
@@ -68,6 +70,13 @@ pub(crate) struct VictimIndex {
     /// Per segment: `NOT_HELD`, `HELD`, or the bucket it is indexed under.
     state: Vec<u8>,
     vols: Vec<VolIndex>,
+    /// Segments from here up are the cache tier's: their candidates wait for
+    /// compaction in `cached` instead of GC's buckets.
+    cache_first: u32,
+    /// The cache tier's candidates by (version at close, segment): compaction
+    /// takes the oldest first, so a block rewritten while in the cache never
+    /// reaches the capacity tier (CSAL's cache is a FIFO log).
+    cached: BTreeSet<(u64, u32)>,
 }
 
 fn key(bucket: u8, closed: u64, seg: u32) -> u128 {
@@ -108,7 +117,7 @@ pub(crate) fn candidate(s: &Seg, seg: u32, full: u32, now: u64) -> Candidate {
 
 impl VictimIndex {
     /// An empty index of `segments` segments of `full` data blocks.
-    pub fn new(segments: usize, full: u32) -> Self {
+    pub fn new(segments: usize, full: u32, cache_first: u32) -> Self {
         VictimIndex {
             full: full.max(1),
             shift: full
@@ -118,6 +127,8 @@ impl VictimIndex {
                 .trailing_zeros(),
             state: vec![NOT_HELD; segments],
             vols: Vec::new(),
+            cache_first,
+            cached: BTreeSet::new(),
         }
     }
 
@@ -151,8 +162,14 @@ impl VictimIndex {
     }
 
     /// Whether `seg` is a candidate now.
+    /// Whether `seg` is a candidate of GC now (cache segments are compaction's).
     pub fn is_candidate(&self, seg: u32) -> bool {
-        self.state[seg as usize] < HELD
+        self.state[seg as usize] < CACHED
+    }
+
+    /// The cache tier's oldest closed segment, if any: compaction's next victim.
+    pub fn oldest_cached(&self) -> Option<u32> {
+        self.cached.first().map(|&(_, seg)| seg)
     }
 
     /// Segment `seg` (`s`) now holds data of its volume and class: opened by a
@@ -190,6 +207,11 @@ impl VictimIndex {
         if st != HELD {
             return;
         }
+        if seg >= self.cache_first {
+            self.state[seg as usize] = CACHED;
+            self.cached.insert((s.close_version, seg));
+            return;
+        }
         let b = self.bucket(s.valid);
         self.state[seg as usize] = b;
         let g = self.garbage(s);
@@ -206,6 +228,14 @@ impl VictimIndex {
             return;
         }
         self.state[seg as usize] = HELD;
+        if b == CACHED {
+            let removed = self.cached.remove(&(s.close_version, seg));
+            assert!(
+                removed,
+                "cache segment {seg} missing from the compaction queue"
+            );
+            return;
+        }
         let g = self.garbage(s);
         let removed = self
             .class_mut(s.volume, s.class)
@@ -226,7 +256,7 @@ impl VictimIndex {
         // A held segment's volume and class have their entries (see `hold`).
         let c = &mut self.vols[s.volume as usize].classes[s.class as usize];
         c.live = c.live + s.valid as u64 - before as u64;
-        if st == HELD {
+        if st >= CACHED {
             return;
         }
         if b != st {
@@ -432,7 +462,11 @@ impl VictimIndex {
             want[v].classes[k].live += s.valid as u64;
             let is = should_be(i as u32, s);
             assert_eq!(st != HELD, is, "segment {i} ({:?}) indexed", s.state);
-            if is {
+            if is && i as u32 >= self.cache_first {
+                assert_eq!(st, CACHED, "cache segment {i} queued for compaction");
+                assert!(self.cached.contains(&(s.close_version, i as u32)));
+                cands += 1;
+            } else if is {
                 cands += 1;
                 assert_eq!(st, self.bucket(s.valid), "segment {i}'s bucket");
                 assert!(
@@ -450,7 +484,7 @@ impl VictimIndex {
             .flat_map(|v| &v.classes)
             .map(|c| c.set.len())
             .sum();
-        assert_eq!(indexed, cands, "indexed candidates");
+        assert_eq!(indexed + self.cached.len(), cands, "indexed candidates");
         for (v, got) in self.vols.iter().enumerate() {
             let w = want.get(v);
             assert_eq!(
@@ -521,7 +555,7 @@ mod tests {
                     s
                 })
                 .collect();
-            let mut ix = VictimIndex::new(n, full);
+            let mut ix = VictimIndex::new(n, full, n as u32);
             for (i, s) in segs.iter().enumerate() {
                 ix.hold(i as u32, s);
                 ix.insert(i as u32, s);
@@ -605,7 +639,7 @@ mod tests {
         let mut segs: Vec<Seg> = (0..50)
             .map(|i| closed((i % 3) as u16, (i % 2) as u8, full, i as u64, 0))
             .collect();
-        let mut ix = VictimIndex::new(segs.len(), full);
+        let mut ix = VictimIndex::new(segs.len(), full, segs.len() as u32);
         for (i, s) in segs.iter().enumerate() {
             ix.hold(i as u32, s);
             ix.insert(i as u32, s);

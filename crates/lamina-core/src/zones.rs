@@ -117,6 +117,7 @@ mod tests {
             row_blocks: 1,
             members: 1,
             parity: 0,
+            cache_first: 16,
         };
         let seg_bytes = geo.segment_blocks as u64 * 4096;
         // Zones start after the superblock area; the first three segments lie in

@@ -83,6 +83,7 @@ pub fn seeds() -> Vec<(Kind, Vec<u8>)> {
                     first_segment: 127 * i as u32,
                     state: 0,
                     rebuild_cursor: 0,
+                    tier: 0,
                 })
                 .collect(),
         };

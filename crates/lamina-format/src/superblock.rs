@@ -38,6 +38,15 @@ pub const VERSION_WITH_REMOVED: u16 = 2;
 /// build that knows nothing of shared blocks would take a block that only a
 /// snapshot maps for dead and reuse its segment, so it must refuse the array.
 pub const VERSION_WITH_SHARING: u16 = 3;
+/// The superblock's version when the array has a cache tier ([`TIER_CACHE`]
+/// members): a build that knows nothing of tiers would write user data anywhere
+/// and take the cache's segments for capacity, so it must refuse the array. Such an
+/// array may also share blocks (the version says so as 3 does).
+pub const VERSION_WITH_TIERS: u16 = 4;
+/// A member's tier: the capacity tier (every member of an array without tiers).
+pub const TIER_CAPACITY: u32 = 0;
+/// A member's tier: the cache tier, which takes every user write first (issue 14).
+pub const TIER_CACHE: u32 = 1;
 /// Longest array name, in bytes.
 pub const MAX_NAME_LEN: usize = 63;
 
@@ -125,6 +134,9 @@ pub struct DeviceEntry {
     pub state: u32,
     /// While rebuilding: stripes below this are current on the member.
     pub rebuild_cursor: u32,
+    /// [`TIER_CAPACITY`] or [`TIER_CACHE`]. Cache members come after every
+    /// capacity member, so the cache tier's segments are the highest numbers.
+    pub tier: u32,
 }
 
 /// Where the last committed checkpoint is. See [`crate::checkpoint`].
@@ -181,7 +193,9 @@ impl Superblock {
         put_u64(&mut b[..], OFF_MAGIC, SUPERBLOCK_MAGIC);
         // Version 2 only once a member is removed: a build that knows nothing of
         // removed members must refuse the array rather than use their segments.
-        let version = if self.shared_blocks {
+        let version = if self.devices.iter().any(|d| d.tier == TIER_CACHE) {
+            VERSION_WITH_TIERS
+        } else if self.shared_blocks {
             VERSION_WITH_SHARING
         } else if self.devices.iter().any(|d| d.state == DEVICE_REMOVED) {
             VERSION_WITH_REMOVED
@@ -219,6 +233,7 @@ impl Superblock {
             put_u32(&mut b[..], o + 28, d.first_segment);
             put_u32(&mut b[..], o + 32, d.state);
             put_u32(&mut b[..], o + 36, d.rebuild_cursor);
+            put_u32(&mut b[..], o + 40, d.tier);
         }
         let crc = crc32c_with_hole(&b[..], OFF_CRC);
         put_u32(&mut b[..], OFF_CRC, crc);
@@ -233,7 +248,12 @@ impl Superblock {
             WHAT,
             SUPERBLOCK_MAGIC,
             BLOCK_SIZE,
-            &[FORMAT_VERSION, VERSION_WITH_REMOVED, VERSION_WITH_SHARING],
+            &[
+                FORMAT_VERSION,
+                VERSION_WITH_REMOVED,
+                VERSION_WITH_SHARING,
+                VERSION_WITH_TIERS,
+            ],
         )?;
         let b = &b[..BLOCK_SIZE];
         check_crc(b, WHAT, OFF_CRC)?;
@@ -280,9 +300,33 @@ impl Superblock {
                     first_segment: get_u32(b, o + 28),
                     state: get_u32(b, o + 32),
                     rebuild_cursor: get_u32(b, o + 36),
+                    tier: get_u32(b, o + 40),
                 }
             })
             .collect::<Vec<_>>();
+        let tiered = devices.iter().any(|d| d.tier == TIER_CACHE);
+        if let Some(d) = devices.iter().find(|d| d.tier > TIER_CACHE) {
+            return Err(invalid(format!("device tier {}", d.tier)));
+        }
+        if tiered != (version == VERSION_WITH_TIERS) {
+            return Err(invalid(format!(
+                "a version {version} superblock {} a cache tier",
+                if tiered { "with" } else { "without" }
+            )));
+        }
+        if tiered {
+            // The cache tier is the last members, after at least one capacity
+            // member, and (in this version) in front of a JBOD.
+            let first_cache = devices.iter().position(|d| d.tier == TIER_CACHE).unwrap();
+            if first_cache == 0
+                || devices[first_cache..].iter().any(|d| d.tier != TIER_CACHE)
+                || layout != Layout::Jbod
+            {
+                return Err(invalid(
+                    "cache members must follow the capacity members of a jbod".into(),
+                ));
+            }
+        }
         if version == FORMAT_VERSION && devices.iter().any(|d| d.state == DEVICE_REMOVED) {
             return Err(invalid(format!(
                 "a removed member in a version {FORMAT_VERSION} superblock"
@@ -303,7 +347,7 @@ impl Superblock {
             version_reserved: get_u64(b, OFF_VERSION_RESERVED),
             checkpoint,
             devices,
-            shared_blocks: version == VERSION_WITH_SHARING,
+            shared_blocks: version >= VERSION_WITH_SHARING,
         };
         if sb.segment_blocks < 8
             || sb.write_unit_blocks < 2
@@ -364,6 +408,7 @@ mod tests {
                     first_segment: 0,
                     state: 0,
                     rebuild_cursor: 0,
+                    tier: 0,
                 },
                 DeviceEntry {
                     uuid: [2; 16],
@@ -372,6 +417,7 @@ mod tests {
                     first_segment: 127,
                     state: 0,
                     rebuild_cursor: 0,
+                    tier: 0,
                 },
             ],
         }
@@ -392,6 +438,47 @@ mod tests {
             crate::codec::get_u16(&sb.encode()[..], OFF_VERSION),
             FORMAT_VERSION
         );
+    }
+
+    /// A cache member makes the superblock version 4 (sharing included); decoding
+    /// refuses a cache member in another version, a version 4 without one, and
+    /// cache members that do not follow the capacity members of a JBOD.
+    #[test]
+    fn a_cache_tier_takes_version_4_and_its_rules() {
+        let mut sb = sample();
+        sb.devices[1].tier = TIER_CACHE;
+        let b = sb.encode();
+        assert_eq!(
+            crate::codec::get_u16(&b[..], OFF_VERSION),
+            VERSION_WITH_TIERS
+        );
+        let back = Superblock::decode(&b[..]).unwrap();
+        assert_eq!(back.devices[1].tier, TIER_CACHE);
+        assert!(back.shared_blocks);
+        let refused = |mut b: Box<[u8; BLOCK_SIZE]>, edit: &dyn Fn(&mut [u8])| {
+            edit(&mut b[..]);
+            let crc = crc32c_with_hole(&b[..], OFF_CRC);
+            put_u32(&mut b[..], OFF_CRC, crc);
+            Superblock::decode(&b[..]).is_err()
+        };
+        let entry = |i: usize| OFF_DEVICE_TABLE + i * DEVICE_ENTRY_SIZE + 40;
+        assert!(refused(sb.encode(), &|b| put_u16(
+            b,
+            OFF_VERSION,
+            VERSION_WITH_SHARING
+        )));
+        assert!(refused(sb.encode(), &|b| put_u32(b, entry(1), 0)));
+        assert!(refused(sb.encode(), &|b| put_u32(b, entry(1), 2)));
+        assert!(refused(sb.encode(), &|b| {
+            put_u32(b, entry(0), TIER_CACHE);
+            put_u32(b, entry(1), TIER_CAPACITY);
+        }));
+        assert!(refused(sb.encode(), &|b| put_u32(
+            b,
+            OFF_LAYOUT,
+            Layout::Said0 as u32
+        )));
+        assert!(!refused(sb.encode(), &|_| {}));
     }
 
     #[test]
@@ -441,8 +528,8 @@ mod tests {
             Err(FormatError::Invalid { .. })
         ));
         assert!(matches!(
-            reversion(4),
-            Err(FormatError::UnsupportedVersion { found: 4, .. })
+            reversion(5),
+            Err(FormatError::UnsupportedVersion { found: 5, .. })
         ));
     }
 

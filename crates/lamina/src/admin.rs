@@ -402,6 +402,18 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         write_amplification: s["write_amplification"].as_f64(),
         gc_policy: s["gc_policy"].as_str().unwrap_or("").into(),
         gc_victims: u("gc_victims"),
+        cache: s.get("cache").filter(|c| c.is_object()).map(|c| {
+            let u = |k: &str| c[k].as_u64().unwrap_or(0);
+            lamina_core::CacheStatus {
+                segment_count: u("segment_count"),
+                free_segments: u("free_segments"),
+                dirty_bytes: u("dirty_bytes"),
+                compactions: u("compactions"),
+                compacted_bytes: u("compacted_bytes"),
+                compaction_start: u("compaction_start"),
+                compaction_stop: u("compaction_stop"),
+            }
+        }),
         gc_floor_waits: u("gc_floor_waits"),
         gc_pace_waits: u("gc_pace_waits"),
         flushes: u("flushes"),

@@ -466,10 +466,21 @@ SIZE accepts K, M, G, T suffixes (powers of 1024).
 
 Devices that already belong to a Lamina array are refused unless --force is given.
 
+A CACHE TIER (--cache-device FAST) puts a fast device (an SLC or Optane SSD) in
+front of slow or low-endurance ones (a QLC SSD, an HDD), as CSAL does: every user
+write lands in the cache's log, and a flush is durable once the cache has it;
+compaction moves the cache's oldest segments, what is still live in them, to the
+capacity tier in whole segments, so the slow devices see large sequential writes
+only and blocks overwritten while in the cache never reach them. Usable capacity
+is the capacity tier's. Reads are served from whichever tier holds the block.
+Without its cache device the array does not open (it names the missing member):
+mirrored cache devices are not built yet.
+
 EXAMPLE
     lamina array create /srv/tank --device /var/lib/tank/a.img:100G --overprovision 0.2
     lamina volume create /srv/tank vm1 --size 40G
-    lamina serve /srv/tank";
+    lamina serve /srv/tank
+    lamina array create /srv/qlc --device /dev/sdb --cache-device /dev/nvme0n1p1";
 
 #[derive(clap::Args)]
 struct ArrayCreateArgs {
@@ -483,6 +494,12 @@ struct ArrayCreateArgs {
         value_name = "PATH[:SIZE]"
     )]
     devices: Vec<String>,
+    /// A fast device for the cache tier, PATH or PATH:SIZE (one in this version):
+    /// every user write lands there first, and compaction moves what is still
+    /// live to the --device members, the capacity tier, in whole segments. With
+    /// jbod only.
+    #[arg(long = "cache-device", value_name = "PATH[:SIZE]")]
+    cache_devices: Vec<String>,
     /// Segment size: the unit of allocation and garbage collection.
     #[arg(long, default_value = "8M", value_name = "SIZE")]
     segment_size: String,
@@ -1270,6 +1287,7 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
     let specs = a
         .devices
         .iter()
+        .chain(&a.cache_devices)
         .map(|d| parse_device(d))
         .collect::<Result<Vec<_>>>()?;
     let layout = match a.layout.as_str() {
@@ -1292,6 +1310,7 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
         force: a.force,
         discard: !a.no_discard,
         progress: None,
+        cache_devices: a.cache_devices.len(),
     };
     let (pb, progress) = discard_bar("members");
     let params = FormatParams {
@@ -1313,6 +1332,13 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
         s.segment_count,
         human(s.segment_size_bytes)
     );
+    if let Some(c) = &s.cache {
+        println!(
+            "cache tier: {} segments ({}) in front of it",
+            c.segment_count,
+            human(c.segment_count * s.segment_size_bytes)
+        );
+    }
     Ok(())
 }
 

@@ -46,6 +46,15 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "segment_count": s.segment_count,
         "used_segments": s.used_segments,
         "free_segments": s.free_segments,
+        "cache": s.cache.as_ref().map(|c| json!({
+            "segment_count": c.segment_count,
+            "free_segments": c.free_segments,
+            "dirty_bytes": c.dirty_bytes,
+            "compactions": c.compactions,
+            "compacted_bytes": c.compacted_bytes,
+            "compaction_start": c.compaction_start,
+            "compaction_stop": c.compaction_stop,
+        })),
         "user_bytes_written": s.user_bytes_written,
         "media_bytes_written": s.media_bytes_written,
         "gc_bytes_relocated": s.gc_bytes_relocated,
@@ -179,6 +188,18 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
         s.free_segments,
         s.overprovision * 100.0
     );
+    if let Some(c) = &s.cache {
+        o += &format!(
+            "  cache tier: {} segments, {} free (compaction below {}, until {}); {} not yet compacted; compacted {} from {} segments\n",
+            c.segment_count,
+            c.free_segments,
+            c.compaction_start,
+            c.compaction_stop,
+            human(c.dirty_bytes),
+            human(c.compacted_bytes),
+            c.compactions
+        );
+    }
     o += &format!(
         "  written: user {}, media {}, gc relocated {}, metadata {}\n",
         human(s.user_bytes_written),
@@ -521,6 +542,26 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
     );
     let help = "Segments in the free queue.";
     e.one("free_segments", "gauge", help, s.free_segments as f64);
+    if let Some(c) = &s.cache {
+        let help = "Free segments of the cache tier.";
+        e.one("cache_free_segments", "gauge", help, c.free_segments as f64);
+        let help = "Live bytes in the cache tier that compaction has not moved yet.";
+        e.one("cache_dirty_bytes", "gauge", help, c.dirty_bytes as f64);
+        let help = "Bytes compaction moved from the cache tier to the capacity tier.";
+        e.one(
+            "cache_compacted_bytes_total",
+            "counter",
+            help,
+            c.compacted_bytes as f64,
+        );
+        let help = "Cache segments compacted.";
+        e.one(
+            "cache_compactions_total",
+            "counter",
+            help,
+            c.compactions as f64,
+        );
+    }
     let counters: [(&str, &str, u64); 13] = [
         (
             "user_bytes_written_total",

@@ -8,42 +8,6 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
-fn fio(args: &[String]) -> serde_json::Value {
-    let out = run("fio", &args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
-    serde_json::from_str(&out[out.find('{').expect("fio printed JSON")..]).expect("fio JSON")
-}
-
-fn job_args(uri: &str, vol: u64, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--name=zoned",
-        "--ioengine=nbd",
-        "--bs=4k",
-        "--iodepth=32",
-        "--rw=randwrite",
-        "--verify=crc32c",
-        "--verify_fatal=1",
-        "--randseed=7",
-        "--output-format=json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.push(format!("--uri={uri}"));
-    a.push(format!("--size={vol}"));
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a
-}
-
-fn ok(j: &serde_json::Value) -> (u64, u64) {
-    let job = &j["jobs"][0];
-    assert_eq!(job["error"], 0, "fio reported an error: {job}");
-    (
-        job["write"]["io_bytes"].as_u64().unwrap(),
-        job["read"]["io_bytes"].as_u64().unwrap(),
-    )
-}
 
 /// Every member is OK, the engine holds no more zones than allowed, and the
 /// devices' persisted zone state agrees: no zone is open beyond the limit.
@@ -102,7 +66,7 @@ fn said5_on_emulated_zns_fio_verify_gc_kill9() {
 
     // Three passes of random writes, verified: GC has to run.
     let s = Server::start(&dir);
-    let (w, r) = ok(&fio(&job_args(&s.uri("v"), vol, &["--loops=3"])));
+    let (w, r) = fio_ok(&fio(&fio_job("zoned", &s.uri("v"), vol, &["--loops=3"])));
     assert!(w >= 3 * vol && r == w, "wrote {w}, verified {r}");
     let st = zones_within_limits(&dir, &devs);
     assert!(
@@ -111,37 +75,14 @@ fn said5_on_emulated_zns_fio_verify_gc_kill9() {
     );
 
     // A last pass written and flushed, then kill -9: everything must come back.
-    let (w, _) = ok(&fio(&job_args(
-        &s.uri("v"),
-        vol,
-        &["--do_verify=0", "--end_fsync=1"],
-    )));
-    assert!(w >= vol);
-    s.kill9();
-    let s = Server::start(&dir);
-    let (_, r) = ok(&fio(&job_args(&s.uri("v"), vol, &["--verify_only"])));
-    assert!(r >= vol, "verified {r} of {vol} after kill -9");
+    let s = kill9_after_flush(s, "zoned", vol);
     zones_within_limits(&dir, &devs);
 
     // kill -9 in the middle of random writes: zones are left open with partial
     // units; after the restart the array takes writes again and verifies.
-    let mut bg = Command::new("fio")
-        .args(job_args(&s.uri("v"), vol, &["--loops=5", "--do_verify=0"]))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let before = status_json(&dir)["user_bytes_written"].as_u64().unwrap();
-    let t0 = Instant::now();
-    while status_json(&dir)["user_bytes_written"].as_u64().unwrap() < before + vol / 2 {
-        assert!(t0.elapsed() < Duration::from_secs(120), "no progress");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    s.kill9();
-    let _ = bg.wait();
-    let s = Server::start(&dir);
+    let s = kill9_while_writing(s, "zoned", vol);
     zones_within_limits(&dir, &devs);
-    let (w, r) = ok(&fio(&job_args(&s.uri("v"), vol, &["--loops=2"])));
+    let (w, r) = fio_ok(&fio(&fio_job("zoned", &s.uri("v"), vol, &["--loops=2"])));
     assert!(
         w >= 2 * vol && r == w,
         "wrote {w}, verified {r} after the crash"
@@ -154,7 +95,12 @@ fn said5_on_emulated_zns_fio_verify_gc_kill9() {
     lamina(&["array", "fail", dir.to_str().unwrap(), "--device", "2"]);
     let new = t.join("z4.img");
     let mut bg = Command::new("fio")
-        .args(job_args(&s.uri("v"), vol, &["--loops=3", "--do_verify=0"]))
+        .args(fio_job(
+            "zoned",
+            &s.uri("v"),
+            vol,
+            &["--loops=3", "--do_verify=0"],
+        ))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -177,10 +123,20 @@ fn said5_on_emulated_zns_fio_verify_gc_kill9() {
     let mut devs = devs.clone();
     devs[2] = new;
     zones_within_limits(&dir, &devs);
-    let (_, r) = ok(&fio(&job_args(&s.uri("v"), vol, &["--verify_only"])));
+    let (_, r) = fio_ok(&fio(&fio_job(
+        "zoned",
+        &s.uri("v"),
+        vol,
+        &["--verify_only"],
+    )));
     assert!(r >= vol);
     lamina(&["array", "fail", dir.to_str().unwrap(), "--device", "0"]);
-    let (_, r) = ok(&fio(&job_args(&s.uri("v"), vol, &["--verify_only"])));
+    let (_, r) = fio_ok(&fio(&fio_job(
+        "zoned",
+        &s.uri("v"),
+        vol,
+        &["--verify_only"],
+    )));
     assert!(r >= vol, "verified through the rebuilt member");
     s.stop();
 }

@@ -1,6 +1,6 @@
 //! Making a new array: superblocks on every device, zones emptied.
 
-use super::{FormatParams, MIN_SEGMENTS};
+use super::{FormatParams, MIN_CACHE_SEGMENTS, MIN_SEGMENTS};
 use crate::error::EngineError;
 use crate::geometry::Geometry;
 use crate::types::{BLOCK_SIZE, BLOCK_SIZE_U64};
@@ -8,7 +8,7 @@ use lamina_device::zoned::{ZoneCond, ZoneType};
 use lamina_device::BlockDevice;
 use lamina_format::superblock::{
     DeviceEntry, Layout, Superblock, DEFAULT_DATA_OFFSET, MAX_DEVICES, MAX_NAME_LEN,
-    SUPERBLOCK_OFFSETS,
+    SUPERBLOCK_OFFSETS, TIER_CACHE, TIER_CAPACITY,
 };
 use std::sync::Arc;
 
@@ -33,7 +33,24 @@ pub fn format(
         Layout::Said5 => 3,
         Layout::Said6 => 4,
     };
-    if devices.len() < min_devices {
+    if params.cache_devices > 0 {
+        if params.layout != Layout::Jbod {
+            return invalid(format!(
+                "a cache tier is built in front of a jbod capacity tier only (not {}) in this version",
+                params.layout.name()
+            ));
+        }
+        if params.cache_devices > 1 {
+            return invalid(
+                "one cache device at most: mirrored cache tiers are not built yet".into(),
+            );
+        }
+        if devices.len() <= params.cache_devices {
+            return invalid("a cache tier needs at least one capacity device behind it".into());
+        }
+    }
+    let capacity_devices = devices.len() - params.cache_devices;
+    if capacity_devices < min_devices {
         return invalid(format!(
             "layout {} needs at least {min_devices} devices, {} given",
             params.layout.name(),
@@ -49,6 +66,9 @@ pub fn format(
     // Zoned devices: a segment (a striped layout's chunk) is one zone, and the
     // superblocks live in the conventional zones before the first sequential one.
     let zones = zoned_layout(devices)?;
+    if zones.is_some() && params.cache_devices > 0 {
+        return invalid("a cache tier with zoned devices is not built yet".into());
+    }
     let data_offset = match zones {
         Some(l) => {
             params.segment_blocks = (l.zone_bytes / BLOCK_SIZE_U64) as u32;
@@ -146,6 +166,11 @@ pub fn format(
             first_segment: if striped { 0 } else { first },
             state: 0,
             rebuild_cursor: 0,
+            tier: if i >= capacity_devices {
+                TIER_CACHE
+            } else {
+                TIER_CAPACITY
+            },
         });
         first = first
             .checked_add(segs)
@@ -153,6 +178,20 @@ pub fn format(
     }
     if striped {
         first = stripes;
+    }
+    if params.cache_devices > 0 {
+        let cache: u32 = entries[capacity_devices..]
+            .iter()
+            .map(|e| e.segment_count)
+            .sum();
+        if cache < MIN_CACHE_SEGMENTS || first - cache < MIN_SEGMENTS {
+            return invalid(format!(
+                "a cache tier of {cache} segments in front of {} is too small: need at least \
+                 {MIN_CACHE_SEGMENTS} segments of {} bytes in the cache and {MIN_SEGMENTS} behind it",
+                first - cache,
+                params.segment_blocks as u64 * BLOCK_SIZE_U64
+            ));
+        }
     }
     if first < MIN_SEGMENTS {
         return invalid(format!(

@@ -46,7 +46,9 @@ use crate::error::EngineError;
 use crate::geometry::Geometry;
 use crate::types::{SegmentId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
-use lamina_format::superblock::{DeviceEntry, Layout, Superblock, MAX_DEVICES, SUPERBLOCK_OFFSETS};
+use lamina_format::superblock::{
+    DeviceEntry, Layout, Superblock, MAX_DEVICES, SUPERBLOCK_OFFSETS, TIER_CACHE,
+};
 use std::sync::Arc;
 
 /// How to add devices to an array (grow, replace).
@@ -111,6 +113,7 @@ pub fn grow(
             first_segment: next,
             state: 0,
             rebuild_cursor: 0,
+            tier: 0,
         });
         next = next
             .checked_add(segs)
@@ -308,6 +311,12 @@ fn jbod_only(sb: &Superblock, zoned: bool, what: &str) -> Result<(), EngineError
     }
     if zoned {
         return invalid(format!("zoned arrays cannot {what} their members yet"));
+    }
+    if sb.devices.iter().any(|d| d.tier == TIER_CACHE) {
+        return invalid(format!(
+            "array {:?} has a cache tier: its members cannot {what} yet (issue 14)",
+            sb.array_name
+        ));
     }
     Ok(())
 }

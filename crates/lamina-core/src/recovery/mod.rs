@@ -50,6 +50,10 @@ pub use jbod::{evacuate, grow, replace, EvacuateReport, GrowParams, ReplaceRepor
 /// Fewest segments an array may have: stream heads, GC reserve and checkpoint space
 /// need room to turn over.
 pub const MIN_SEGMENTS: u32 = 16;
+/// Fewest segments a cache tier may have: every user stream holds one open (a
+/// segment is compacted once it is closed), so a cache of a few segments would
+/// leave user writes waiting for segments that no stream closes.
+pub const MIN_CACHE_SEGMENTS: u32 = 16;
 
 /// Parameters of a new array.
 #[derive(Clone, Debug)]
@@ -69,6 +73,10 @@ pub struct FormatParams {
     /// Told how the discard goes, as (bytes done, bytes in all) over every member:
     /// on a large SSD it takes a while.
     pub progress: Option<Progress>,
+    /// The last this many of the devices given are the cache tier (issue 14):
+    /// every user write lands there first and compaction moves it on to the
+    /// others, the capacity tier. 0: no cache tier.
+    pub cache_devices: usize,
 }
 
 /// A callback for long work, with (done, total).
@@ -92,6 +100,7 @@ impl Default for FormatParams {
             force: false,
             discard: false,
             progress: None,
+            cache_devices: 0,
         }
     }
 }

@@ -19,6 +19,10 @@ use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader, NO
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 
+/// Release records found, lowest first by (unit version, record index), with the
+/// segment and incarnation each retires.
+type Releases = BinaryHeap<Reverse<(u64, usize, u32, u64)>>;
+
 /// What the walk found.
 pub(super) struct Walk {
     /// Every segment incarnation with units written after `C`, each once, in the
@@ -91,16 +95,20 @@ pub(super) fn walk(
     // Allocation may take any of the first `ALLOC_WINDOW` free segments (JBOD wear
     // levelling), so that many may be skipped before one that was used.
     let k_stop = meta.streams.len() + 3 + 8 + crate::engine::ALLOC_WINDOW;
-    let mut empties = 0usize;
-    let mut releases: BinaryHeap<Reverse<(u64, usize, u32, u64)>> = BinaryHeap::new();
+    // An array with a cache tier allocates from two queues (user streams from
+    // the cache's, the others from the capacity tier's), each in its own order
+    // and window: each tier's part of the queue is walked on its own, with its
+    // own count of empties, and so are the segments released in each tier.
+    let cache_first = shared.geo.cache_first;
+    let tier = |seg: u32| usize::from(seg >= cache_first);
+    let mut empties = [0usize; 2];
+    let mut releases: [Releases; 2] = Default::default();
     let mut released: HashSet<(u32, u64)> = HashSet::new();
-    let harvest = |f: &Found,
-                   heap: &mut BinaryHeap<Reverse<(u64, usize, u32, u64)>>,
-                   set: &mut HashSet<(u32, u64)>| {
+    let harvest = |f: &Found, heaps: &mut [Releases; 2], set: &mut HashSet<(u32, u64)>| {
         for u in &f.units {
             for (i, r) in u.records.iter().enumerate().skip(u.data_blocks as usize) {
                 if r.kind == kind::RELEASE {
-                    heap.push(Reverse((u.version, i, r.b, r.a)));
+                    heaps[tier(r.b)].push(Reverse((u.version, i, r.b, r.a)));
                     set.insert((r.b, r.a));
                 }
             }
@@ -113,25 +121,36 @@ pub(super) fn walk(
     // thousands of segments, and a scan of `found` each time was quadratic).
     let mut seen: HashSet<(u32, u64)> = found.iter().map(|f| (f.seg, f.incarnation)).collect();
     let mut walked_queue = Vec::new();
-    let mut queue_iter = meta.free_queue.iter().copied();
-    loop {
-        if empties >= k_stop {
-            break;
+    let part = |t: usize| {
+        meta.free_queue
+            .iter()
+            .copied()
+            .filter(move |&s| tier(s) == t)
+    };
+    let mut queues = [part(0), part(1)];
+    // The next segment to look at: the capacity tier's first, each tier's queue
+    // before its releases, none of a tier whose run of empties ended its walk.
+    // (A release found in one tier's walk may name a segment of the other: it
+    // joins that tier's heap, which is looked at again on the next round.)
+    while let Some((seg, min_version, t)) = (0..2).find_map(|t| {
+        if empties[t] >= k_stop {
+            return None;
         }
-        let (seg, min_version) = if let Some(seg) = queue_iter.next() {
+        if let Some(seg) = queues[t].next() {
             walked_queue.push(seg);
-            (seg, c_version)
-        } else if let Some(Reverse((version, _, seg, _))) = releases.pop() {
-            (seg, version)
+            Some((seg, c_version, t))
         } else {
-            break;
-        };
+            releases[t]
+                .pop()
+                .map(|Reverse((version, _, seg, _))| (seg, version, t))
+        }
+    }) {
         if seg as usize >= nsegs {
             continue;
         }
         match scan_segment(shared, report, seg, 0, None, min_version) {
             Some(f) => {
-                empties = 0;
+                empties[t] = 0;
                 // A segment taken from the queue, released and reused after C is
                 // met again among the releases: record each incarnation once.
                 if seen.insert((f.seg, f.incarnation)) {
@@ -139,7 +158,7 @@ pub(super) fn walk(
                     found.push(f);
                 }
             }
-            None => empties += 1,
+            None => empties[t] += 1,
         }
     }
     report.releases_seen = released.len() as u64;

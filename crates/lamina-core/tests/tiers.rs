@@ -1,0 +1,229 @@
+//! The cache tier (issue 14): a fast member in front of the capacity tier takes
+//! every user write; compaction moves the cache's oldest segments, what is still
+//! live in them, to the capacity tier. (Power cuts with a cache tier are in
+//! `crash.rs`, `cache_tier_power_cuts_never_lose_flushed_writes`.)
+
+mod common;
+use common::*;
+use lamina_core::{FormatParams, Request, VolumeId};
+use lamina_device::mem::MemDevice;
+use lamina_device::BlockDevice;
+use lamina_format::superblock::Layout;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const CAPACITY_SEGMENTS: u64 = 48;
+const CACHE_SEGMENTS: u64 = 20;
+
+fn tiered_params() -> FormatParams {
+    FormatParams {
+        cache_devices: 1,
+        ..small_params()
+    }
+}
+
+/// A capacity member of 48 segments and a cache member of 20.
+fn tiered_devices() -> Vec<Arc<dyn BlockDevice>> {
+    let devs = vec![
+        Arc::new(MemDevice::new("capacity", device_bytes(CAPACITY_SEGMENTS))),
+        Arc::new(MemDevice::new("cache", device_bytes(CACHE_SEGMENTS))),
+    ];
+    dyn_devs(&devs)
+}
+
+fn member_bytes(e: &lamina_core::Engine) -> (u64, u64) {
+    let s = e.status();
+    (s.members[0].bytes_written, s.members[1].bytes_written)
+}
+
+#[test]
+fn user_writes_land_in_the_cache_and_compaction_moves_them_on() {
+    let devs = tiered_devices();
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let s = e.status();
+    let cache = s.cache.clone().expect("a cache tier");
+    assert_eq!(cache.segment_count, CACHE_SEGMENTS);
+    // Usable capacity is the capacity tier's: the cache only stages writes.
+    assert_eq!(s.segment_count, CAPACITY_SEGMENTS);
+    let usable = e.usable_bytes() / BS as u64;
+    let blocks = usable * 7 / 10;
+    let vol = create_volume(&mut e, "v", blocks * BS as u64);
+    let mut model = HashMap::new();
+
+    // Less than the cache holds before compaction starts: only the cache member
+    // is written (after a flush has sealed what creating the volume left in the
+    // metadata stream).
+    call(&mut e, Request::Flush).result.expect("flush");
+    let before = member_bytes(&e);
+    overwrite(&mut e, vol, &mut model, 300, 50, |i| i * 7 % blocks);
+    let after = member_bytes(&e);
+    assert_eq!(after.0, before.0, "the capacity member took no write");
+    assert!(after.1 - before.1 >= 300 * BS as u64, "the cache took them");
+    let c = e.status().cache.unwrap();
+    assert_eq!(c.compactions, 0);
+    assert!(c.dirty_bytes >= 280 * BS as u64, "{c:?}");
+
+    // Many times the cache: compaction moves data on, and everything reads back.
+    overwrite(&mut e, vol, &mut model, 6 * blocks, 200, |i| {
+        (i * 2_654_435_761) % blocks
+    });
+    let c = e.status().cache.unwrap();
+    assert!(c.compactions > 0 && c.compacted_bytes > 0, "{c:?}");
+    assert!(
+        c.free_segments > 0 && c.dirty_bytes <= CACHE_SEGMENTS * 64 * BS as u64,
+        "{c:?}"
+    );
+    assert!(member_bytes(&e).0 > after.0 + c.compacted_bytes / 2);
+    verify_model(&e, vol, &model);
+    e.check_gc_index();
+
+    // After a restart, from both tiers.
+    drop(e);
+    let e = open_rw(&devs, small_config());
+    verify_model(&e, vol, &model);
+    e.check_gc_index();
+}
+
+/// CSAL's point: a block rewritten while it is in the cache never costs the
+/// capacity tier a write. A hot set well inside the cache, rewritten over and
+/// over, leaves compaction almost nothing to move.
+#[test]
+fn blocks_rewritten_in_the_cache_never_reach_the_capacity_tier() {
+    let devs = tiered_devices();
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let vol = create_volume(&mut e, "v", 2000 * BS as u64);
+    let mut model = HashMap::new();
+    let hot = 200;
+    let writes = 20 * hot;
+    let before = member_bytes(&e);
+    overwrite(&mut e, vol, &mut model, writes, 100, |i| i % hot);
+    let after = member_bytes(&e);
+    // The cache turned over several times: its segments were emptied by the
+    // rewrites and freed without compaction.
+    assert!(after.1 - before.1 > 3 * CACHE_SEGMENTS * 64 * BS as u64);
+    assert!(
+        after.0 - before.0 < writes * BS as u64 / 20,
+        "the capacity member took {} bytes",
+        after.0 - before.0
+    );
+    let c = e.status().cache.unwrap();
+    assert!(
+        c.compacted_bytes < writes * BS as u64 / 20,
+        "compaction moved {} of {} bytes written",
+        c.compacted_bytes,
+        writes * BS as u64
+    );
+    verify_model(&e, vol, &model);
+}
+
+/// Several volumes, each with its own open user segments in the cache, and
+/// trims: every block reads back after compaction and after a restart.
+#[test]
+fn several_volumes_share_the_cache() {
+    let devs = tiered_devices();
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let usable = e.usable_bytes() / BS as u64;
+    let per = usable / 5;
+    let vols: Vec<VolumeId> = (0..3)
+        .map(|i| create_volume(&mut e, &format!("v{i}"), per * BS as u64))
+        .collect();
+    let mut models = vec![HashMap::new(); 3];
+    for round in 0..6u64 {
+        for (k, &v) in vols.iter().enumerate() {
+            overwrite(&mut e, v, &mut models[k], per / 2, 64, |i| {
+                (i * 31 + round * 7 + k as u64) % per
+            });
+        }
+        // Trim a range of the first volume.
+        let (from, n) = (round * 10 % per, 8u64);
+        call(
+            &mut e,
+            Request::Zero {
+                volume: vols[0],
+                offset: from * BS as u64,
+                length: n * BS as u64,
+                fua: false,
+                allocate: false,
+            },
+        )
+        .result
+        .expect("trim");
+        for lba in from..from + n {
+            models[0].remove(&lba);
+        }
+    }
+    call(&mut e, Request::Flush).result.expect("flush");
+    assert!(e.status().cache.unwrap().compactions > 0);
+    let check = |e: &lamina_core::Engine| {
+        for (k, &v) in vols.iter().enumerate() {
+            verify_model(e, v, &models[k]);
+        }
+        // The last trim reads as zeroes.
+        for lba in 50..58 {
+            assert_eq!(read_block(e, vols[0], lba), vec![0u8; BS]);
+        }
+        e.check_gc_index();
+    };
+    check(&e);
+    drop(e);
+    let e = open_rw(&devs, small_config());
+    check(&e);
+}
+
+#[test]
+fn a_cache_tier_is_refused_where_it_is_not_built() {
+    let err = |params: FormatParams, devs: Vec<Arc<dyn BlockDevice>>| {
+        let uuids: Vec<[u8; 16]> = (0..devs.len()).map(|i| [i as u8 + 1; 16]).collect();
+        lamina_core::format(&devs, &params, [0xab; 16], &uuids, 0)
+            .expect_err("refused")
+            .to_string()
+    };
+    let mem = |n: &str, segs: u64| {
+        Arc::new(MemDevice::new(n, device_bytes(segs))) as Arc<dyn BlockDevice>
+    };
+    let said5 = FormatParams {
+        layout: Layout::Said5,
+        ..tiered_params()
+    };
+    let e = err(
+        said5,
+        vec![mem("a", 24), mem("b", 24), mem("c", 24), mem("d", 24)],
+    );
+    assert!(e.contains("jbod"), "{e}");
+    let two = FormatParams {
+        cache_devices: 2,
+        ..tiered_params()
+    };
+    let e = err(two, vec![mem("a", 48), mem("b", 20), mem("c", 20)]);
+    assert!(e.contains("mirrored"), "{e}");
+    let e = err(tiered_params(), vec![mem("a", 48), mem("b", 8)]);
+    assert!(e.contains("too small"), "{e}");
+    let e = err(tiered_params(), vec![mem("a", 20)]);
+    assert!(e.contains("capacity device"), "{e}");
+}
+
+/// Recovery walks each tier's free queue on its own: behind a capacity tier with
+/// many more free segments than the walk's run of empties, what user writes put
+/// in the cache after the last checkpoint is found (a walk of one queue stops
+/// among the capacity tier's untouched segments and never reaches the cache's).
+#[test]
+fn recovery_finds_the_cache_behind_a_large_capacity_tier() {
+    let devs = dyn_devs(&[
+        Arc::new(MemDevice::new("capacity", device_bytes(400))),
+        Arc::new(MemDevice::new("cache", device_bytes(CACHE_SEGMENTS))),
+    ]);
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let vol = create_volume(&mut e, "v", 4000 * BS as u64);
+    let mut model = HashMap::new();
+    // Fewer blocks than a checkpoint interval: recovery must replay them all.
+    overwrite(&mut e, vol, &mut model, 500, 100, |i| i * 3);
+    assert_eq!(e.status().cache.unwrap().compactions, 0);
+    // Stopped without a shutdown checkpoint, as a crash after the last flush.
+    drop(e);
+    let e = open_rw(&devs, small_config());
+    verify_model(&e, vol, &model);
+}
