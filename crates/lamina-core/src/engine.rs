@@ -703,9 +703,8 @@ impl Engine {
     pub fn free_segments_discarded(&self) -> usize {
         let segs = &self.segments.segs;
         self.segments
-            .free
-            .iter()
-            .filter(|&&s| segs[s as usize].clean)
+            .all_free()
+            .filter(|&s| segs[s as usize].clean)
             .count()
     }
 
@@ -1230,19 +1229,28 @@ impl Engine {
             return;
         }
         let before = self.discard_before();
-        while self.segments.discarding < MAX_DISCARDS {
-            let shared = &self.shared;
-            let Some(seg) = self.segments.next_to_discard(
-                self.now_ms,
-                self.cfg.discard_delay_ms,
-                before,
-                1,
-                DISCARD_SCAN,
-                |s| shared.segment_pinned(SegmentId(s)),
-            ) else {
-                break;
-            };
-            self.submit_discard(seg, false);
+        // The cache tier's free segments too: a flash cache takes every write.
+        let tiers: &[Tier] = if self.geo.tiered() {
+            &[Tier::Capacity, Tier::Cache]
+        } else {
+            &[Tier::Capacity]
+        };
+        for &tier in tiers {
+            while self.segments.discarding < MAX_DISCARDS {
+                let shared = &self.shared;
+                let Some(seg) = self.segments.next_to_discard(
+                    tier,
+                    self.now_ms,
+                    self.cfg.discard_delay_ms,
+                    before,
+                    1,
+                    DISCARD_SCAN,
+                    |s| shared.segment_pinned(SegmentId(s)),
+                ) else {
+                    break;
+                };
+                self.submit_discard(seg, false);
+            }
         }
     }
 
@@ -1351,20 +1359,27 @@ impl Engine {
 
     /// True when user writes wait for a segment that nothing can free.
     fn stuck_without_space(&mut self) -> bool {
-        let (free, floor) = if self.geo.tiered() {
-            (self.segments.cache_free.len(), 0)
-        } else {
-            (self.segments.free.len(), self.user_floor())
-        };
-        self.rollback_until.is_none()
-            && free <= floor
-            && self.gc.is_idle()
-            && !(self.segments.victims.oldest_cached().is_some()
-                && self.segments.free.len() > self.user_floor())
-            && self.segments.in_release() == 0
-            && self.durability.sync_idle()
-            && self.out.in_flight() == 0
-            && self.pick_victim().is_none()
+        if self.rollback_until.is_some()
+            || !self.gc.is_idle()
+            || self.segments.in_release() != 0
+            || !self.durability.sync_idle()
+            || self.out.in_flight() != 0
+        {
+            return false;
+        }
+        if self.geo.tiered() {
+            // User writes wait for a cache segment: compaction frees one when it
+            // has a closed segment to take (or a stream head to close) and the
+            // capacity tier has room, or GC can make room there.
+            if !self.segments.cache_free.is_empty() {
+                return false;
+            }
+            let victim = self.segments.victims.oldest_cached().is_some()
+                || self.cache_head_to_close().is_some();
+            let room = self.segments.free.len() > self.user_floor() || self.pick_victim().is_some();
+            return !(victim && room);
+        }
+        self.segments.free.len() <= self.user_floor() && self.pick_victim().is_none()
     }
 
     // ---------------------------------------------------------------- writes

@@ -304,6 +304,33 @@ impl Engine {
         self.segments.check_victims();
         let full = self.geo.data_blocks_per_segment() as u32;
         let segs = &self.segments.segs;
+        // With a cache tier: user data is written into cache segments only,
+        // GC's and the metadata stream's into capacity segments only, and each
+        // free queue holds its own tier's segments.
+        if self.geo.tiered() {
+            for (i, s) in segs.iter().enumerate() {
+                if matches!(
+                    s.state,
+                    SegState::Open | SegState::Closing | SegState::Closed
+                ) {
+                    assert_eq!(
+                        self.geo.is_cache(i as u32),
+                        s.kind == StreamKind::User,
+                        "segment {i} ({:?}, {:?}, {} live of {}) is in the wrong tier",
+                        s.state,
+                        s.kind,
+                        s.valid,
+                        s.data_blocks
+                    );
+                }
+            }
+            assert!(self.segments.free.iter().all(|&s| !self.geo.is_cache(s)));
+            assert!(self
+                .segments
+                .cache_free
+                .iter()
+                .all(|&s| self.geo.is_cache(s)));
+        }
         for (vi, v) in self.volumes.iter().enumerate() {
             let Some(v) = v else { continue };
             let now = v.user_blocks;
@@ -400,7 +427,17 @@ impl Engine {
                         // capacity tier, as a user write would fill it: not into
                         // the capacity tier's floor, which GC keeps for itself.
                         let cached = if compact && free > self.user_floor() {
-                            self.segments.victims.oldest_cached()
+                            let oldest = self.segments.victims.oldest_cached();
+                            if oldest.is_none() && self.segments.cache_free.is_empty() {
+                                // Every cache segment is a user stream's open
+                                // head (many volumes or classes on a small
+                                // cache): close the fullest, so that compaction
+                                // has a victim once its summary is written.
+                                if let Some(s) = self.cache_head_to_close() {
+                                    self.close_segment(s);
+                                }
+                            }
+                            oldest
                         } else {
                             None
                         };
@@ -430,7 +467,11 @@ impl Engine {
                     .and_then(|v| v.as_mut())
                 {
                     let now = v.user_blocks;
-                    v.classifier.segment_collected(class, born, now);
+                    // What the classifier learns from a victim's age is GC's
+                    // turnover; a cache segment's is the cache's, not the same.
+                    if !self.geo.is_cache(seg) {
+                        v.classifier.segment_collected(class, born, now);
+                    }
                     if let Some(c) = v.classes.get_mut(class as usize) {
                         c.victims += 1;
                     }
@@ -619,6 +660,22 @@ impl Engine {
         let n = self.geo.cache_segments() as usize;
         let start = (n / 4).max(4);
         (start, start + (n / 8).max(2))
+    }
+
+    /// The user stream whose open cache segment holds the most, if any holds
+    /// anything: the one to close when no closed cache segment is left to compact.
+    pub(crate) fn cache_head_to_close(&self) -> Option<usize> {
+        (0..self.log.streams.len())
+            .filter_map(|s| {
+                let st = &self.log.streams[s];
+                let seg = st
+                    .seg
+                    .filter(|&seg| st.kind == StreamKind::User && self.geo.is_cache(seg))?;
+                let used = self.segments.segs[seg as usize].write_ptr;
+                (used > 0).then_some((used, s))
+            })
+            .max()
+            .map(|(_, s)| s)
     }
 
     /// Whether compaction should run now (arrays with a cache tier), with

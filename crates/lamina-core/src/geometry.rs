@@ -66,9 +66,9 @@ pub struct Geometry {
 pub enum Tier {
     /// Where data lives; every segment of an array without a cache tier.
     #[default]
-    Capacity,
+    Capacity = 0,
     /// The fast tier every user write lands in first; compaction moves it on.
-    Cache,
+    Cache = 1,
 }
 
 /// Parity members a layout keeps per stripe.

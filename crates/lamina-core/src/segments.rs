@@ -179,7 +179,8 @@ pub(crate) struct SegmentTable {
     /// Discards of free segments under way.
     pub discarding: usize,
     /// Where the next look for free segments to discard starts (an index of `free`).
-    discard_cursor: usize,
+    /// Per tier (capacity, cache).
+    discard_cursor: [usize; 2],
     pub discarded: u64,
     /// Free segments set aside because their zone could not be reset.
     pub quarantined: u64,
@@ -272,7 +273,7 @@ impl SegmentTable {
             releasing: Vec::new(),
             discards: HashMap::new(),
             discarding: 0,
-            discard_cursor: 0,
+            discard_cursor: [0; 2],
             discarded: 0,
             quarantined: 0,
             withheld: Vec::new(),
@@ -597,9 +598,12 @@ impl SegmentTable {
     /// it was last written, is [`discardable`](Self::discardable) with `before`,
     /// lies beyond the first `window` of the queue (what allocation takes next),
     /// and is not `pinned` by a reader. Looks at no more than `scan` entries,
-    /// going on from where the last call stopped.
+    /// going on from where the last call stopped. Each tier's queue is looked at
+    /// on its own (`tier`).
+    #[allow(clippy::too_many_arguments)]
     pub fn next_to_discard(
         &mut self,
+        tier: Tier,
         now_ms: u64,
         delay_ms: u64,
         before: Option<u64>,
@@ -607,20 +611,22 @@ impl SegmentTable {
         mut scan: usize,
         pinned: impl Fn(u32) -> bool,
     ) -> Option<u32> {
-        if before.is_none() || self.free.len() <= window {
+        let q = tier as usize;
+        let len = self.free_in(tier).len();
+        if before.is_none() || len <= window {
             return None;
         }
         let mut wrapped = false;
         while scan > 0 {
-            if self.discard_cursor < window || self.discard_cursor >= self.free.len() {
+            if self.discard_cursor[q] < window || self.discard_cursor[q] >= len {
                 if wrapped {
                     return None;
                 }
                 wrapped = true;
-                self.discard_cursor = window;
+                self.discard_cursor[q] = window;
             }
-            let seg = self.free[self.discard_cursor];
-            self.discard_cursor += 1;
+            let seg = self.free_in(tier)[self.discard_cursor[q]];
+            self.discard_cursor[q] += 1;
             scan -= 1;
             let s = &mut self.segs[seg as usize];
             // A clock that went back (an engine first driven inline, then by the
@@ -718,7 +724,9 @@ mod tests {
             assert_eq!(t.free_next_released(2, None, now), Some(i));
         }
         let pinned = |s: u32| s == 3;
-        let next = |t: &mut SegmentTable, now| t.next_to_discard(now, 35, Some(10), 2, 100, pinned);
+        let next = |t: &mut SegmentTable, now| {
+            t.next_to_discard(Tier::Capacity, now, 35, Some(10), 2, 100, pinned)
+        };
         assert_eq!(
             next(&mut t, 70),
             Some(2),
@@ -731,16 +739,19 @@ mod tests {
         assert_eq!(next(&mut t, 200), Some(7));
         assert_eq!(next(&mut t, 200), None);
         assert!(!t.discardable(1, None), "discards off");
-        assert_eq!(t.next_to_discard(200, 35, None, 2, 100, pinned), None);
+        assert_eq!(
+            t.next_to_discard(Tier::Capacity, 200, 35, None, 2, 100, pinned),
+            None
+        );
         // A clock that went back restarts the wait.
         t.segs[3].freed_ms = 500;
         assert_eq!(
-            t.next_to_discard(210, 35, Some(10), 2, 100, |_| false),
+            t.next_to_discard(Tier::Capacity, 210, 35, Some(10), 2, 100, |_| false),
             None
         );
         assert_eq!(t.segs[3].freed_ms, 210);
         assert_eq!(
-            t.next_to_discard(245, 35, Some(10), 2, 100, |_| false),
+            t.next_to_discard(Tier::Capacity, 245, 35, Some(10), 2, 100, |_| false),
             Some(3)
         );
         t.discard_done(3, true);

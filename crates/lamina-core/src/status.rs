@@ -340,10 +340,15 @@ impl Engine {
                 .collect(),
         };
         // Wear: bytes written per segment of capacity (members of a stripe all have
-        // the same number of segments).
+        // the same number of segments), among the capacity tier's members (the
+        // cache takes every write by design).
         let written: Vec<f64> = members
             .iter()
-            .filter(|m| m.state != "removed")
+            .filter(|m| {
+                m.state != "removed"
+                    && (self.shared.striped.is_some()
+                        || self.geo.devices[m.index].first_segment < self.geo.cache_first)
+            })
             .map(|m| {
                 let segs = match &self.shared.striped {
                     Some(_) => 1.0,

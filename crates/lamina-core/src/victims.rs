@@ -183,6 +183,10 @@ impl VictimIndex {
             "segment {seg} held twice"
         );
         self.state[seg as usize] = HELD;
+        // The class totals are what GC's policies weigh: the capacity tier's.
+        if seg >= self.cache_first {
+            return;
+        }
         let c = self.class_mut(s.volume, s.class);
         c.held += 1;
         c.live += s.valid as u64;
@@ -195,6 +199,9 @@ impl VictimIndex {
         }
         self.remove(seg, s);
         self.state[seg as usize] = NOT_HELD;
+        if seg >= self.cache_first {
+            return;
+        }
         let c = self.class_mut(s.volume, s.class);
         c.held -= 1;
         c.live -= s.valid as u64;
@@ -249,7 +256,7 @@ impl VictimIndex {
     #[inline]
     pub fn valid_changed(&mut self, seg: u32, s: &Seg, before: u32) {
         let st = self.state[seg as usize];
-        if st == NOT_HELD {
+        if st == NOT_HELD || seg >= self.cache_first {
             return;
         }
         let b = self.bucket(s.valid);
@@ -451,6 +458,15 @@ impl VictimIndex {
             if !held {
                 continue;
             }
+            if i as u32 >= self.cache_first {
+                let is = should_be(i as u32, s);
+                assert_eq!(st == CACHED, is, "cache segment {i} ({:?}) queued", s.state);
+                if is {
+                    assert!(self.cached.contains(&(s.close_version, i as u32)));
+                    cands += 1;
+                }
+                continue;
+            }
             let (v, k) = (s.volume as usize, s.class as usize);
             if want.len() <= v {
                 want.resize_with(v + 1, Default::default);
@@ -462,11 +478,7 @@ impl VictimIndex {
             want[v].classes[k].live += s.valid as u64;
             let is = should_be(i as u32, s);
             assert_eq!(st != HELD, is, "segment {i} ({:?}) indexed", s.state);
-            if is && i as u32 >= self.cache_first {
-                assert_eq!(st, CACHED, "cache segment {i} queued for compaction");
-                assert!(self.cached.contains(&(s.close_version, i as u32)));
-                cands += 1;
-            } else if is {
+            if is {
                 cands += 1;
                 assert_eq!(st, self.bucket(s.valid), "segment {i}'s bucket");
                 assert!(

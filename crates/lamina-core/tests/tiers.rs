@@ -227,3 +227,34 @@ fn recovery_finds_the_cache_behind_a_large_capacity_tier() {
     let e = open_rw(&devs, small_config());
     verify_model(&e, vol, &model);
 }
+
+/// More volumes than the cache has segments, each writing a little and
+/// flushing: every cache segment becomes a user stream's open head, with none
+/// closed for compaction to take. The engine closes the fullest head, so writes
+/// go on instead of waiting for ever (or failing with ENOSPC on an empty array).
+#[test]
+fn more_volumes_than_cache_segments_keep_writing() {
+    let devs = tiered_devices();
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let n = CACHE_SEGMENTS as usize + 8;
+    let vols: Vec<VolumeId> = (0..n)
+        .map(|i| create_volume(&mut e, &format!("v{i}"), 64 * BS as u64))
+        .collect();
+    let mut models = vec![HashMap::new(); n];
+    for round in 0..3u64 {
+        for (k, &v) in vols.iter().enumerate() {
+            overwrite(&mut e, v, &mut models[k], 4, 4, |i| (i + round * 4) % 64);
+        }
+    }
+    assert!(e.status().cache.unwrap().compactions > 0);
+    for (k, &v) in vols.iter().enumerate() {
+        verify_model(&e, v, &models[k]);
+    }
+    e.check_gc_index();
+    drop(e);
+    let e = open_rw(&devs, small_config());
+    for (k, &v) in vols.iter().enumerate() {
+        verify_model(&e, v, &models[k]);
+    }
+}

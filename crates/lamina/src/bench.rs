@@ -62,6 +62,38 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// CSAL (issue 14): 4 KiB writes over several volumes on an emulated QLC SSD
+    /// with a large indirection unit, and what a small fast cache in front of it
+    /// does: NAND bytes the QLC programs per user byte and its erases, for the raw
+    /// QLC, an LRU write-back block cache on an SLC SSD in front of it (what
+    /// dm-cache and Open-CAS do), Lamina on the QLC, and Lamina with a cache
+    /// tier on the same SLC SSD.
+    Csal {
+        /// Capacity of the QLC SSD.
+        #[arg(long, default_value = "1G")]
+        capacity: String,
+        /// Capacity of the SLC SSD in front of it (the cache).
+        #[arg(long, default_value = "80M")]
+        cache: String,
+        /// The QLC SSD's indirection unit (CSAL: 64 KiB).
+        #[arg(long, default_value = "64K")]
+        iu: String,
+        /// Where the 4 KiB writes go over the volumes' space: uniform, zipf:THETA,
+        /// hotcold:H/C (as `lamina sim`).
+        #[arg(long, default_value = "zipf:1.2")]
+        workload: String,
+        /// Passes of writes over the user capacity, after it is filled once.
+        #[arg(long, default_value_t = 4)]
+        passes: u32,
+        /// Volumes the capacity is divided into (CSAL: one per VM).
+        #[arg(long, default_value_t = 8)]
+        volumes: u32,
+        /// Lamina's own spare space (spare / user).
+        #[arg(long, default_value_t = 0.2)]
+        overprovision: f64,
+        #[arg(long)]
+        json: bool,
+    },
     /// SALSA 5.1.1: 4 KiB random reads and writes at queue depths 1 to 32 on
     /// emulated TLC SSDs: RAID-0 and RAID-5 (read-modify-write) on the drives
     /// against Lamina SAID5 on the same drives; IOPS and latency from the drives'
@@ -277,6 +309,28 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 json,
             )
         }
+        BenchCmd::Csal {
+            capacity,
+            cache,
+            iu,
+            workload,
+            passes,
+            volumes,
+            overprovision,
+            json,
+        } => {
+            let size = |what: &str, s: &str| crate::size_arg(what, s);
+            return crate::csal::run(&crate::csal::CsalArgs {
+                capacity: size("--capacity", &capacity)?,
+                cache: size("--cache", &cache)?,
+                iu: size("--iu", &iu)?,
+                workload,
+                passes,
+                volumes,
+                overprovision,
+                json,
+            });
+        }
         BenchCmd::Endurance {
             capacity,
             passes,
@@ -362,7 +416,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
 
 /// The 4 KiB writes of an endurance run over `blocks` blocks after a sequential
 /// fill: `passes x blocks` of them, placed by `pattern` (seeded, reproducible).
-fn writes(pattern: &str, blocks: u64, passes: u32) -> Result<impl Iterator<Item = u64>> {
+pub(crate) fn writes(pattern: &str, blocks: u64, passes: u32) -> Result<impl Iterator<Item = u64>> {
     use lamina_sim::workload::{Pattern, Synthetic, Workload};
     let p = Pattern::parse(pattern).map_err(anyhow::Error::msg)?;
     let mut w = Synthetic::new(p, blocks, passes as u64 * blocks, 42, false);
@@ -588,7 +642,8 @@ fn endurance(
 /// `v` filling its usable space, driven by writes run inline every 64 requests.
 pub(crate) struct Inline {
     pub(crate) e: lamina_core::Engine,
-    vol: lamina_core::VolumeId,
+    vols: Vec<lamina_core::VolumeId>,
+    /// Bytes of each volume.
     pub(crate) volume_bytes: u64,
     n: u64,
     replies: Vec<lamina_core::Reply>,
@@ -600,6 +655,17 @@ impl Inline {
         params: &lamina_core::FormatParams,
         cfg: lamina_core::EngineConfig,
     ) -> Result<Self> {
+        Self::with_volumes(devs, params, cfg, 1)
+    }
+
+    /// As [`Inline::new`], with the usable space divided among `n` volumes
+    /// (whole MiB each).
+    pub(crate) fn with_volumes(
+        devs: Vec<Arc<dyn BlockDevice>>,
+        params: &lamina_core::FormatParams,
+        cfg: lamina_core::EngineConfig,
+        n: u32,
+    ) -> Result<Self> {
         let uuids: Vec<[u8; 16]> = (0..devs.len()).map(|i| [i as u8 + 2; 16]).collect();
         lamina_core::format(&devs, params, [1; 16], &uuids, 0)?;
         // No clock runs here: released segments are discarded as they are released,
@@ -609,19 +675,23 @@ impl Inline {
             ..cfg
         };
         let (e, _) = lamina_core::open(devs, cfg, lamina_core::OpenMode::ReadWrite)?;
-        let volume_bytes = e.status().usable_bytes / (1 << 20) * (1 << 20);
+        let volume_bytes = e.status().usable_bytes / n.max(1) as u64 / (1 << 20) * (1 << 20);
         let mut l = Inline {
             e,
-            vol: lamina_core::VolumeId(0),
+            vols: Vec::new(),
             volume_bytes,
             n: 0,
             replies: Vec::new(),
         };
-        l.call(lamina_core::Request::CreateVolume {
-            name: "v".into(),
-            size_bytes: volume_bytes,
-        })?;
-        l.vol = l.e.shared().volume("v").unwrap().id;
+        for i in 0..n.max(1) {
+            let name = if i == 0 { "v".into() } else { format!("v{i}") };
+            l.call(lamina_core::Request::CreateVolume {
+                name: name.clone(),
+                size_bytes: volume_bytes,
+            })?;
+            let id = l.e.shared().volume(&name).unwrap().id;
+            l.vols.push(id);
+        }
         Ok(l)
     }
 
@@ -641,10 +711,16 @@ impl Inline {
         self.replies.clear();
     }
 
-    /// Writes `len` bytes at `offset` (contents vary per write).
+    /// Writes `len` bytes at `offset` of the first volume (contents vary per
+    /// write).
     pub(crate) fn write(&mut self, offset: u64, len: usize) {
+        self.write_to(0, offset, len)
+    }
+
+    /// Writes `len` bytes at `offset` of volume `i`.
+    pub(crate) fn write_to(&mut self, i: usize, offset: u64, len: usize) {
         let req = lamina_core::Request::Write {
-            volume: self.vol,
+            volume: self.vols[i],
             offset,
             data: vec![(self.n % 251) as u8; len],
             fua: false,

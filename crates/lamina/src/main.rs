@@ -8,6 +8,7 @@ mod arrays;
 mod bench;
 mod combine;
 mod config;
+mod csal;
 mod devices;
 mod emulate;
 mod fsck;
@@ -468,10 +469,11 @@ Devices that already belong to a Lamina array are refused unless --force is give
 
 A CACHE TIER (--cache-device FAST) puts a fast device (an SLC or Optane SSD) in
 front of slow or low-endurance ones (a QLC SSD, an HDD), as CSAL does: every user
-write lands in the cache's log, and a flush is durable once the cache has it;
-compaction moves the cache's oldest segments, what is still live in them, to the
-capacity tier in whole segments, so the slow devices see large sequential writes
-only and blocks overwritten while in the cache never reach them. Usable capacity
+write lands in the cache's log first; compaction moves what is still live in the
+cache's oldest segments to the capacity tier, in write units that fill its
+segments in order, so the slow devices see user data only as large sequential
+writes, and blocks overwritten while in the cache never reach them (checkpoints
+and the log's own records go to the capacity tier too). Usable capacity
 is the capacity tier's. Reads are served from whichever tier holds the block.
 Without its cache device the array does not open (it names the missing member):
 mirrored cache devices are not built yet.

@@ -76,7 +76,7 @@ pub(super) fn walk(
                 report,
                 st.segment,
                 s.write_ptr,
-                Some(s.incarnation),
+                Some((s.incarnation, (s.kind, s.class, s.volume))),
                 c_version,
             ) {
                 found.push(f);
@@ -243,23 +243,27 @@ pub(super) struct Found {
     pub has_summary: bool,
 }
 
-/// Scans units of `seg` from `start`. `expect` is the incarnation when known;
-/// otherwise the first unit sets it and it must exceed `min_version`.
+/// Scans units of `seg` from `start`. `expect` is the incarnation when known,
+/// with the stream kind, class and volume the checkpoint recorded for the
+/// segment (what a stream head that took no unit since keeps); otherwise the
+/// first unit sets them and its incarnation must exceed `min_version`.
 fn scan_segment(
     shared: &Shared,
     report: &mut RecoveryReport,
     seg: u32,
     start: u32,
-    expect: Option<u64>,
+    expect: Option<(u64, (StreamKind, u8, u16))>,
     min_version: u64,
 ) -> Option<Found> {
     let geo = &shared.geo;
     let h = geo.header_blocks as u32;
     let mut offset = start;
     let mut prev = min_version;
-    let mut incarnation = expect;
+    let mut incarnation = expect.map(|(i, _)| i);
     let mut units = Vec::new();
-    let mut meta = (StreamKind::User, 0u8, 0u16);
+    // A head found without a new unit used to come back as volume 0's user
+    // segment of class 0, whoever wrote it.
+    let mut meta = expect.map_or((StreamKind::User, 0u8, 0u16), |(_, m)| m);
     report.segments_scanned += 1;
     while offset + h <= geo.data_end {
         let expected = |u: &UnitHeader| {
@@ -368,5 +372,49 @@ mod tests {
         assert!(v.torn.is_empty());
         replay::replay(&shared.geo, &walk, &v.torn, &ckpt, &mut report);
         assert_eq!(entries(&ckpt.volumes[0].0.map), expected);
+    }
+
+    /// A stream head that took no unit after the checkpoint keeps the volume,
+    /// class and kind the checkpoint recorded for it (it came back as volume
+    /// 0's user segment of class 0, whoever owned it).
+    #[test]
+    fn a_head_without_new_units_keeps_its_owner() {
+        let (_dev, devs) = devices();
+        let (mut e, _) = engine_with_volume(&devs);
+        call(
+            &mut e,
+            Request::CreateVolume {
+                name: "w".into(),
+                size_bytes: 1 << 20,
+            },
+        );
+        let w = e.shared().volume("w").unwrap().id;
+        assert_ne!(w.0, 0);
+        write(&mut e, w, 0, 3, 1);
+        call(&mut e, Request::Flush);
+        call(&mut e, Request::Checkpoint);
+        drop(e);
+        let (_, _, walk) = up_to_walk(&devs);
+        let heads: Vec<&Found> = walk
+            .found
+            .iter()
+            .filter(|f| f.start > 0 && f.units.is_empty())
+            .collect();
+        assert!(
+            !heads.is_empty(),
+            "w's head was scanned: {:?}",
+            walk.found
+                .iter()
+                .map(|f| (f.seg, f.start, f.units.len(), f.volume))
+                .collect::<Vec<_>>()
+        );
+        for f in heads {
+            assert_eq!(
+                (f.volume, f.kind),
+                (w.0, StreamKind::User),
+                "segment {}",
+                f.seg
+            );
+        }
     }
 }

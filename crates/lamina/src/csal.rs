@@ -1,0 +1,302 @@
+//! `lamina bench csal`: CSAL's experiment (seed 002; issue 14) on the emulators.
+//!
+//! A QLC SSD with a large indirection unit takes 4 KiB writes spread over several
+//! volumes, four ways, each from a fresh drive filled once over the same user
+//! capacity (Lamina's usable space):
+//!
+//! * **raw QLC**: the writes go to the drive as they come;
+//! * **LRU cache + QLC**: a write-back block cache of 4 KiB slots on an SLC SSD of
+//!   the cache's size in front of the drive (what dm-cache and Open-CAS do): a write
+//!   goes to its slot; a miss with the cache full evicts the least recently written
+//!   block, which is read from the SLC and written to the QLC where it belongs;
+//! * **Lamina on the QLC**: an array on the drive, the volumes filling it;
+//! * **Lamina + cache tier**: the same array with the SLC SSD as its cache tier.
+//!
+//! What is measured is what the QLC programs: NAND bytes per user byte written
+//! after the fill, its own write amplification (NAND bytes per byte it was sent),
+//! and its erases; and what the SLC programs per user byte. Timing is not
+//! measured here (the drives are driven inline, without a clock shared between
+//! them).
+
+use crate::bench::{writes, Inline};
+use anyhow::Result;
+use lamina_device::flash::{Cell, Flash, FlashConfig, FlashOp, FlashStats};
+use lamina_device::mem::MemDevice;
+use lamina_device::sparse::SparseDevice;
+use lamina_device::BlockDevice;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+const BS: u64 = 4096;
+
+pub struct CsalArgs {
+    pub capacity: u64,
+    pub cache: u64,
+    pub iu: u64,
+    pub workload: String,
+    pub passes: u32,
+    pub volumes: u32,
+    pub overprovision: f64,
+    pub json: bool,
+}
+
+/// The QLC drive: CSAL's large indirection unit, pages at least as large, 1 MiB
+/// erase blocks (so that a Lamina segment of 1 MiB is one erase block).
+fn qlc_config(a: &CsalArgs) -> FlashConfig {
+    let page = a.iu.max(16 << 10);
+    let pages_per_block = ((1u64 << 20) / page).max(1);
+    let block = page * pages_per_block;
+    FlashConfig {
+        capacity_bytes: a.capacity / block * block,
+        iu_bytes: a.iu,
+        page_bytes: page,
+        pages_per_block,
+        cell: Cell::Qlc,
+        ..Default::default()
+    }
+}
+
+/// The SLC cache drive: 4 KiB indirection unit, 16 KiB pages, 1 MiB blocks.
+fn slc_config(a: &CsalArgs) -> FlashConfig {
+    let block = 1u64 << 20;
+    FlashConfig {
+        capacity_bytes: a.cache / block * block,
+        page_bytes: 16 << 10,
+        pages_per_block: 64,
+        cell: Cell::Slc,
+        ..Default::default()
+    }
+}
+
+/// What one setup cost the drives over the measured writes.
+struct Row {
+    name: &'static str,
+    /// QLC: NAND bytes programmed, bytes it was sent, erases.
+    qlc: (u64, u64, u64),
+    /// SLC (setups with a cache): NAND bytes programmed.
+    slc: Option<u64>,
+    /// Lamina: bytes compaction moved to the capacity tier.
+    compacted: Option<u64>,
+}
+
+fn delta(a: &FlashStats, b: &FlashStats) -> (u64, u64, u64) {
+    (
+        b.nand_bytes_programmed - a.nand_bytes_programmed,
+        b.host_bytes_written - a.host_bytes_written,
+        b.erases - a.erases,
+    )
+}
+
+fn write(f: &Flash, block: u64) {
+    f.submit(
+        FlashOp::Write {
+            offset: block * BS,
+            len: BS,
+        },
+        0,
+    );
+}
+
+fn flash(cfg: &FlashConfig, inner: Arc<dyn BlockDevice>) -> Result<Arc<Flash>> {
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    Ok(Arc::new(Flash::new(inner, cfg.clone())?))
+}
+
+fn sparse(name: &str, cfg: &FlashConfig) -> Arc<dyn BlockDevice> {
+    Arc::new(SparseDevice::new(name, cfg.capacity_bytes))
+}
+
+/// The raw QLC, filled over `blocks`, then the workload's writes.
+fn raw(a: &CsalArgs, blocks: u64) -> Result<Row> {
+    let cfg = qlc_config(a);
+    let qlc = flash(&cfg, sparse("qlc", &cfg))?;
+    (0..blocks).for_each(|b| write(&qlc, b));
+    let start = qlc.stats();
+    for b in writes(&a.workload, blocks, a.passes)? {
+        write(&qlc, b);
+    }
+    Ok(Row {
+        name: "raw QLC",
+        qlc: delta(&start, &qlc.stats()),
+        slc: None,
+        compacted: None,
+    })
+}
+
+/// A write-back LRU block cache of 4 KiB slots on the SLC drive in front of the
+/// QLC: least recently written first out (stamps, with stale queue entries
+/// skipped).
+fn lru(a: &CsalArgs, blocks: u64) -> Result<Row> {
+    let (qcfg, scfg) = (qlc_config(a), slc_config(a));
+    let qlc = flash(&qcfg, sparse("qlc", &qcfg))?;
+    let slc = flash(&scfg, sparse("slc", &scfg))?;
+    let slots = scfg.capacity_bytes / BS;
+    (0..blocks).for_each(|b| write(&qlc, b));
+    let (q0, s0) = (qlc.stats(), slc.stats());
+    // Block -> (slot, stamp of its last write); the queue holds (block, stamp).
+    let mut cached: HashMap<u64, (u64, u64)> = HashMap::new();
+    let mut order: VecDeque<(u64, u64)> = VecDeque::new();
+    let mut free: Vec<u64> = (0..slots).rev().collect();
+    for (stamp, b) in writes(&a.workload, blocks, a.passes)?.enumerate() {
+        let stamp = stamp as u64;
+        let slot = match cached.get(&b) {
+            Some(&(slot, _)) => slot,
+            None => match free.pop() {
+                Some(slot) => slot,
+                None => loop {
+                    let (victim, at) = order.pop_front().expect("a full cache has entries");
+                    if cached.get(&victim).is_some_and(|&(_, s)| s == at) {
+                        let (slot, _) = cached.remove(&victim).unwrap();
+                        slc.submit(
+                            FlashOp::Read {
+                                offset: slot * BS,
+                                len: BS,
+                            },
+                            0,
+                        );
+                        write(&qlc, victim);
+                        break slot;
+                    }
+                },
+            },
+        };
+        cached.insert(b, (slot, stamp));
+        order.push_back((b, stamp));
+        write(&slc, slot);
+        // Stale entries (blocks written again since) would pile up under a skewed
+        // workload: drop them now and then.
+        if order.len() > 4 * slots as usize {
+            order.retain(|(blk, at)| cached.get(blk).is_some_and(|&(_, s)| s == *at));
+        }
+    }
+    Ok(Row {
+        name: "LRU cache on SLC + QLC",
+        qlc: delta(&q0, &qlc.stats()),
+        slc: Some(delta(&s0, &slc.stats()).0),
+        compacted: None,
+    })
+}
+
+/// Lamina on the QLC, with the SLC drive as its cache tier when `tiered`.
+/// Returns the row and the blocks of each volume.
+fn lamina(a: &CsalArgs, tiered: bool) -> Result<(Row, u64)> {
+    let (qcfg, scfg) = (qlc_config(a), slc_config(a));
+    let qlc = flash(&qcfg, Arc::new(MemDevice::new("qlc", qcfg.capacity_bytes)))?;
+    let mut devs: Vec<Arc<dyn BlockDevice>> = vec![qlc.clone()];
+    let slc = if tiered {
+        let slc = flash(&scfg, Arc::new(MemDevice::new("slc", scfg.capacity_bytes)))?;
+        devs.push(slc.clone());
+        Some(slc)
+    } else {
+        None
+    };
+    let params = lamina_core::FormatParams {
+        name: "csal".into(),
+        segment_blocks: (qcfg.block_bytes() / BS) as u32,
+        write_unit_blocks: 64,
+        overprovision: a.overprovision,
+        cache_devices: tiered as usize,
+        ..Default::default()
+    };
+    let mut l = Inline::with_volumes(devs, &params, Default::default(), a.volumes)?;
+    let per_vol = l.volume_bytes / BS;
+    let total = per_vol * a.volumes as u64;
+    for b in 0..total {
+        l.write_to((b / per_vol) as usize, b % per_vol * BS, BS as usize);
+    }
+    l.flush()?;
+    let (q0, s0) = (qlc.stats(), slc.as_ref().map(|s| s.stats()));
+    let c0 = l.e.status().cache.map_or(0, |c| c.compacted_bytes);
+    for b in writes(&a.workload, total, a.passes)? {
+        l.write_to((b / per_vol) as usize, b % per_vol * BS, BS as usize);
+    }
+    l.flush()?;
+    let st = l.e.status();
+    Ok((
+        Row {
+            name: if tiered {
+                "Lamina + cache tier on SLC"
+            } else {
+                "Lamina on the QLC"
+            },
+            qlc: delta(&q0, &qlc.stats()),
+            slc: slc.map(|s| delta(&s0.unwrap(), &s.stats()).0),
+            compacted: st.cache.map(|c| c.compacted_bytes - c0),
+        },
+        per_vol,
+    ))
+}
+
+pub fn run(a: &CsalArgs) -> Result<()> {
+    if a.volumes == 0 || a.passes == 0 {
+        anyhow::bail!("--volumes and --passes must be at least 1");
+    }
+    let (plain, per_vol) = lamina(a, false)?;
+    let (tiered, per_vol_t) = lamina(a, true)?;
+    // The usable space is the capacity tier's in both: the same volumes.
+    anyhow::ensure!(per_vol == per_vol_t, "the cache changed the usable space");
+    let blocks = per_vol * a.volumes as u64;
+    let rows = [raw(a, blocks)?, lru(a, blocks)?, plain, tiered];
+    let user = (a.passes as u64 * blocks * BS) as f64;
+    let per_user = |b: u64| b as f64 / user;
+    let gib = user / (1u64 << 30) as f64;
+    let json_rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "setup": r.name,
+                "qlc_nand_bytes_per_user_byte": per_user(r.qlc.0),
+                "qlc_write_amplification": r.qlc.0 as f64 / r.qlc.1.max(1) as f64,
+                "qlc_bytes_written_per_user_byte": per_user(r.qlc.1),
+                "qlc_erases_per_user_gib": r.qlc.2 as f64 / gib,
+                "slc_nand_bytes_per_user_byte": r.slc.map(per_user),
+                "compacted_bytes_per_user_byte": r.compacted.map(per_user),
+            })
+        })
+        .collect();
+    if a.json {
+        let out = serde_json::json!({
+            "qlc_bytes": qlc_config(a).capacity_bytes,
+            "iu_bytes": a.iu,
+            "cache_bytes": slc_config(a).capacity_bytes,
+            "user_bytes": blocks * BS,
+            "volumes": a.volumes,
+            "workload": a.workload,
+            "passes": a.passes,
+            "rows": json_rows,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    let human = crate::size::human;
+    println!(
+        "QLC {} (IU {}), SLC cache {}, {} volumes of {} each, {}: {} passes of 4 KiB writes after one fill\n",
+        human(qlc_config(a).capacity_bytes),
+        human(a.iu),
+        human(slc_config(a).capacity_bytes),
+        a.volumes,
+        human(per_vol * BS),
+        a.workload,
+        a.passes
+    );
+    println!("| setup | QLC NAND bytes per user byte | QLC WA | QLC erases per user GiB | SLC NAND bytes per user byte |");
+    println!("|---|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {:.2} | {:.2} | {:.0} | {} |",
+            r.name,
+            per_user(r.qlc.0),
+            r.qlc.0 as f64 / r.qlc.1.max(1) as f64,
+            r.qlc.2 as f64 / gib,
+            r.slc
+                .map_or("-".to_string(), |b| format!("{:.2}", per_user(b)))
+        );
+    }
+    if let Some(c) = rows[3].compacted {
+        println!(
+            "\ncompaction moved {:.2} bytes to the QLC per user byte",
+            per_user(c)
+        );
+    }
+    Ok(())
+}
