@@ -43,6 +43,8 @@ pub struct MemberStatus {
     pub write_errors: u64,
     /// While rebuilding: the fraction of stripes done.
     pub rebuild_progress: Option<f64>,
+    /// "capacity", or "cache" for a member of the cache tier.
+    pub tier: String,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -316,6 +318,7 @@ impl Engine {
                     rebuild_progress: m
                         .rebuild_cursor
                         .map(|c| c as f64 / self.geo.segment_count.max(1) as f64),
+                    tier: "capacity".into(),
                 })
                 .collect(),
             None => self.shared.devices[..self.geo.members]
@@ -336,6 +339,14 @@ impl Engine {
                     checksum_errors: 0,
                     write_errors: 0,
                     rebuild_progress: None,
+                    tier: if self.geo.devices[i].first_segment >= self.geo.cache_first
+                        && self.geo.tiered()
+                    {
+                        "cache"
+                    } else {
+                        "capacity"
+                    }
+                    .into(),
                 })
                 .collect(),
         };

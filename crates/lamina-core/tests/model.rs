@@ -79,18 +79,28 @@ fn check_all(e: &lamina_core::Engine, model: &[u8]) -> Result<(), TestCaseError>
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
-    /// Every classifier with every victim policy: GC never loses, duplicates or
-    /// resurrects a block, whatever segments it picks and wherever it puts blocks.
+    /// Every classifier with every victim policy, with and without a cache tier
+    /// (issue 14): GC and compaction never lose, duplicate or resurrect a block,
+    /// whatever segments they pick and wherever they put blocks.
     #[test]
     fn engine_matches_reference_model(
         ops in proptest::collection::vec(op(), 1..60),
         classifier in proptest::sample::select(lamina_core::placement::CLASSIFIER_NAMES),
         policy in proptest::sample::select(lamina_core::gc::POLICY_NAMES),
+        tiered in any::<bool>(),
     ) {
         // Room for the open segments of every class (up to 8 + 8 per volume).
         let d: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(64)));
-        let devs = vec![d];
-        format_devices(&devs, &small_params());
+        let mut devs = vec![d];
+        if tiered {
+            // A cache tier of the fewest segments it may have.
+            devs.push(Arc::new(MemDevice::new("cache", device_bytes(16))));
+        }
+        let params = lamina_core::FormatParams {
+            cache_devices: tiered as usize,
+            ..small_params()
+        };
+        format_devices(&devs, &params);
         let config = || placement_config(classifier, policy);
         let mut e = open_rw(&devs, config());
         let vol = create_volume(&mut e, "m", VOL_BLOCKS * BS as u64);
@@ -132,12 +142,14 @@ proptest! {
             }
         }
         check_all(&e, &model)?;
+        e.check_gc_index();
         // And once more after a restart without a clean checkpoint (only what was
         // flushed is promised, but nothing was lost: the in-memory devices keep all).
         call(&mut e, Request::Flush).result.unwrap();
         drop(e);
         let e = open_rw(&devs, config());
         check_all(&e, &model)?;
+        e.check_gc_index();
     }
 }
 

@@ -438,6 +438,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                         checksum_errors: m["checksum_errors"].as_u64().unwrap_or(0),
                         write_errors: m["write_errors"].as_u64().unwrap_or(0),
                         rebuild_progress: m["rebuild_progress"].as_f64(),
+                        tier: m["tier"].as_str().unwrap_or("capacity").into(),
                     })
                     .collect()
             })

@@ -26,6 +26,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
                 "checksum_errors": m.checksum_errors,
                 "write_errors": m.write_errors,
                 "rebuild_progress": m.rebuild_progress,
+                "tier": m.tier,
             })).collect::<Vec<_>>(),
             "redundancy_left": s.redundancy_left,
             "wear_spread": s.wear_spread,
@@ -133,7 +134,11 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
                 Some(p) => format!("REBUILDING {:.0}%", p * 100.0),
                 None => m.state.to_uppercase(),
             },
-            m.name,
+            if m.tier == "cache" {
+                format!("{} (cache tier)", m.name)
+            } else {
+                m.name.clone()
+            },
             human(m.bytes_written),
             match (m.read_errors, m.checksum_errors) {
                 (0, 0) => String::new(),

@@ -58,8 +58,14 @@ fn cache_tier_fio_verify_compaction_kill9() {
         members[0]["bytes_written"].as_u64().unwrap() > vol / 2,
         "{st}"
     );
+    assert_eq!(
+        (&members[0]["tier"], &members[1]["tier"]),
+        (&"capacity".into(), &"cache".into()),
+        "{st}"
+    );
     let text = lamina(&["status", d]);
     assert!(text.contains("cache tier: 47 segments"), "{text}");
+    assert!(text.contains("cache.img (cache tier)"), "{text}");
 
     // A pass written and flushed, then kill -9: everything comes back, from
     // whichever tier holds it.
