@@ -65,3 +65,16 @@ $lines}"
 # (a server's or nbdfuse's); the script stops if it does not.
 wait_sock() { for _ in $(seq 300); do [ -S "$1" ] && return; sleep 0.1; done; echo "bench: $1 did not appear" >&2; exit 1; }
 wait_file() { for _ in $(seq 300); do [ -e "$1" ] && return; sleep 0.1; done; echo "bench: $1 did not appear" >&2; exit 1; }
+
+# The real traces of ../shared/traces as `lamina sim` reads them: FILE:FORMAT:EXTRA
+# (bench/placement.sh, bench/tiers-sim.sh). bench_trace_path DIR FILE: the trace
+# in DIR, or the copy in crates/lamina-sim/testdata; empty when neither exists.
+bench_traces=(
+  "diskmon-win-desktop-sample.tsv:diskmon:--trace-shift=1"
+  "diskmon-win-p2pdownload-sample.tsv:diskmon:"
+  "msn-fileserver-sample.disksim.txt:disksim:"
+  "tpcc-oltp-sample.disksim.txt:disksim:"
+  "tencent-cbs-sample.csv:tencent:"
+  "wpa-win11-boot-sample.csv.gz:wpa:"
+  "blkparse-ext4-sample.txt:blkparse:"
+)

@@ -27,6 +27,7 @@ workloads=${5-"uniform zipf:0.2 zipf:0.6 zipf:1.0 zipf:1.2 hotcold:90/10"}
 bin=${LAMINA:-target/release/lamina}
 [ -x "$bin" ] || cargo build --release -q
 seeds=${SEEDS:-1}
+source "$(dirname "$0")/lib.sh"
 wa_once() {
   "$bin" sim "$@" --footprint-classes 1 --json --quiet 2>/dev/null |
     python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.4f/%d" % (d["write_amplification"], d["config"]["segments"]))' 2>/dev/null ||
@@ -83,18 +84,9 @@ cells = " | ".join("%7s" % x for x in w)
 print("| %-36s | %5s | %4s | %8d | %s | %s | %s |" % (name, spare, seg, segments, cells, ratio(w[2], w[0]), ratio(w[2], w[1])))
 PY
 }
-traces=(
-  "diskmon-win-desktop-sample.tsv:diskmon:--trace-shift=1"
-  "diskmon-win-p2pdownload-sample.tsv:diskmon:"
-  "msn-fileserver-sample.disksim.txt:disksim:"
-  "tpcc-oltp-sample.disksim.txt:disksim:"
-  "tencent-cbs-sample.csv:tencent:"
-  "wpa-win11-boot-sample.csv.gz:wpa:"
-  "blkparse-ext4-sample.txt:blkparse:"
-)
 for seg in $segs; do
   for spare in $spares; do
-    for t in "${traces[@]}"; do
+    for t in "${bench_traces[@]}"; do
       IFS=: read -r file format extra <<<"$t"
       path=$dir/$file
       [ -f "$path" ] || path=crates/lamina-sim/testdata/$file

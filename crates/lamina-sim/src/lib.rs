@@ -58,6 +58,10 @@ pub struct SimConfig {
     /// capacity is set to hold the simulated array): device-level write
     /// amplification and erases.
     pub flash: Option<lamina_device::flash::FlashConfig>,
+    /// A cache tier (issue 14) of this fraction of the array's segments (at
+    /// least `MIN_CACHE_SEGMENTS`) in front of it: user writes land there and
+    /// compaction moves them on. The emulated SSD, if any, is the capacity tier.
+    pub cache: Option<f64>,
 }
 
 impl Default for SimConfig {
@@ -77,6 +81,7 @@ impl Default for SimConfig {
             gc_garbage_ratio: None,
             footprint_classes: None,
             flash: None,
+            cache: None,
         }
     }
 }
@@ -108,6 +113,9 @@ pub struct Sample {
     pub user_blocks: u64,
     pub gc_blocks: u64,
     pub media_blocks: u64,
+    /// Blocks written to the capacity tier's device (every device write without
+    /// a cache tier).
+    pub capacity_blocks: u64,
 }
 
 /// The result of a run.
@@ -136,6 +144,13 @@ impl SimReport {
     /// amplification the analytic models and SepBIT's simulator report.
     pub fn write_amplification(&self) -> f64 {
         wa(self.warm, self.end)
+    }
+    /// Blocks written to the capacity tier (the whole array without a cache
+    /// tier; with one: compaction, the capacity tier's GC, metadata), headers
+    /// and summaries included, per user block in the measured window.
+    pub fn capacity_write_amplification(&self) -> f64 {
+        let u = self.end.user_blocks - self.warm.user_blocks;
+        (self.end.capacity_blocks - self.warm.capacity_blocks) as f64 / u.max(1) as f64
     }
     /// Same over the whole run.
     pub fn write_amplification_total(&self) -> f64 {
@@ -214,6 +229,19 @@ impl SimReport {
             "elapsed_s": self.elapsed_s,
             "blocks_per_second": self.blocks_per_second(),
             "flash": self.flash_json(),
+            "capacity_write_amplification": self.capacity_write_amplification(),
+            "cache": self.status.cache.as_ref().map(|c| json!({
+                "segments": c.segment_count,
+                // What the capacity tier would take if the cache were emptied
+                // now: what it took plus what the cache still holds live.
+                "capacity_write_amplification_emptied": (
+                    (self.end.capacity_blocks - self.warm.capacity_blocks) as f64
+                        + (c.dirty_bytes / 4096) as f64
+                ) / (self.end.user_blocks - self.warm.user_blocks).max(1) as f64,
+                "dirty_blocks": c.dirty_bytes / 4096,
+                "compacted_blocks": c.compacted_bytes / 4096,
+                "compactions": c.compactions,
+            })),
         })
     }
 
@@ -337,9 +365,13 @@ pub fn run_synthetic(
 
 /// Executes the engine's device operations against the metadata store.
 struct Driver {
-    dev: Arc<SparseDevice>,
+    /// The capacity device, then the cache device if any.
+    devs: Vec<Arc<SparseDevice>>,
+    /// Emulates the capacity device.
     flash: Option<Arc<lamina_device::flash::Flash>>,
     ops: Vec<IoOp>,
+    /// Blocks written to the capacity device.
+    capacity_blocks: u64,
 }
 
 impl Driver {
@@ -350,7 +382,16 @@ impl Driver {
                 return;
             }
             for op in self.ops.drain(..) {
-                if let (Some(f), IoKind::WriteUnit { blocks, .. }) = (&self.flash, &op.kind) {
+                let capacity = op.device == 0;
+                if capacity {
+                    self.capacity_blocks += match &op.kind {
+                        IoKind::WriteUnit { blocks, .. } => *blocks as u64,
+                        IoKind::WriteOwned { data } => data.len() as u64 / 4096,
+                        _ => 0,
+                    };
+                }
+                let flash = self.flash.as_ref().filter(|_| capacity);
+                if let (Some(f), IoKind::WriteUnit { blocks, .. }) = (flash, &op.kind) {
                     f.submit(
                         lamina_device::flash::FlashOp::Write {
                             offset: op.offset,
@@ -359,7 +400,7 @@ impl Driver {
                         0,
                     );
                 }
-                if let (Some(f), IoKind::WriteOwned { data }) = (&self.flash, &op.kind) {
+                if let (Some(f), IoKind::WriteOwned { data }) = (flash, &op.kind) {
                     f.submit(
                         lamina_device::flash::FlashOp::Write {
                             offset: op.offset,
@@ -368,7 +409,7 @@ impl Driver {
                         0,
                     );
                 }
-                if let (Some(f), IoKind::Discard { len }) = (&self.flash, &op.kind) {
+                if let (Some(f), IoKind::Discard { len }) = (flash, &op.kind) {
                     let _ = f.discard(op.offset, *len);
                 }
                 let (result, buf) = match op.kind {
@@ -378,8 +419,12 @@ impl Driver {
                     | IoKind::Sync
                     | IoKind::FinishZone
                     | IoKind::Discard { .. } => (Ok(()), None),
-                    IoKind::WriteOwned { data } => (self.dev.write_at(&data, op.offset), None),
-                    IoKind::Read { mut buf } => (self.dev.read_at(&mut buf, op.offset), Some(buf)),
+                    IoKind::WriteOwned { data } => {
+                        (self.devs[op.device].write_at(&data, op.offset), None)
+                    }
+                    IoKind::Read { mut buf } => {
+                        (self.devs[op.device].read_at(&mut buf, op.offset), Some(buf))
+                    }
                 };
                 e.io_completed(IoCompletion {
                     tag: op.tag,
@@ -391,12 +436,13 @@ impl Driver {
     }
 }
 
-fn counters(e: &Engine) -> Sample {
+fn counters(e: &Engine, d: &Driver) -> Sample {
     let c = e.counters();
     Sample {
         user_blocks: c.user_blocks,
         gc_blocks: c.gc_blocks,
         media_blocks: c.media_blocks,
+        capacity_blocks: d.capacity_blocks,
     }
 }
 
@@ -487,16 +533,39 @@ pub fn simulate(
         ));
     }
     let dev_bytes = 1024 * 1024 + segments * cfg.segment_blocks as u64 * 4096;
-    let dev = Arc::new(SparseDevice::new("sim", dev_bytes));
-    let devs: Vec<Arc<dyn BlockDevice>> = vec![dev.clone()];
+    let mut sims = vec![Arc::new(SparseDevice::new("sim", dev_bytes))];
+    if let Some(f) = cfg.cache {
+        if !(f > 0.0 && f <= 10.0) {
+            return Err(SimError::Invalid(format!(
+                "a cache of {f} of the array: give a fraction above 0"
+            )));
+        }
+        let n = ((segments as f64 * f).ceil() as u64)
+            .max(lamina_core::recovery::MIN_CACHE_SEGMENTS as u64);
+        sims.push(Arc::new(SparseDevice::new(
+            "sim-cache",
+            1024 * 1024 + n * cfg.segment_blocks as u64 * 4096,
+        )));
+    }
+    let devs: Vec<Arc<dyn BlockDevice>> = sims
+        .iter()
+        .map(|d| d.clone() as Arc<dyn BlockDevice>)
+        .collect();
     let params = FormatParams {
         name: "sim".into(),
         segment_blocks: cfg.segment_blocks,
         write_unit_blocks: cfg.write_unit_blocks,
         overprovision: cfg.overprovision,
+        cache_devices: sims.len() - 1,
         ..Default::default()
     };
-    lamina_core::format(&devs, &params, [0x51; 16], &[[0x52; 16]], 0)?;
+    lamina_core::format(
+        &devs,
+        &params,
+        [0x51; 16],
+        &[[0x52; 16], [0x53; 16]][..devs.len()],
+        0,
+    )?;
     let ecfg = EngineConfig {
         buffer_units: 16,
         header_cache_bytes: 64 << 10,
@@ -546,9 +615,10 @@ pub fn simulate(
         None => None,
     };
     let mut driver = Driver {
-        dev,
+        devs: sims,
         flash: flash.clone(),
         ops: Vec::new(),
+        capacity_blocks: 0,
     };
     let mut replies = Vec::new();
     let token = Token { conn: 0, handle: 0 };
@@ -577,7 +647,7 @@ pub fn simulate(
             .ok_or_else(|| SimError::Invalid(format!("volume {} was not created", v.name)))?;
         ids.push(created.id);
     }
-    let start = counters(&engine);
+    let start = counters(&engine, &driver);
     let total_hint = volumes.iter().map(|v| v.working_set).sum::<u64>().max(1);
     let series_step = (total_hint / cfg.series_points.max(1)).max(1);
     let mut series = vec![start];
@@ -622,7 +692,7 @@ pub fn simulate(
         }
         let now = engine.counters().user_blocks;
         if warm.is_none() && now - start.user_blocks >= cfg.warmup_blocks {
-            warm = Some(counters(&engine));
+            warm = Some(counters(&engine, &driver));
             flash_warm = flash.as_ref().map(|f| f.stats());
             let st = engine.status();
             for (i, v) in st.volumes.iter().enumerate().take(per_volume_warm.len()) {
@@ -630,7 +700,7 @@ pub fn simulate(
             }
         }
         if now >= next_sample {
-            series.push(counters(&engine));
+            series.push(counters(&engine, &driver));
             next_sample = now + series_step;
         }
         if now >= next_progress {
@@ -639,7 +709,7 @@ pub fn simulate(
         }
     }
     let elapsed_s = t0.elapsed().as_secs_f64();
-    let end = counters(&engine);
+    let end = counters(&engine, &driver);
     series.push(end);
     if engine.pending_requests() > 0 {
         return Err(SimError::Invalid(

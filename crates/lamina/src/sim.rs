@@ -120,6 +120,13 @@ pub struct SimArgs {
     /// bytes per user byte, device write amplification and erases.
     #[arg(long, value_name = "SPEC")]
     flash: Option<String>,
+    /// Put a cache tier of this fraction of the array's segments (at least 16)
+    /// in front of it (`array create --cache-device`): user writes land there and
+    /// compaction moves them on. Reports the capacity tier's write amplification
+    /// (blocks written to it per user block); `--flash` then emulates the
+    /// capacity tier.
+    #[arg(long, value_name = "FRACTION")]
+    cache: Option<f64>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -221,6 +228,7 @@ impl SimArgs {
                 .as_deref()
                 .map(crate::bench::parse_flash_spec)
                 .transpose()?,
+            cache: self.cache,
             ..Default::default()
         })
     }
@@ -323,6 +331,15 @@ fn print_report(r: &SimReport) {
         r.status.gc_victims,
         r.blocks_per_second() / 1e6
     );
+    if let Some(c) = &r.status.cache {
+        println!(
+            "  cache tier: {} segments; capacity tier write amplification {:.3} (measured window); compaction moved {} blocks from {} segments",
+            c.segment_count,
+            r.capacity_write_amplification(),
+            c.compacted_bytes / 4096,
+            c.compactions
+        );
+    }
     if let Some(f) = r.flash_json() {
         println!(
             "  emulated SSD: {:.3} NAND bytes per user byte (device write amplification {:.3}), {} erases, erase count max {} mean {:.1}",
