@@ -258,3 +258,23 @@ fn more_volumes_than_cache_segments_keep_writing() {
         verify_model(&e, v, &models[k]);
     }
 }
+
+/// A snapshot family on a tiered array: compaction moves blocks that the
+/// volume, its snapshot and a clone share (once, with an ALIAS record for each
+/// other holder, as GC does); every volume reads back, before and after a
+/// restart, and the GC index agrees.
+#[test]
+fn a_snapshot_family_survives_compaction() {
+    let devs = tiered_devices();
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let models = snapshot_family_under_gc(&mut e, 3, 50);
+    let c = e.status().cache.unwrap();
+    assert!(c.compactions > 0 && c.compacted_bytes > 0, "{c:?}");
+    check_family(&e, &models);
+    e.check_gc_index();
+    drop(e);
+    let e = open_rw(&devs, small_config());
+    check_family(&e, &models);
+    e.check_gc_index();
+}
