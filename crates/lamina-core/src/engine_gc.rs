@@ -739,20 +739,31 @@ impl Engine {
 
     /// Pacing's band: `(d, w)`, free segments above the floor and start - floor,
     /// when free space lies strictly between the floor and the start watermark.
+    /// With a cache tier, of the cache: user writes wait for compaction there
+    /// (between no free cache segment and compaction's start watermark).
     fn pacing_band(&self) -> Option<(f64, f64)> {
-        let (floor, start) = (self.user_floor(), self.gc_start_segments());
-        let free = self.segments.free.len();
+        let (floor, start, free) = if self.geo.tiered() {
+            (0, self.cache_watermarks().0, self.segments.cache_free.len())
+        } else {
+            (
+                self.user_floor(),
+                self.gc_start_segments(),
+                self.segments.free.len(),
+            )
+        };
         (floor < free && free < start).then(|| ((free - floor) as f64, (start - floor) as f64))
+    }
+
+    /// Whether freeing segment `seg` makes room for user writes: any segment
+    /// without a cache tier, a cache segment with one (the capacity tier's GC
+    /// earns user writes nothing).
+    fn frees_user_room(&self, seg: u32) -> bool {
+        !self.geo.tiered() || self.geo.is_cache(seg)
     }
 
     /// Pacing: whether user blocks need credit now.
     fn pacing(&self) -> bool {
-        // With a cache tier user writes take no capacity segments: GC's debt
-        // there is compaction's to pay, not theirs (pacing is not built for it).
-        self.cfg.gc_pacing
-            && !self.geo.tiered()
-            && !self.gc.is_idle()
-            && self.pacing_band().is_some()
+        self.cfg.gc_pacing && !self.gc.is_idle() && self.pacing_band().is_some()
     }
 
     /// Pacing: whether the next user block must wait for credit (counted once per
@@ -796,7 +807,7 @@ impl Engine {
     }
 
     fn gc_start_relocation(&mut self, seg: u32, incarnation: u64, live: Vec<(Pba, RawRecord)>) {
-        if live.is_empty() {
+        if live.is_empty() && self.frees_user_room(seg) {
             self.earn_credit(self.geo.segment_blocks as f64);
         }
         self.gc.phase = Phase::Relocate {
@@ -1088,7 +1099,9 @@ impl Engine {
         // What each moved block is worth: the victim's net yield per live block.
         let blocks = self.geo.segment_blocks as f64;
         let live = live_local.len() as f64;
-        self.earn_credit(moved as f64 * (blocks - live).max(0.0) / live.max(1.0));
+        if self.frees_user_room(seg) {
+            self.earn_credit(moved as f64 * (blocks - live).max(0.0) / live.max(1.0));
+        }
         if blocked {
             if let Phase::Relocate {
                 live,

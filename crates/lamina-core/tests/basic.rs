@@ -772,8 +772,25 @@ fn reads_without_waiting_match_waiting_reads_or_step_aside() {
 /// reads back its last version, and the waits at the user floor are counted (once
 /// each, however long), where an array with room to spare counts none. Returns the
 /// status and each write's latency in rounds of the model, sorted.
-fn pipelined_overwrites_under_gc(gc_pacing: bool) -> (lamina_core::StatusReport, Vec<u64>) {
-    let devs = mem_array(256);
+fn pipelined_overwrites_under_gc(
+    gc_pacing: bool,
+    cache_segments: u64,
+) -> (lamina_core::StatusReport, Vec<u64>) {
+    let devs = if cache_segments == 0 {
+        mem_array(256)
+    } else {
+        // A cache tier (issue 14): the writes wait for compaction instead of GC.
+        let devs: Vec<Arc<dyn BlockDevice>> = vec![
+            Arc::new(MemDevice::new("mem0", device_bytes(256))),
+            Arc::new(MemDevice::new("cache", device_bytes(cache_segments))),
+        ];
+        let params = lamina_core::FormatParams {
+            cache_devices: 1,
+            ..small_params()
+        };
+        format_devices(&devs, &params);
+        devs
+    };
     let mut e = open_rw(
         &devs,
         lamina_core::EngineConfig {
@@ -885,12 +902,26 @@ fn quantile(sorted: &[u64], q: f64) -> u64 {
 /// writes wait less.
 #[test]
 fn pipelined_overwrites_under_gc_are_paced() {
-    let (off, off_lat) = pipelined_overwrites_under_gc(false);
+    // Measured: 8 against 2551 waits, p99.9 25 against 82 rounds.
+    paced(0, 2.0);
+}
+
+/// The same with a cache tier in front: the writes are paced against
+/// compaction, between no free cache segment and compaction's start.
+#[test]
+fn pipelined_overwrites_on_a_cache_tier_are_paced() {
+    // Measured: 0 against 2983 waits, p99.9 38 against 64 rounds.
+    paced(32, 1.5);
+}
+
+/// Pacing holds writes before the floor (four times fewer waits there at
+/// least) and cuts the p99.9 write latency by `tail_gain` at least.
+fn paced(cache_segments: u64, tail_gain: f64) {
+    let (off, off_lat) = pipelined_overwrites_under_gc(false, cache_segments);
     assert!(off.gc_floor_waits > 0, "the model never reached the floor");
     assert_eq!(off.gc_pace_waits, 0, "paced with pacing off");
-    let (on, on_lat) = pipelined_overwrites_under_gc(true);
+    let (on, on_lat) = pipelined_overwrites_under_gc(true, cache_segments);
     assert!(on.gc_pace_waits > 0, "pacing never held a write");
-    // Measured: 12 against 2680 waits, p99.9 25 against 72 rounds.
     assert!(
         on.gc_floor_waits * 4 < off.gc_floor_waits,
         "paced writes reached the floor {} times, unpaced {}",
@@ -899,7 +930,7 @@ fn pipelined_overwrites_under_gc_are_paced() {
     );
     let (on_tail, off_tail) = (quantile(&on_lat, 0.999), quantile(&off_lat, 0.999));
     assert!(
-        on_tail * 2 < off_tail,
+        on_tail as f64 * tail_gain < off_tail as f64,
         "p99.9 write latency paced {on_tail} rounds, unpaced {off_tail}"
     );
 }
