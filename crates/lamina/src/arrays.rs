@@ -48,11 +48,12 @@ pub fn list(paths: &[PathBuf], as_json: bool) -> Result<()> {
             sb.generation
         );
         for (i, m) in f.members.iter().enumerate() {
+            let tier = if f.cache(i) { " (cache tier)" } else { "" };
             match (m, f.failed(i)) {
                 _ if f.removed(i) => println!("  member {i:<3} (removed)"),
-                (Some(p), false) => println!("  member {i:<3} {}", p.display()),
-                (Some(p), true) => println!("  member {i:<3} {} (failed)", p.display()),
-                (None, _) => println!("  member {i:<3} (not found)"),
+                (Some(p), false) => println!("  member {i:<3} {}{tier}", p.display()),
+                (Some(p), true) => println!("  member {i:<3} {}{tier} (failed)", p.display()),
+                (None, _) => println!("  member {i:<3} (not found){tier}"),
             }
         }
         for why in &f.passed_over {
@@ -94,6 +95,7 @@ fn found_json(f: &Found) -> serde_json::Value {
             "path": m.as_ref().map(|p| p.display().to_string()),
             "failed": f.failed(i),
             "removed": f.removed(i),
+            "tier": if f.cache(i) { "cache" } else { "capacity" },
         })).collect::<Vec<_>>(),
         "passed_over": f.passed_over,
     })

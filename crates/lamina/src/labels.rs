@@ -76,6 +76,14 @@ impl Found {
     }
 
     /// Whether member `i` was taken out by `array evacuate` (it holds nothing).
+    /// Member `i` is in the cache tier (issue 14).
+    pub fn cache(&self, i: usize) -> bool {
+        self.reference
+            .devices
+            .get(i)
+            .is_some_and(|d| d.tier == lamina_format::superblock::TIER_CACHE)
+    }
+
     pub fn removed(&self, i: usize) -> bool {
         self.reference
             .devices

@@ -88,6 +88,21 @@ fn cache_tier_fio_verify_compaction_kill9() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // The superblocks say which member is the cache.
+    let list: serde_json::Value = serde_json::from_str(&lamina(&[
+        "array",
+        "list",
+        t.path().to_str().unwrap(),
+        "--json",
+    ]))
+    .unwrap();
+    let tiers: Vec<&str> = list["arrays"][0]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["tier"].as_str().unwrap())
+        .collect();
+    assert_eq!(tiers, ["capacity", "cache"], "{list}");
 }
 
 #[test]
