@@ -278,3 +278,39 @@ fn a_snapshot_family_survives_compaction() {
     check_family(&e, &models);
     e.check_gc_index();
 }
+
+/// Without its cache device (one copy, not mirrored) the array is not served:
+/// it cannot vouch for what the cache held. The error says which volumes lost
+/// what, as the last checkpoint counts it, read-only or not.
+#[test]
+fn a_lost_cache_device_is_named_with_what_each_volume_lost() {
+    let devs = tiered_devices();
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let a = create_volume(&mut e, "a", 400 * BS as u64);
+    let _b = create_volume(&mut e, "b", 400 * BS as u64);
+    let mut model = HashMap::new();
+    overwrite(&mut e, a, &mut model, 100, 50, |i| i);
+    call(&mut e, Request::Checkpoint)
+        .result
+        .expect("checkpoint");
+    drop(e);
+    for mode in [
+        lamina_core::OpenMode::ReadOnly,
+        lamina_core::OpenMode::ReadWrite,
+    ] {
+        let err = lamina_core::open(vec![devs[0].clone()], small_config(), mode)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("cache tier's device (member [1]) is missing")
+                && err.contains("\"a\" 100 blocks")
+                && !err.contains("\"b\""),
+            "{err}"
+        );
+    }
+    // With the device back, everything is there.
+    let e = open_rw(&devs, small_config());
+    verify_model(&e, a, &model);
+}

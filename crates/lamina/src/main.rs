@@ -475,8 +475,9 @@ segments in order, so the slow devices see user data only as large sequential
 writes, and blocks overwritten while in the cache never reach them (checkpoints
 and the log's own records go to the capacity tier too). Usable capacity
 is the capacity tier's. Reads are served from whichever tier holds the block.
-Without its cache device the array does not open (it names the missing member):
-mirrored cache devices are not built yet.
+Without its cache device the array is not served, and says what each volume lost:
+the cache holds the only copy of what it has not compacted (mirrored cache
+devices are not built yet).
 
 EXAMPLE
     lamina array create /srv/tank --device /var/lib/tank/a.img:100G --overprovision 0.2

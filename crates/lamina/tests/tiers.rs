@@ -103,6 +103,20 @@ fn cache_tier_fio_verify_compaction_kill9() {
         .map(|m| m["tier"].as_str().unwrap())
         .collect();
     assert_eq!(tiers, ["capacity", "cache"], "{list}");
+
+    // Without the cache device the array is not served, and says what is lost.
+    let moved = t.join("cache.away");
+    std::fs::rename(t.join("cache.img"), &moved).unwrap();
+    let out = lamina_output(&["status", d]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("the cache tier's device (member [1]) is missing")
+            && err.contains("\"v\" "),
+        "{err}"
+    );
+    std::fs::rename(&moved, t.join("cache.img")).unwrap();
+    lamina(&["status", d]);
 }
 
 #[test]

@@ -157,7 +157,14 @@ pub fn read_superblocks(
         .iter()
         .filter(|d| d.state == MEMBER_REMOVED)
         .count();
-    if unreadable.len() > tolerated + removed {
+    // Nor is the cache tier's for the error that says what its loss costs (below
+    // and `recovery::cache_lost`); a capacity member missing is still refused.
+    let cache = newest
+        .devices
+        .iter()
+        .filter(|d| d.tier == lamina_format::superblock::TIER_CACHE)
+        .count();
+    if unreadable.len() > tolerated + removed + cache {
         if tolerated == 0 {
             return Err(no_superblock(&unreadable[0]));
         }
@@ -241,7 +248,20 @@ pub fn read_superblocks(
     let missing: Vec<usize> = (0..ordered.len())
         .filter(|&i| ordered[i].is_none())
         .collect();
-    if !missing.is_empty() && missing.len() <= tolerated {
+    if !missing.is_empty()
+        && missing
+            .iter()
+            .all(|&i| newest.devices[i].tier == lamina_format::superblock::TIER_CACHE)
+    {
+        // The cache tier's device alone is missing: the array will not be served
+        // (it cannot vouch for what the cache held), but its checkpoint, on the
+        // capacity tier, says which volumes lost what (`recovery::cache_lost`).
+        for &i in &missing {
+            ordered[i] = Some(Arc::new(lamina_device::striped::Absent::new(format!(
+                "member {i} (cache tier, missing)"
+            ))));
+        }
+    } else if !missing.is_empty() && missing.len() <= tolerated {
         for &i in &missing {
             warnings.push(format!(
                 "member {i} of {:?} is missing: the array runs degraded",

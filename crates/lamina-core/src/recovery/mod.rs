@@ -158,6 +158,62 @@ fn read_blocks(
     Ok(buf)
 }
 
+/// The cache tier's device is missing (issue 14; mirrored cache devices are not
+/// built): every block written since the last checkpoint is only in the cache,
+/// and so are the blocks that checkpoint maps into cache segments. The array
+/// cannot vouch for any volume and is not served; the error says which volumes
+/// lost what, as the checkpoint (on the capacity tier) counts it.
+fn cache_lost(
+    shared: &Shared,
+    sb: &lamina_format::superblock::Superblock,
+    ckpt: &checkpoint::Checkpoint,
+) -> Option<EngineError> {
+    let geo = &shared.geo;
+    // `read_superblocks` put an absent device (size 0) where a cache member was
+    // missing; a member that is present is at least as large as it was.
+    let lost: Vec<usize> = (0..sb.devices.len())
+        .filter(|&i| {
+            sb.devices[i].tier == lamina_format::superblock::TIER_CACHE
+                && shared.devices[i].size_bytes() == 0
+        })
+        .collect();
+    if lost.is_empty() {
+        return None;
+    }
+    let first = geo.cache_first as u64 * geo.segment_blocks as u64;
+    let mut volumes = Vec::new();
+    for (v, _) in &ckpt.volumes {
+        let mut n = 0u64;
+        v.map.for_each_mapped(|_, e| {
+            if e != crate::map::BAD && (e - 1) as u64 >= first {
+                n += 1;
+            }
+        });
+        if n > 0 {
+            volumes.push(format!(
+                "{:?} {n} blocks ({} MiB)",
+                v.name(),
+                (n * BLOCK_SIZE as u64) >> 20
+            ));
+        }
+    }
+    let at = sb.checkpoint.map_or_else(
+        || "the array has no checkpoint yet".to_string(),
+        |c| format!("checkpoint generation {}", c.generation),
+    );
+    Some(EngineError::Invalid(format!(
+        "the cache tier's device (member {lost:?}) is missing, and the array keeps one copy of \
+         what is in its cache (mirrored cache devices are not built yet): it is not served. \
+         Lost with it: every block written since the last checkpoint ({at}), and what that \
+         checkpoint maps into the cache: {}. Give the device back to serve the array",
+        if volumes.is_empty() {
+            "nothing".to_string()
+        } else {
+            volumes.join(", ")
+        }
+    )))
+}
+
 /// Like [`open`], but in read-write mode the checkpoint of the recovered state is
 /// only submitted (with [`RECOVERY_TOKEN`]): the caller must drive the engine's I/O
 /// until that reply arrives before serving. Tests use this to crash in the middle of
@@ -172,6 +228,9 @@ pub fn open_unfinished(
     let (sb, shared) = assemble::open_devices(devices, &cfg, writable, &mut report)?;
     let geo = &shared.geo;
     let ckpt = checkpoint::load(&shared, sb.checkpoint, &mut report)?;
+    if let Some(e) = cache_lost(&shared, &sb, &ckpt) {
+        return Err(e);
+    }
     let mut segs = checkpoint::segment_table(&ckpt.meta, geo.segment_count as usize);
     let walk = walk::walk(&shared, &ckpt, &segs, &mut report);
     let marks = verify::Marks::new(&walk);
