@@ -731,6 +731,15 @@ impl Engine {
         self.segments.cache_free.len()
     }
 
+    /// Live blocks in the cache tier's segments (0 without one): what compaction
+    /// has not moved to the capacity tier yet.
+    pub fn cache_live_blocks(&self) -> u64 {
+        self.segments.segs[self.geo.cache_first as usize..]
+            .iter()
+            .map(|s| s.valid as u64)
+            .sum()
+    }
+
     // ---------------------------------------------------------------- versions
 
     /// The state of volume `v`, which a request or a record names only while the

@@ -428,7 +428,10 @@ impl Engine {
                         // the capacity tier's floor, which GC keeps for itself.
                         let cached = if compact && free > self.user_floor() {
                             let oldest = self.segments.victims.oldest_cached();
-                            if oldest.is_none() && self.segments.cache_free.is_empty() {
+                            if oldest.is_none()
+                                && self.segments.cache_free.is_empty()
+                                && !self.cache_segment_on_its_way()
+                            {
                                 // Every cache segment is a user stream's open
                                 // head (many volumes or classes on a small
                                 // cache): close the fullest, so that compaction
@@ -662,6 +665,23 @@ impl Engine {
         (start, start + (n / 8).max(2))
     }
 
+    /// A cache segment is closing (a victim for compaction once its summary is
+    /// written) or on its way back to the free queue: one more head need not be
+    /// closed for now.
+    fn cache_segment_on_its_way(&self) -> bool {
+        self.segments.segs[self.geo.cache_first as usize..]
+            .iter()
+            .any(|s| {
+                matches!(
+                    s.state,
+                    SegState::Closing
+                        | SegState::Draining
+                        | SegState::ReleaseReady
+                        | SegState::Releasing
+                )
+            })
+    }
+
     /// The user stream whose open cache segment holds the most, if any holds
     /// anything: the one to close when no closed cache segment is left to compact.
     pub(crate) fn cache_head_to_close(&self) -> Option<usize> {
@@ -763,6 +783,10 @@ impl Engine {
 
     /// Pacing: whether user blocks need credit now.
     fn pacing(&self) -> bool {
+        // With a cache tier, also while the capacity tier's GC runs: it earns user
+        // writes nothing, but compaction waits for it, so the cache would only
+        // fill meanwhile (measured: letting writes run then gave 2420 waits at an
+        // empty cache instead of none; `basic::pipelined_overwrites_on_a_cache_tier_are_paced`).
         self.cfg.gc_pacing && !self.gc.is_idle() && self.pacing_band().is_some()
     }
 
@@ -1099,7 +1123,11 @@ impl Engine {
         // What each moved block is worth: the victim's net yield per live block.
         let blocks = self.geo.segment_blocks as f64;
         let live = live_local.len() as f64;
-        if self.frees_user_room(seg) {
+        if self.geo.tiered() && self.geo.is_cache(seg) {
+            // Compaction gives the whole segment back to the cache: the blocks
+            // it moves take room in the capacity tier, not in the cache.
+            self.earn_credit(moved as f64 * blocks / live.max(1.0));
+        } else if self.frees_user_room(seg) {
             self.earn_credit(moved as f64 * (blocks - live).max(0.0) / live.max(1.0));
         }
         if blocked {

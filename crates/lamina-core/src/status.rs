@@ -415,15 +415,10 @@ impl Engine {
             free_segments: self.segments.free.len() as u64,
             cache: self.geo.tiered().then(|| {
                 let (start, stop) = self.cache_watermarks();
-                let first = self.geo.cache_first as usize;
                 CacheStatus {
                     segment_count: self.geo.cache_segments() as u64,
                     free_segments: self.segments.cache_free.len() as u64,
-                    dirty_bytes: self.segments.segs[first..]
-                        .iter()
-                        .map(|s| s.valid as u64)
-                        .sum::<u64>()
-                        * bs,
+                    dirty_bytes: self.cache_live_blocks() * bs,
                     compactions: self.gc.compactions,
                     compacted_bytes: self.gc.compacted_blocks * bs,
                     compaction_start: start as u64,

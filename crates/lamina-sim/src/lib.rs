@@ -116,6 +116,8 @@ pub struct Sample {
     /// Blocks written to the capacity tier's device (every device write without
     /// a cache tier).
     pub capacity_blocks: u64,
+    /// Live blocks in the cache tier (0 without one): what it has not moved on.
+    pub dirty_blocks: u64,
 }
 
 /// The result of a run.
@@ -236,7 +238,8 @@ impl SimReport {
                 // now: what it took plus what the cache still holds live.
                 "capacity_write_amplification_emptied": (
                     (self.end.capacity_blocks - self.warm.capacity_blocks) as f64
-                        + (c.dirty_bytes / 4096) as f64
+                        + self.end.dirty_blocks as f64
+                        - self.warm.dirty_blocks as f64
                 ) / (self.end.user_blocks - self.warm.user_blocks).max(1) as f64,
                 "dirty_blocks": c.dirty_bytes / 4096,
                 "compacted_blocks": c.compacted_bytes / 4096,
@@ -443,6 +446,7 @@ fn counters(e: &Engine, d: &Driver) -> Sample {
         gc_blocks: c.gc_blocks,
         media_blocks: c.media_blocks,
         capacity_blocks: d.capacity_blocks,
+        dirty_blocks: e.cache_live_blocks(),
     }
 }
 
@@ -537,7 +541,7 @@ pub fn simulate(
     if let Some(f) = cfg.cache {
         if !(f > 0.0 && f <= 10.0) {
             return Err(SimError::Invalid(format!(
-                "a cache of {f} of the array: give a fraction above 0"
+                "a cache of {f} of the array: give a fraction above 0, at most 10"
             )));
         }
         let n = ((segments as f64 * f).ceil() as u64)

@@ -8,7 +8,8 @@
 //! * **LRU cache + QLC**: a write-back block cache of 4 KiB slots on an SLC SSD of
 //!   the cache's size in front of the drive (what dm-cache and Open-CAS do): a write
 //!   goes to its slot; a miss with the cache full evicts the least recently written
-//!   block, which is read from the SLC and written to the QLC where it belongs;
+//!   block, which is read from the SLC and written to the QLC where it belongs
+//!   (the fill goes through the cache too, as through Lamina's cache tier);
 //! * **Lamina on the QLC**: an array on the drive, the volumes filling it;
 //! * **Lamina + cache tier**: the same array with the SLC SSD as its cache tier.
 //!
@@ -125,49 +126,19 @@ fn raw(a: &CsalArgs, blocks: u64) -> Result<Row> {
 
 /// A write-back LRU block cache of 4 KiB slots on the SLC drive in front of the
 /// QLC: least recently written first out (stamps, with stale queue entries
-/// skipped).
+/// skipped). The fill goes through the cache too, as it does through Lamina's
+/// cache tier, so both caches start the measured writes full of dirty blocks.
 fn lru(a: &CsalArgs, blocks: u64) -> Result<Row> {
     let (qcfg, scfg) = (qlc_config(a), slc_config(a));
     let qlc = flash(&qcfg, sparse("qlc", &qcfg))?;
     let slc = flash(&scfg, sparse("slc", &scfg))?;
-    let slots = scfg.capacity_bytes / BS;
-    (0..blocks).for_each(|b| write(&qlc, b));
+    let mut cache = Lru::new(scfg.capacity_bytes / BS);
+    for b in 0..blocks {
+        cache.write(b, &qlc, &slc);
+    }
     let (q0, s0) = (qlc.stats(), slc.stats());
-    // Block -> (slot, stamp of its last write); the queue holds (block, stamp).
-    let mut cached: HashMap<u64, (u64, u64)> = HashMap::new();
-    let mut order: VecDeque<(u64, u64)> = VecDeque::new();
-    let mut free: Vec<u64> = (0..slots).rev().collect();
-    for (stamp, b) in writes(&a.workload, blocks, a.passes)?.enumerate() {
-        let stamp = stamp as u64;
-        let slot = match cached.get(&b) {
-            Some(&(slot, _)) => slot,
-            None => match free.pop() {
-                Some(slot) => slot,
-                None => loop {
-                    let (victim, at) = order.pop_front().expect("a full cache has entries");
-                    if cached.get(&victim).is_some_and(|&(_, s)| s == at) {
-                        let (slot, _) = cached.remove(&victim).unwrap();
-                        slc.submit(
-                            FlashOp::Read {
-                                offset: slot * BS,
-                                len: BS,
-                            },
-                            0,
-                        );
-                        write(&qlc, victim);
-                        break slot;
-                    }
-                },
-            },
-        };
-        cached.insert(b, (slot, stamp));
-        order.push_back((b, stamp));
-        write(&slc, slot);
-        // Stale entries (blocks written again since) would pile up under a skewed
-        // workload: drop them now and then.
-        if order.len() > 4 * slots as usize {
-            order.retain(|(blk, at)| cached.get(blk).is_some_and(|&(_, s)| s == *at));
-        }
+    for b in writes(&a.workload, blocks, a.passes)? {
+        cache.write(b, &qlc, &slc);
     }
     Ok(Row {
         name: "LRU cache on SLC + QLC",
@@ -175,6 +146,65 @@ fn lru(a: &CsalArgs, blocks: u64) -> Result<Row> {
         slc: Some(delta(&s0, &slc.stats()).0),
         compacted: None,
     })
+}
+
+/// The LRU write-back cache's state.
+struct Lru {
+    slots: u64,
+    /// Block -> (slot, stamp of its last write); `order` holds (block, stamp).
+    cached: HashMap<u64, (u64, u64)>,
+    order: VecDeque<(u64, u64)>,
+    free: Vec<u64>,
+    stamp: u64,
+}
+
+impl Lru {
+    fn new(slots: u64) -> Self {
+        Lru {
+            slots,
+            cached: HashMap::new(),
+            order: VecDeque::new(),
+            free: (0..slots).rev().collect(),
+            stamp: 0,
+        }
+    }
+
+    /// Block `b` is written: into its slot, or a free one, or the slot of the
+    /// least recently written block, which goes to the QLC first.
+    fn write(&mut self, b: u64, qlc: &Flash, slc: &Flash) {
+        self.stamp += 1;
+        let slot = match self.cached.get(&b) {
+            Some(&(slot, _)) => slot,
+            None => match self.free.pop() {
+                Some(slot) => slot,
+                None => loop {
+                    let (victim, at) = self.order.pop_front().expect("a full cache has entries");
+                    if self.cached.get(&victim).is_some_and(|&(_, s)| s == at) {
+                        let (slot, _) = self.cached.remove(&victim).unwrap();
+                        slc.submit(
+                            FlashOp::Read {
+                                offset: slot * BS,
+                                len: BS,
+                            },
+                            0,
+                        );
+                        write(qlc, victim);
+                        break slot;
+                    }
+                },
+            },
+        };
+        self.cached.insert(b, (slot, self.stamp));
+        self.order.push_back((b, self.stamp));
+        write(slc, slot);
+        // Stale entries (blocks written again since) would pile up under a skewed
+        // workload: drop them now and then.
+        if self.order.len() > 4 * self.slots as usize {
+            let cached = &self.cached;
+            self.order
+                .retain(|(blk, at)| cached.get(blk).is_some_and(|&(_, s)| s == *at));
+        }
+    }
 }
 
 /// Lamina on the QLC, with the SLC drive as its cache tier when `tiered`.

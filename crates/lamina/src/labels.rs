@@ -75,7 +75,6 @@ impl Found {
             .count()
     }
 
-    /// Whether member `i` was taken out by `array evacuate` (it holds nothing).
     /// Member `i` is in the cache tier (issue 14).
     pub fn cache(&self, i: usize) -> bool {
         self.reference
@@ -84,6 +83,7 @@ impl Found {
             .is_some_and(|d| d.tier == lamina_format::superblock::TIER_CACHE)
     }
 
+    /// Whether member `i` was taken out by `array evacuate` (it holds nothing).
     pub fn removed(&self, i: usize) -> bool {
         self.reference
             .devices
