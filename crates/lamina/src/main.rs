@@ -506,9 +506,11 @@ struct ArrayCreateArgs {
     /// Segment size: the unit of allocation and garbage collection.
     #[arg(long, default_value = "8M", value_name = "SIZE")]
     segment_size: String,
-    /// Write unit: the size of each sequential device write.
-    #[arg(long, default_value = "512K", value_name = "SIZE")]
-    write_unit: String,
+    /// Write unit: the size of each sequential device write [default: 512K, or a
+    /// quarter of --segment-size when that is smaller: a segment holds at least
+    /// four units].
+    #[arg(long, value_name = "SIZE")]
+    write_unit: Option<String>,
     /// Spare space as a fraction of user space (0.10 keeps 10% spare for GC).
     #[arg(long, default_value_t = 0.10, value_name = "FRACTION")]
     overprovision: f64,
@@ -1304,11 +1306,16 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
             .map(|n| n.to_string_lossy().chars().take(63).collect())
             .unwrap_or_else(|| "lamina".into())
     });
+    let segment_blocks = size_in_blocks("segment size", &a.segment_size)?;
+    let write_unit_blocks = match &a.write_unit {
+        Some(w) => size_in_blocks("write unit", w)?,
+        None => (segment_blocks / 4).clamp(2, 128),
+    };
     let params = FormatParams {
         name,
         layout,
-        segment_blocks: size_in_blocks("segment size", &a.segment_size)?,
-        write_unit_blocks: size_in_blocks("write unit", &a.write_unit)?,
+        segment_blocks,
+        write_unit_blocks,
         overprovision: a.overprovision,
         force: a.force,
         discard: !a.no_discard,

@@ -540,3 +540,16 @@ fn said5_member_returning_eio_is_failed_automatically_under_fio() {
     );
     s.stop();
 }
+
+/// Without --write-unit, a segment smaller than four default units (512 KiB)
+/// takes a quarter of it, where `array create --segment-size 1M` used to fail
+/// ("need at least 4 units per segment"); a unit given is kept.
+#[test]
+fn small_segments_take_a_write_unit_that_fits() {
+    let t = TempDir::new("small-seg");
+    let (a, b) = (t.join("a"), t.join("b"));
+    create_array(&a, "64M", &["--segment-size", "1M"]);
+    assert_eq!(status_json(&a)["array"]["write_unit_bytes"], 256 << 10);
+    create_array(&b, "64M", &["--segment-size", "1M", "--write-unit", "128K"]);
+    assert_eq!(status_json(&b)["array"]["write_unit_bytes"], 128 << 10);
+}
