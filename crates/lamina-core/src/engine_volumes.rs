@@ -208,7 +208,16 @@ impl Engine {
         let spare = self
             .space
             .spare_segments(self.geo.data_blocks_per_segment());
-        let caps = crate::classcap::caps(spare, &wanted);
+        let mut caps = crate::classcap::caps(spare, &wanted);
+        if self.geo.tiered() {
+            // User classes hold their open segments in the cache tier: they share
+            // its segments (a head is what compaction cannot take), GC classes
+            // the capacity tier's spare.
+            let cache = crate::classcap::caps(self.geo.cache_segments() as u64, &wanted);
+            for (c, k) in caps.iter_mut().zip(cache) {
+                c.user = k.user;
+            }
+        }
         let free = self.segments.free.len();
         let mut dropped = Vec::new();
         for (&i, mut cap) in ids.iter().zip(caps) {
