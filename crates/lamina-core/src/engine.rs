@@ -1368,7 +1368,9 @@ impl Engine {
 
     /// True when user writes wait for a segment that nothing can free.
     fn stuck_without_space(&mut self) -> bool {
-        if self.rollback_until.is_some()
+        let (free, floor, _) = self.user_room();
+        if free > floor
+            || self.rollback_until.is_some()
             || !self.gc.is_idle()
             || self.segments.in_release() != 0
             || !self.durability.sync_idle()
@@ -1380,15 +1382,12 @@ impl Engine {
             // User writes wait for a cache segment: compaction frees one when it
             // has a closed segment to take (or a stream head to close) and the
             // capacity tier has room, or GC can make room there.
-            if !self.segments.cache_free.is_empty() {
-                return false;
-            }
             let victim = self.segments.victims.oldest_cached().is_some()
                 || self.cache_head_to_close().is_some();
             let room = self.segments.free.len() > self.user_floor() || self.pick_victim().is_some();
             return !(victim && room);
         }
-        self.segments.free.len() <= self.user_floor() && self.pick_victim().is_none()
+        self.pick_victim().is_none()
     }
 
     // ---------------------------------------------------------------- writes
@@ -1872,8 +1871,8 @@ impl Engine {
             self.shared.set_segment_free(s, true);
         }
         // When free segments run low, run a flush to move the protocol forward.
-        let low = self.segments.free.len() < self.gc_start_segments()
-            || (self.geo.tiered() && self.segments.cache_free.len() < self.cache_watermarks().0);
+        let (user_free, _, user_start) = self.user_room();
+        let low = self.segments.free.len() < self.gc_start_segments() || user_free < user_start;
         let stalled = !self.pending.is_empty() || !self.gc.is_idle();
         if (low || stalled)
             && self.segments.wants_flush(synced)

@@ -731,15 +731,26 @@ impl Engine {
         true
     }
 
+    /// Where user writes take their segments, as `(free, floor, start)`: the free
+    /// segments there, the floor user streams leave, and the watermark at which
+    /// what frees segments there starts (GC's; with a cache tier, the cache's,
+    /// where the floor is 0 and compaction frees segments).
+    pub(crate) fn user_room(&self) -> (usize, usize, usize) {
+        if self.geo.tiered() {
+            (self.segments.cache_free.len(), 0, self.cache_watermarks().0)
+        } else {
+            (
+                self.segments.free.len(),
+                self.user_floor(),
+                self.gc_start_segments(),
+            )
+        }
+    }
+
     /// A user block could not be written now: counts a wait at the floor.
     fn user_block_held(&mut self) {
-        let floor = if self.geo.tiered() {
-            0
-        } else {
-            self.user_floor()
-        };
-        let free = self.segments.free_in(self.stream_tier(StreamKind::User));
-        if free.len() <= floor && !self.gc.held_at_floor {
+        let (free, floor, _) = self.user_room();
+        if free <= floor && !self.gc.held_at_floor {
             self.gc.held_at_floor = true;
             self.gc.floor_waits += 1;
         }
@@ -762,15 +773,7 @@ impl Engine {
     /// With a cache tier, of the cache: user writes wait for compaction there
     /// (between no free cache segment and compaction's start watermark).
     fn pacing_band(&self) -> Option<(f64, f64)> {
-        let (floor, start, free) = if self.geo.tiered() {
-            (0, self.cache_watermarks().0, self.segments.cache_free.len())
-        } else {
-            (
-                self.user_floor(),
-                self.gc_start_segments(),
-                self.segments.free.len(),
-            )
-        };
+        let (free, floor, start) = self.user_room();
         (floor < free && free < start).then(|| ((free - floor) as f64, (start - floor) as f64))
     }
 
@@ -1123,12 +1126,16 @@ impl Engine {
         // What each moved block is worth: the victim's net yield per live block.
         let blocks = self.geo.segment_blocks as f64;
         let live = live_local.len() as f64;
-        if self.geo.tiered() && self.geo.is_cache(seg) {
-            // Compaction gives the whole segment back to the cache: the blocks
-            // it moves take room in the capacity tier, not in the cache.
-            self.earn_credit(moved as f64 * blocks / live.max(1.0));
-        } else if self.frees_user_room(seg) {
-            self.earn_credit(moved as f64 * (blocks - live).max(0.0) / live.max(1.0));
+        if self.frees_user_room(seg) {
+            // GC gains the segment less what it moves back into the same space;
+            // compaction gives the whole segment back to the cache (the blocks
+            // it moves take room in the capacity tier, not in the cache).
+            let freed = if self.geo.tiered() {
+                blocks
+            } else {
+                (blocks - live).max(0.0)
+            };
+            self.earn_credit(moved as f64 * freed / live.max(1.0));
         }
         if blocked {
             if let Phase::Relocate {

@@ -166,6 +166,15 @@ impl Geometry {
         }
     }
 
+    /// Whether device `dev` is a member of the cache tier.
+    pub fn is_cache_member(&self, dev: usize) -> bool {
+        self.layout == Layout::Jbod
+            && self
+                .devices
+                .get(dev)
+                .is_some_and(|d| d.first_segment >= self.cache_first)
+    }
+
     /// Segments of the cache tier.
     pub fn cache_segments(&self) -> u32 {
         self.segment_count - self.cache_first

@@ -308,21 +308,26 @@ impl SegmentTable {
         }
     }
 
+    fn free_in_mut(&mut self, tier: Tier) -> &mut VecDeque<u32> {
+        match tier {
+            Tier::Capacity => &mut self.free,
+            Tier::Cache => &mut self.cache_free,
+        }
+    }
+
     /// The free queue `seg` belongs in.
     fn free_of_mut(&mut self, seg: u32) -> &mut VecDeque<u32> {
-        if seg >= self.cache_first {
-            &mut self.cache_free
+        let tier = if seg >= self.cache_first {
+            Tier::Cache
         } else {
-            &mut self.free
-        }
+            Tier::Capacity
+        };
+        self.free_in_mut(tier)
     }
 
     /// Takes entry `i` of `tier`'s free queue.
     pub fn take_free_at(&mut self, tier: Tier, i: usize) -> Option<u32> {
-        match tier {
-            Tier::Capacity => self.free.remove(i),
-            Tier::Cache => self.cache_free.remove(i),
-        }
+        self.free_in_mut(tier).remove(i)
     }
 
     /// Both free queues, capacity first, each in its order: what a checkpoint

@@ -339,9 +339,7 @@ impl Engine {
                     checksum_errors: 0,
                     write_errors: 0,
                     rebuild_progress: None,
-                    tier: if self.geo.devices[i].first_segment >= self.geo.cache_first
-                        && self.geo.tiered()
-                    {
+                    tier: if self.geo.is_cache_member(i) {
                         "cache"
                     } else {
                         "capacity"
@@ -355,11 +353,7 @@ impl Engine {
         // cache takes every write by design).
         let written: Vec<f64> = members
             .iter()
-            .filter(|m| {
-                m.state != "removed"
-                    && (self.shared.striped.is_some()
-                        || self.geo.devices[m.index].first_segment < self.geo.cache_first)
-            })
+            .filter(|m| m.state != "removed" && !self.geo.is_cache_member(m.index))
             .map(|m| {
                 let segs = match &self.shared.striped {
                     Some(_) => 1.0,

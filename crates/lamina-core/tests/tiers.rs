@@ -31,6 +31,14 @@ fn tiered_devices() -> Vec<Arc<dyn BlockDevice>> {
     dyn_devs(&devs)
 }
 
+/// A new array on [`tiered_devices`], opened.
+fn tiered_engine() -> (Vec<Arc<dyn BlockDevice>>, lamina_core::Engine) {
+    let devs = tiered_devices();
+    format_devices(&devs, &tiered_params());
+    let e = open_rw(&devs, small_config());
+    (devs, e)
+}
+
 fn member_bytes(e: &lamina_core::Engine) -> (u64, u64) {
     let s = e.status();
     (s.members[0].bytes_written, s.members[1].bytes_written)
@@ -38,9 +46,7 @@ fn member_bytes(e: &lamina_core::Engine) -> (u64, u64) {
 
 #[test]
 fn user_writes_land_in_the_cache_and_compaction_moves_them_on() {
-    let devs = tiered_devices();
-    format_devices(&devs, &tiered_params());
-    let mut e = open_rw(&devs, small_config());
+    let (devs, mut e) = tiered_engine();
     let s = e.status();
     let cache = s.cache.clone().expect("a cache tier");
     assert_eq!(cache.segment_count, CACHE_SEGMENTS);
@@ -90,9 +96,7 @@ fn user_writes_land_in_the_cache_and_compaction_moves_them_on() {
 /// over, leaves compaction almost nothing to move.
 #[test]
 fn blocks_rewritten_in_the_cache_never_reach_the_capacity_tier() {
-    let devs = tiered_devices();
-    format_devices(&devs, &tiered_params());
-    let mut e = open_rw(&devs, small_config());
+    let (_devs, mut e) = tiered_engine();
     let vol = create_volume(&mut e, "v", 2000 * BS as u64);
     let mut model = HashMap::new();
     let hot = 200;
@@ -122,9 +126,7 @@ fn blocks_rewritten_in_the_cache_never_reach_the_capacity_tier() {
 /// trims: every block reads back after compaction and after a restart.
 #[test]
 fn several_volumes_share_the_cache() {
-    let devs = tiered_devices();
-    format_devices(&devs, &tiered_params());
-    let mut e = open_rw(&devs, small_config());
+    let (devs, mut e) = tiered_engine();
     let usable = e.usable_bytes() / BS as u64;
     let per = usable / 5;
     let vols: Vec<VolumeId> = (0..3)
@@ -234,9 +236,7 @@ fn recovery_finds_the_cache_behind_a_large_capacity_tier() {
 /// go on instead of waiting for ever (or failing with ENOSPC on an empty array).
 #[test]
 fn more_volumes_than_cache_segments_keep_writing() {
-    let devs = tiered_devices();
-    format_devices(&devs, &tiered_params());
-    let mut e = open_rw(&devs, small_config());
+    let (devs, mut e) = tiered_engine();
     let n = CACHE_SEGMENTS as usize + 8;
     let vols: Vec<VolumeId> = (0..n)
         .map(|i| create_volume(&mut e, &format!("v{i}"), 64 * BS as u64))
@@ -265,9 +265,7 @@ fn more_volumes_than_cache_segments_keep_writing() {
 /// restart, and the GC index agrees.
 #[test]
 fn a_snapshot_family_survives_compaction() {
-    let devs = tiered_devices();
-    format_devices(&devs, &tiered_params());
-    let mut e = open_rw(&devs, small_config());
+    let (devs, mut e) = tiered_engine();
     let models = snapshot_family_under_gc(&mut e, 3, 50);
     let c = e.status().cache.unwrap();
     assert!(c.compactions > 0 && c.compacted_bytes > 0, "{c:?}");
@@ -284,9 +282,7 @@ fn a_snapshot_family_survives_compaction() {
 /// what, as the last checkpoint counts it, read-only or not.
 #[test]
 fn a_lost_cache_device_is_named_with_what_each_volume_lost() {
-    let devs = tiered_devices();
-    format_devices(&devs, &tiered_params());
-    let mut e = open_rw(&devs, small_config());
+    let (devs, mut e) = tiered_engine();
     let a = create_volume(&mut e, "a", 400 * BS as u64);
     let _b = create_volume(&mut e, "b", 400 * BS as u64);
     let mut model = HashMap::new();

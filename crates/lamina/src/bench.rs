@@ -425,7 +425,7 @@ pub(crate) fn writes(pattern: &str, blocks: u64, passes: u32) -> Result<impl Ite
 
 /// A raw run: the SSD filled over `blocks`, then the workload's writes over them;
 /// returns (NAND bytes per host byte, erases) of the writes after the fill.
-fn raw_run(
+pub(crate) fn raw_run(
     cfg: &lamina_device::flash::FlashConfig,
     blocks: u64,
     workload: &str,

@@ -107,18 +107,14 @@ fn sparse(name: &str, cfg: &FlashConfig) -> Arc<dyn BlockDevice> {
     Arc::new(SparseDevice::new(name, cfg.capacity_bytes))
 }
 
-/// The raw QLC, filled over `blocks`, then the workload's writes.
+/// The raw QLC, filled over `blocks`, then the workload's writes (the endurance
+/// bench's raw run).
 fn raw(a: &CsalArgs, blocks: u64) -> Result<Row> {
-    let cfg = qlc_config(a);
-    let qlc = flash(&cfg, sparse("qlc", &cfg))?;
-    (0..blocks).for_each(|b| write(&qlc, b));
-    let start = qlc.stats();
-    for b in writes(&a.workload, blocks, a.passes)? {
-        write(&qlc, b);
-    }
+    let (wa, erases, _) = crate::bench::raw_run(&qlc_config(a), blocks, &a.workload, a.passes)?;
+    let host = a.passes as u64 * blocks * BS;
     Ok(Row {
         name: "raw QLC",
-        qlc: delta(&start, &qlc.stats()),
+        qlc: ((wa * host as f64).round() as u64, host, erases),
         slc: None,
         compacted: None,
     })

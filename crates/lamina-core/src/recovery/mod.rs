@@ -180,12 +180,11 @@ fn cache_lost(
     if lost.is_empty() {
         return None;
     }
-    let first = geo.cache_first as u64 * geo.segment_blocks as u64;
     let mut volumes = Vec::new();
     for (v, _) in &ckpt.volumes {
         let mut n = 0u64;
         v.map.for_each_mapped(|_, e| {
-            if e != crate::map::BAD && (e - 1) as u64 >= first {
+            if e != crate::map::BAD && geo.is_cache(geo.split(crate::types::Pba(e - 1)).0 .0) {
                 n += 1;
             }
         });

@@ -99,8 +99,7 @@ pub(super) fn walk(
     // the cache's, the others from the capacity tier's), each in its own order
     // and window: each tier's part of the queue is walked on its own, with its
     // own count of empties, and so are the segments released in each tier.
-    let cache_first = shared.geo.cache_first;
-    let tier = |seg: u32| usize::from(seg >= cache_first);
+    let tier = |seg: u32| shared.geo.tier(seg) as usize;
     let mut empties = [0usize; 2];
     let mut releases: [Releases; 2] = Default::default();
     let mut released: HashSet<(u32, u64)> = HashSet::new();
