@@ -558,7 +558,9 @@ impl Engine {
         let geo = shared.geo.clone();
         if let Some(st) = &shared.striped {
             for (i, &b) in counters.member_blocks.iter().enumerate().take(geo.members) {
-                st.set_bytes_written(i, b * BLOCK_SIZE_U64);
+                if let Some(m) = geo.striped_index(i) {
+                    st.set_bytes_written(m, b * BLOCK_SIZE_U64);
+                }
             }
         }
         // Removed members' segments are never used (`array evacuate`).
@@ -936,15 +938,8 @@ impl Engine {
                 Err(e) => self.reply(token, Err(e), None),
             },
             Request::Checkpoint => self.start_checkpoint(Some(token)),
-            Request::FailMember { index } => match self.shared.striped.clone() {
-                None => self.reply(
-                    token,
-                    Err(EngineError::Invalid(
-                        "a JBOD array has no redundancy: no member can be failed".into(),
-                    )),
-                    None,
-                ),
-                Some(_) if index >= self.geo.members => self.reply(
+            Request::FailMember { index } => match self.striped_of(index) {
+                None if index >= self.geo.members => self.reply(
                     token,
                     Err(EngineError::Invalid(format!(
                         "no member {index}: the array has members 0 to {}",
@@ -952,9 +947,16 @@ impl Engine {
                     ))),
                     None,
                 ),
-                Some(st)
-                    if !st.is_failed(index)
-                        && st.rebuild_cursor(index).is_none()
+                None => self.reply(
+                    token,
+                    Err(EngineError::Invalid(format!(
+                        "member {index} is in a JBOD, which has no redundancy: it cannot be failed"
+                    ))),
+                    None,
+                ),
+                Some((st, m))
+                    if !st.is_failed(m)
+                        && st.rebuild_cursor(m).is_none()
                         && st.redundancy_left() <= 0 =>
                 {
                     self.reply(
@@ -962,13 +964,13 @@ impl Engine {
                     Err(EngineError::Invalid(format!(
                         "failing member {index} would leave data unrecoverable ({} members failed, the layout tolerates {})",
                         st.failed_count(),
-                        self.geo.parity
+                        st.shape().parity
                     ))),
                     None,
                     );
                 }
-                Some(st) => {
-                    st.fail_member(index);
+                Some((st, m)) => {
+                    st.fail_member(m);
                     self.await_superblock(token);
                 }
             },
@@ -987,9 +989,10 @@ impl Engine {
                 index,
                 cursor,
                 generation,
-            } if self.shared.striped.as_ref().is_some_and(|st| {
-                index >= self.geo.members || st.slot_generation(index) != generation
-            }) =>
+            } if self.shared.striped.is_some()
+                && self
+                    .striped_of(index)
+                    .is_none_or(|(st, m)| st.slot_generation(m) != generation) =>
             {
                 let _ = cursor;
                 self.reply(
@@ -1001,10 +1004,10 @@ impl Engine {
                 );
             }
             Request::RebuildProgress { index, cursor, .. } => {
-                if let (Some(st), Some(e)) =
-                    (self.shared.striped.clone(), self.sb.devices.get_mut(index))
+                if let (Some((st, m)), Some(e)) =
+                    (self.striped_of(index), self.sb.devices.get_mut(index))
                 {
-                    if e.state == crate::recovery::MEMBER_REBUILDING && !st.is_failed(index) {
+                    if e.state == crate::recovery::MEMBER_REBUILDING && !st.is_failed(m) {
                         match cursor {
                             Some(c) => e.rebuild_cursor = c as u32,
                             None => {
@@ -1013,7 +1016,7 @@ impl Engine {
                             }
                         }
                     }
-                    st.set_rebuild_cursor(index, cursor);
+                    st.set_rebuild_cursor(m, cursor);
                 }
                 self.await_superblock(token);
             }
@@ -1886,7 +1889,14 @@ impl Engine {
     /// Blocks written to JBOD member `dev` per block of its capacity.
     pub(crate) fn member_wear(&self, dev: usize) -> f64 {
         let written = self.device_blocks.get(dev).copied().unwrap_or(0) as f64;
-        written / (self.geo.devices[dev].segment_count.max(1) as f64)
+        // The striped device of a mirrored cache (`dev` past the members) holds
+        // the cache tier's segments.
+        let segments = self
+            .geo
+            .devices
+            .get(dev)
+            .map_or(self.geo.cache_segments(), |d| d.segment_count);
+        written / (segments.max(1) as f64)
     }
 
     pub(crate) fn count_device_blocks(&mut self, dev: usize, blocks: u32) {

@@ -231,11 +231,17 @@ impl Engine {
             })
             .collect();
         self.counters.member_blocks = match &self.shared.striped {
-            Some(st) => st
-                .member_states()
-                .iter()
-                .map(|m| m.bytes_written / 4096)
-                .collect(),
+            // The striped device's members count their own writes (a mirrored
+            // cache's); the rest are JBOD members.
+            Some(st) => {
+                let states = st.member_states();
+                (0..self.geo.members)
+                    .map(|i| match self.geo.striped_index(i) {
+                        Some(m) => states[m].bytes_written / 4096,
+                        None => self.device_blocks.get(i).copied().unwrap_or(0),
+                    })
+                    .collect()
+            }
             None => self.device_blocks.clone(),
         };
         let meta = CheckpointMeta {

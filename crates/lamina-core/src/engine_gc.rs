@@ -118,8 +118,9 @@ impl Engine {
     fn repair_victim(&mut self) -> Option<u32> {
         if let Some(st) = &self.shared.striped {
             for s in st.take_repairs() {
-                if !self.gc.repair.contains(&(s as u32)) {
-                    self.gc.repair.push(s as u32);
+                let seg = self.geo.stripe_segment(s);
+                if !self.gc.repair.contains(&seg) {
+                    self.gc.repair.push(seg);
                 }
             }
         }

@@ -56,10 +56,18 @@ impl Engine {
         device: Arc<dyn lamina_device::BlockDevice>,
         uuid: [u8; 16],
     ) -> Result<(), EngineError> {
-        let Some(st) = self.shared.striped.clone() else {
-            return Err(EngineError::Invalid(
-                "only striped arrays (said0/5/6) replace members".into(),
-            ));
+        let Some((st, local)) = self.striped_of(index) else {
+            return Err(EngineError::Invalid(if self.geo.mirrored() {
+                format!(
+                    "member {index} is in the capacity tier, a jbod without redundancy: it \
+                     cannot be rebuilt, and an array with a cache tier does not move its \
+                     capacity members yet"
+                )
+            } else {
+                "only striped arrays (said0/5/6) and mirrored cache tiers replace members \
+                 online"
+                    .into()
+            }));
         };
         if !self.zones.zoned && device.zone_layout().is_some() {
             return Err(EngineError::Invalid(format!(
@@ -73,12 +81,12 @@ impl Engine {
                 self.geo.members - 1
             )));
         }
-        if !st.is_failed(index) {
+        if !st.is_failed(local) {
             return Err(EngineError::Invalid(format!(
                 "member {index} has not failed; fail it first (lamina array fail --device {index})"
             )));
         }
-        if self.geo.parity == 0 {
+        if st.shape().parity == 0 {
             return Err(EngineError::Invalid(
                 "said0 has no parity to rebuild a member from".into(),
             ));
@@ -89,7 +97,7 @@ impl Engine {
         } else {
             device
         };
-        st.replace(index, device.clone(), 0)
+        st.replace(local, device.clone(), 0)
             .map_err(|e| EngineError::Invalid(e.to_string()))?;
         let e = &mut self.sb.devices[index];
         e.uuid = uuid;
@@ -193,25 +201,32 @@ impl Engine {
         }
     }
 
-    /// Generation of member slot `d` (0 for JBOD).
+    /// The striped device and its index for array member `d`, if `d` is one of
+    /// its members (every member of a striped layout, the cache members of a
+    /// mirrored cache tier).
+    pub(crate) fn striped_of(
+        &self,
+        d: usize,
+    ) -> Option<(Arc<lamina_device::striped::Striped>, usize)> {
+        let st = self.shared.striped.clone()?;
+        Some((st, self.geo.striped_index(d)?))
+    }
+
+    /// Whether member `d` is a member of the striped device that failed.
+    pub(crate) fn member_failed(&self, d: usize) -> bool {
+        self.striped_of(d).is_some_and(|(st, m)| st.is_failed(m))
+    }
+
+    /// Generation of member slot `d` (0 outside the striped device).
     fn slot_gen(&self, d: usize) -> u64 {
-        self.shared
-            .striped
-            .as_ref()
-            .map_or(0, |st| st.slot_generation(d))
+        self.striped_of(d)
+            .map_or(0, |(st, m)| st.slot_generation(m))
     }
 
     /// Members the superblock goes to: all but the failed and removed ones.
     fn sb_members(&self) -> Vec<usize> {
         (0..self.geo.members)
-            .filter(|&d| {
-                !self.geo.is_removed(d)
-                    && !self
-                        .shared
-                        .striped
-                        .as_ref()
-                        .is_some_and(|st| st.is_failed(d))
-            })
+            .filter(|&d| !self.geo.is_removed(d) && !self.member_failed(d))
             .collect()
     }
 
@@ -224,7 +239,8 @@ impl Engine {
         self.sbw.recorded(st.failure_epoch());
         let mut changed = false;
         for (i, e) in self.sb.devices.iter_mut().enumerate() {
-            if st.is_failed(i) && e.state != crate::recovery::MEMBER_FAILED {
+            let failed = self.geo.striped_index(i).is_some_and(|m| st.is_failed(m));
+            if failed && e.state != crate::recovery::MEMBER_FAILED {
                 e.state = crate::recovery::MEMBER_FAILED;
                 changed = true;
             }
@@ -241,13 +257,13 @@ impl Engine {
         what: &str,
         e: lamina_device::DeviceError,
     ) {
-        match &self.shared.striped {
+        match self.striped_of(d) {
             // The slot was replaced since: the error was the old device's.
-            Some(st) if st.slot_generation(d) != gen => {
+            Some((st, m)) if st.slot_generation(m) != gen => {
                 tracing::warn!("{what} to the replaced member {d} failed: {e}");
             }
-            Some(st) => {
-                st.write_failed(d);
+            Some((st, m)) => {
+                st.write_failed(m);
                 tracing::error!("{what} failed: {e}; member {d} is now failed");
                 if st.redundancy_left() < 0 {
                     self.fail(format!("{what} failed: {e}; too many members failed"));

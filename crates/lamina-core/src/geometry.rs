@@ -59,6 +59,11 @@ pub struct Geometry {
     /// none): the cache members are the last of a JBOD, so their segments are the
     /// highest numbers (see [`Geometry::is_cache`]).
     pub cache_first: u32,
+    /// Members in the cache tier: 0 without one, 1, or 2 or 3 that mirror each
+    /// other (each holds every cache segment; see [`Geometry::mirrored`]).
+    pub cache_copies: usize,
+    /// Index of the first cache member (`members` without a cache tier).
+    pub cache_member0: usize,
 }
 
 /// Which tier of the array a segment (or a stream's next segment) is in.
@@ -116,14 +121,23 @@ impl Geometry {
                 removed: false,
             }]
         };
-        let segment_count = devices.iter().map(|d| d.segment_count).sum();
+        // Mirrored cache members hold the same segments, so they are counted once.
+        let segment_count = devices
+            .iter()
+            .map(|d| d.first_segment + d.segment_count)
+            .max()
+            .unwrap_or(0);
         // `Superblock::decode` checked that cache members follow the capacity
-        // members of a JBOD.
-        let cache_first = sb
+        // members of a JBOD, and that mirrored ones span the same segments.
+        let cache_member0 = sb
             .devices
             .iter()
             .position(|d| d.tier == TIER_CACHE)
-            .map_or(segment_count, |i| sb.devices[i].first_segment);
+            .unwrap_or(members);
+        let cache_first = sb
+            .devices
+            .get(cache_member0)
+            .map_or(segment_count, |d| d.first_segment);
         Geometry {
             array_id: sb.array_id(),
             layout: sb.layout,
@@ -141,6 +155,50 @@ impl Geometry {
             members,
             parity,
             cache_first,
+            cache_copies: members - cache_member0,
+            cache_member0,
+        }
+    }
+
+    /// Whether the cache tier is mirrored: its members each hold every cache
+    /// segment, and the striped device (`Shared::striped`, one data column and
+    /// the other copies as its parity) writes them and reads them.
+    #[inline]
+    pub fn mirrored(&self) -> bool {
+        self.cache_copies > 1
+    }
+
+    /// The first array member of the striped device: its member `i` is array
+    /// member `striped_member0() + i` (all members of a striped layout, the cache
+    /// members of a mirrored cache tier).
+    pub fn striped_member0(&self) -> usize {
+        if self.mirrored() {
+            self.cache_member0
+        } else {
+            0
+        }
+    }
+
+    /// The segment of the striped device's stripe `s` (stripes are segments; a
+    /// mirrored cache's stripes are the cache tier's segments).
+    pub fn stripe_segment(&self, s: u64) -> u32 {
+        let base = if self.mirrored() { self.cache_first } else { 0 };
+        base + s as u32
+    }
+
+    /// The array member of the striped device's member `i`.
+    pub fn striped_member(&self, i: usize) -> usize {
+        self.striped_member0() + i
+    }
+
+    /// The striped device's member for array member `dev`, if it is one of its.
+    pub fn striped_index(&self, dev: usize) -> Option<usize> {
+        match self.layout {
+            Layout::Jbod if self.mirrored() => {
+                (dev >= self.cache_member0 && dev < self.members).then(|| dev - self.cache_member0)
+            }
+            Layout::Jbod => None,
+            _ => (dev < self.members).then_some(dev),
         }
     }
 
@@ -216,8 +274,11 @@ impl Geometry {
     /// Device index and byte offset of block `offset` of `segment`.
     #[inline]
     pub fn locate(&self, segment: SegmentId, offset: u32) -> (usize, u64) {
-        if self.layout != Layout::Jbod {
-            let block = segment.0 as u64 * self.segment_blocks as u64 + offset as u64;
+        if self.layout != Layout::Jbod || (self.mirrored() && segment.0 >= self.cache_first) {
+            // The striped device's space: its stripes from 0 (a mirrored cache's
+            // first stripe is the cache tier's first segment).
+            let stripe = segment.0 - self.stripe_segment(0);
+            let block = stripe as u64 * self.segment_blocks as u64 + offset as u64;
             return (self.members, self.data_offset + block * BLOCK_SIZE_U64);
         }
         let dev = self
@@ -247,12 +308,15 @@ impl Geometry {
         blocks.next_multiple_of(self.row_blocks)
     }
 
-    /// Indices in `Shared::devices` that hold segments (and need syncs for data).
-    pub fn data_devices(&self) -> std::ops::Range<usize> {
-        if self.layout == Layout::Jbod {
-            0..self.members
-        } else {
-            self.members..self.members + 1
+    /// Indices in `Shared::devices` that hold segments (and need syncs for data):
+    /// the members of a JBOD, the striped device of the other layouts, and the
+    /// capacity members and the striped device of a JBOD with a mirrored cache.
+    pub fn data_devices(&self) -> std::iter::Chain<std::ops::Range<usize>, std::ops::Range<usize>> {
+        let virt = self.members..self.members + 1;
+        match self.layout {
+            Layout::Jbod if self.mirrored() => (0..self.cache_member0).chain(virt),
+            Layout::Jbod => (0..self.members).chain(0..0),
+            _ => (0..0).chain(virt),
         }
     }
 

@@ -77,7 +77,14 @@ pub fn rebuild(
         .striped
         .clone()
         .ok_or_else(|| EngineError::Invalid("not a striped array".into()))?;
-    let stripes = shared.geo.segment_count as u64;
+    // `index` is the array's member; `m` the striped device's (a mirrored cache
+    // tier's members are the array's last).
+    let m = shared.geo.striped_index(index).ok_or_else(|| {
+        EngineError::Invalid(format!("member {index} has no redundancy to rebuild from"))
+    })?;
+    let stripes = st.shape().stripes;
+    // The segment of a stripe (a mirrored cache's stripes are its segments).
+    let seg = |s: u64| shared.geo.stripe_segment(s);
     let chunk_bytes = st.shape().chunk_blocks * 4096;
     let stripe_bytes = chunk_bytes * st.shape().data as u64;
     let zoned = shared.devices[shared.geo.members].zone_layout().is_some();
@@ -86,11 +93,11 @@ pub fn rebuild(
         member: index,
         ..Default::default()
     };
-    let Some(from) = st.rebuild_cursor(index) else {
+    let Some(from) = st.rebuild_cursor(m) else {
         return Ok(report);
     };
     // The device this rebuild is for: a later replace of the slot ends it.
-    let generation = st.slot_generation(index);
+    let generation = st.slot_generation(m);
     let replaced = || {
         EngineError::Io(format!(
             "member {index} was replaced during its rebuild; the new rebuild takes over"
@@ -98,7 +105,7 @@ pub fn rebuild(
     };
     // Progress is recorded only once what it covers is durable on the new member.
     let record = |cursor: Option<u64>| -> Result<(), EngineError> {
-        st.member(index)
+        st.member(m)
             .sync()
             .map_err(|e| EngineError::Io(format!("rebuild of member {index}: {e}")))?;
         call(Request::RebuildProgress {
@@ -109,7 +116,7 @@ pub fn rebuild(
     };
     let mut last_record = Instant::now();
     for s in from..stripes {
-        if st.slot_generation(index) != generation {
+        if st.slot_generation(m) != generation {
             return Err(replaced());
         }
         if opts
@@ -120,7 +127,7 @@ pub fn rebuild(
             report.elapsed = t0.elapsed();
             return Ok(report);
         }
-        if st.is_failed(index) {
+        if st.is_failed(m) {
             return Err(EngineError::Io(format!(
                 "member {index} failed during its rebuild (stripe {s})"
             )));
@@ -137,7 +144,7 @@ pub fn rebuild(
             let k = st.shape().data as u64;
             let rows_at = |wp: u64| (wp - start) / 4096 / k;
             let (mut done, mut seen, mut n) = (0u64, None, 0u64);
-            while !shared.segment_free(s as u32) || opts.all_stripes {
+            while !shared.segment_free(seg(s)) || opts.all_stripes {
                 let Some((wp, resets)) = data.zone_progress(start) else {
                     break;
                 };
@@ -150,12 +157,12 @@ pub fn rebuild(
                     break;
                 }
                 n += st
-                    .rebuild_stripe_range(index, s, done, rows)
+                    .rebuild_stripe_range(m, s, done, rows)
                     .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;
                 done = rows;
             }
             data.with_zone_held(start, &mut |held| {
-                let free = shared.segment_free(s as u32) && !opts.all_stripes;
+                let free = shared.segment_free(seg(s)) && !opts.all_stripes;
                 let (rows, from) = match held {
                     _ if free => (0, 0),
                     Some((wp, resets)) => {
@@ -165,10 +172,10 @@ pub fn rebuild(
                     }
                     None => (st.shape().chunk_blocks, 0),
                 };
-                n += st.rebuild_stripe_range(index, s, from, rows)?;
-                if !st.set_rebuild_cursor_if(index, generation, Some(s + 1)) {
+                n += st.rebuild_stripe_range(m, s, from, rows)?;
+                if !st.set_rebuild_cursor_if(m, generation, Some(s + 1)) {
                     return Err(lamina_device::DeviceError::Open {
-                        device: st.member(index).describe(),
+                        device: st.member(m).describe(),
                         detail: "replaced during its rebuild".into(),
                     });
                 }
@@ -176,9 +183,9 @@ pub fn rebuild(
             })
             .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?;
             (n > 0).then_some(n)
-        } else if opts.all_stripes || !shared.segment_free(s as u32) {
+        } else if opts.all_stripes || !shared.segment_free(seg(s)) {
             Some(
-                st.rebuild_stripe(index, s)
+                st.rebuild_stripe(m, s)
                     .map_err(|e| EngineError::Io(format!("rebuild of stripe {s}: {e}")))?,
             )
         } else {
@@ -196,7 +203,7 @@ pub fn rebuild(
         }
         report.stripes_visited += 1;
         report.whole_device_bytes += chunk_bytes;
-        if !st.set_rebuild_cursor_if(index, generation, Some(s + 1)) {
+        if !st.set_rebuild_cursor_if(m, generation, Some(s + 1)) {
             return Err(replaced());
         }
         progress(s + 1, stripes);

@@ -73,7 +73,7 @@ fn header_at(
     let Incarnation { seg, incarnation } = seg;
     let geo = &shared.geo;
     let (dev, off) = geo.locate(SegmentId(seg), offset);
-    let read = match (without, &shared.striped) {
+    let read = match (without, shared.striped_at(dev)) {
         (Some(m), Some(st)) => st.read_without(hdr, off, m),
         _ => shared.devices[dev].read_at(hdr, off),
     };
@@ -108,15 +108,21 @@ fn unit_crcs(
     // A closed segment's summary says where its units end.
     let mut summary_end = None;
     let mut sum = vec![0u8; geo.summary_blocks as usize * BLOCK_SIZE];
+    // Read as reads of metadata are: a summary damaged on one member is rebuilt
+    // from the others (a mirror's copies), or the damage of a whole column, its
+    // summary and headers included, would hide the column from the scrub.
     let (dev, off) = geo.locate(SegmentId(seg), geo.data_end);
-    if shared.devices[dev].read_at(&mut sum, off).is_ok() {
-        if let Ok(s) = lamina_format::summary::SummaryHeader::decode(&sum) {
-            if s.segment == seg && s.incarnation == incarnation {
-                summary_end = Some(s.data_end);
-            }
-        }
+    let decoded = shared.read_decoded(dev, off, &mut sum, |b| {
+        lamina_format::summary::SummaryHeader::decode(b)
+            .ok()
+            .filter(|s| s.segment == seg && s.incarnation == incarnation)
+    });
+    if let Ok(Some(s)) = decoded {
+        summary_end = Some(s.data_end);
     }
-    let members = shared.striped.as_ref().map_or(0, |st| st.shape().members());
+    let members = shared
+        .striped_at(geo.locate(SegmentId(seg), 0).0)
+        .map_or(0, |st| st.shape().members());
     let mut offset = 0;
     let mut units = 0;
     let mut rebuilt = 0;
@@ -128,8 +134,11 @@ fn unit_crcs(
             break;
         }
         let mut found = header_at(shared, inc, offset, &mut hdr, None).map(|u| (u, false));
-        // Units should go on here: a damaged header? Try each member left out.
-        if found.is_none() && summary_end.is_some_and(|e| offset < e) {
+        // Units should go on here (the summary says so, or the engine wrote this
+        // far in this run): a damaged header? Try each member left out.
+        let expected =
+            summary_end.is_some_and(|e| offset < e) || (written != u32::MAX && offset < limit);
+        if found.is_none() && expected {
             found = (0..members)
                 .find_map(|m| header_at(shared, inc, offset, &mut hdr, Some(m)))
                 .map(|u| (u, true));
@@ -230,10 +239,11 @@ fn scrub_segment(
         Some(Expect::Good) => Some(true),
         _ => None,
     };
-    match &shared.striped {
+    match shared.striped_at(geo.locate(SegmentId(seg), 0).0) {
         Some(st) => {
             let rows = (end as u64).div_ceil(geo.row_blocks as u64);
-            report.stats.add(&st.scrub_rows(seg as u64, rows, &check));
+            let stripe = (seg - geo.stripe_segment(0)) as u64;
+            report.stats.add(&st.scrub_rows(stripe, rows, &check));
         }
         None => {
             let (dev, off) = geo.locate(SegmentId(seg), 0);

@@ -18,7 +18,6 @@ use crate::pins::Pins;
 use crate::types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
 use lamina_format::summary::SummaryHeader;
-use lamina_format::superblock::Layout;
 use lamina_format::unit::{kind, record_at, UnitHeader};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
@@ -518,7 +517,7 @@ impl Shared {
                 return Ok(Some(t));
             }
         }
-        if let Some(st) = self.parity_striped() {
+        if let Some(st) = self.parity_at(dev) {
             for m in 0..st.shape().members() {
                 if st.read_without(buf, off, m).is_ok() {
                     if let Some(t) = decode(buf) {
@@ -650,14 +649,13 @@ impl Shared {
     }
 
     /// Whether [`Shared::read_start`] can hand out device reads: the devices that
-    /// hold segments (the members of a JBOD, the striped device of the other
-    /// layouts, which is not one) are driven through io_uring.
+    /// hold segments (the members of a JBOD, the members of the striped device of
+    /// the other layouts and of a mirrored cache) are driven through io_uring.
     pub fn device_reads(&self) -> bool {
-        let holders = match self.geo.layout {
-            Layout::Jbod => &self.devices[..self.geo.members],
-            _ => &self.devices[self.geo.members..],
-        };
-        holders.iter().any(|d| d.uring_target().is_some())
+        self.geo.data_devices().any(|d| match self.striped_at(d) {
+            Some(st) => st.has_uring_members(),
+            None => self.devices[d].uring_target().is_some(),
+        })
     }
 
     /// Starts a read for a caller that carries out device reads itself (a
@@ -703,7 +701,11 @@ impl Shared {
             return None;
         }
         let (dev, byte_off) = self.geo.locate(seg, seg_off);
-        let target = self.devices[dev].uring_target()?;
+        // On the striped device, the member that holds the run, if one does whole.
+        let (target, byte_off) = match self.striped_at(dev) {
+            Some(st) => st.read_target(byte_off, buf.len())?,
+            None => (self.devices[dev].uring_target()?, byte_off),
+        };
         // Verifying must not wait for a device either (the caller's thread serves
         // the connection): the unit's checksums must be at hand. Looked up again,
         // under the pin, when the read finishes; a miss then reads the header.
@@ -938,12 +940,12 @@ impl Shared {
         }
         let first_bad = match self.verify_run(vol, first_lba, seg, seg_off, dst, None) {
             Ok(()) => return Ok(()),
-            Err((k, e)) => match self.parity_striped() {
+            Err((k, e)) => match self.parity_at(dev) {
                 Some(_) => k,
                 None => return Err(self.report_corrupt(vol, seg, e)),
             },
         };
-        let st = self.parity_striped().expect("parity layout");
+        let st = self.parity_at(dev).expect("parity layout");
         for k in first_bad..dst.len() / BLOCK_SIZE {
             let block = &mut dst[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE];
             let off = seg_off + k as u32;
@@ -994,8 +996,8 @@ impl Shared {
     /// with parity, `None` elsewhere or when no reading matches). The member that
     /// was wrong gets the read error and the stripe goes to the repair list.
     pub(crate) fn rebuild_block(&self, seg: SegmentId, offset: u32, crc: u32) -> Option<Vec<u8>> {
-        let st = self.parity_striped()?;
-        let (_, off) = self.geo.locate(seg, offset);
+        let (dev, off) = self.geo.locate(seg, offset);
+        let st = self.parity_at(dev)?;
         let mut b = vec![0u8; BLOCK_SIZE];
         for m in 0..st.shape().members() {
             if st.read_without(&mut b, off, m).is_ok() && lamina_format::crc32c(&b) == crc {
@@ -1028,7 +1030,7 @@ impl Shared {
             .unit_start_of(pba)
             .ok_or_else(|| bad("no unit header precedes the block".into()))?;
         let mut crcs = self.unit_crcs(seg, unit_start);
-        if let (Err(_), Some(st)) = (&crcs, self.parity_striped()) {
+        if let (Err(_), Some(st)) = (&crcs, self.parity_at(self.geo.locate(seg, 0).0)) {
             for m in 0..st.shape().members() {
                 crcs = self.unit_crcs_without(seg, unit_start, m);
                 if crcs.is_ok() {
@@ -1052,9 +1054,17 @@ impl Shared {
         Ok(())
     }
 
-    /// The striped device when the layout has parity to rebuild from.
-    fn parity_striped(&self) -> Option<&lamina_device::striped::Striped> {
-        self.striped.as_deref().filter(|st| st.shape().parity > 0)
+    /// The striped device when device `dev` (an index in `devices`) is it and
+    /// has parity to rebuild from: a layout with parity, or a mirrored cache tier
+    /// (whose copies are its parity); never a JBOD member.
+    fn parity_at(&self, dev: usize) -> Option<&lamina_device::striped::Striped> {
+        self.striped_at(dev).filter(|st| st.shape().parity > 0)
+    }
+
+    /// The striped device when device `dev` (an index in `devices`, as
+    /// [`Geometry::locate`] gives it) is it.
+    pub(crate) fn striped_at(&self, dev: usize) -> Option<&lamina_device::striped::Striped> {
+        self.striped.as_deref().filter(|_| dev == self.geo.members)
     }
 
     /// Counts and logs a block that failed verification with no good copy.
@@ -1189,7 +1199,7 @@ impl Shared {
         let h = self.geo.header_blocks as usize;
         let mut hdr = vec![0u8; h * BLOCK_SIZE];
         let (dev, byte_off) = self.geo.locate(seg, unit_start);
-        match (without, self.parity_striped()) {
+        match (without, self.parity_at(dev)) {
             (Some(m), Some(st)) => st.read_without(&mut hdr, byte_off, m)?,
             _ => self.devices[dev].read_at(&mut hdr, byte_off)?,
         }

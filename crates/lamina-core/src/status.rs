@@ -203,6 +203,10 @@ pub struct CacheStatus {
     /// second figure.
     pub compaction_start: u64,
     pub compaction_stop: u64,
+    /// Devices of the cache tier (2 or 3 mirror each other), and how many of them
+    /// are in service (not failed, missing or still being rebuilt).
+    pub copies: u64,
+    pub copies_ok: u64,
 }
 
 fn ratio(media: u64, user: u64) -> Option<f64> {
@@ -294,60 +298,65 @@ impl Engine {
         }
         let rs = &self.shared.read_stats;
         use std::sync::atomic::Ordering::Relaxed;
-        let members: Vec<MemberStatus> = match &self.shared.striped {
-            Some(st) => st
-                .member_states()
-                .into_iter()
-                .enumerate()
-                .map(|(i, m)| MemberStatus {
-                    index: i,
-                    name: m.name,
-                    state: if m.failed {
-                        "failed"
-                    } else if m.rebuild_cursor.is_some() {
-                        "rebuilding"
-                    } else {
-                        "ok"
+        // Members of the striped device (every member of a striped layout, the
+        // cache members of a mirrored cache tier) report their own health.
+        let striped_states = self
+            .shared
+            .striped
+            .as_ref()
+            .map(|st| (st.member_states(), st.shape().stripes));
+        let members: Vec<MemberStatus> = (0..self.geo.members)
+            .map(|i| {
+                let tier = if self.geo.is_cache_member(i) {
+                    "cache"
+                } else {
+                    "capacity"
+                };
+                match (self.geo.striped_index(i), &striped_states) {
+                    (Some(k), Some((states, stripes))) => {
+                        let m = &states[k];
+                        MemberStatus {
+                            index: i,
+                            name: m.name.clone(),
+                            state: if m.failed {
+                                "failed"
+                            } else if m.rebuild_cursor.is_some() {
+                                "rebuilding"
+                            } else {
+                                "ok"
+                            }
+                            .into(),
+                            bytes_written: m.bytes_written,
+                            bytes_read: m.bytes_read,
+                            read_errors: m.read_errors,
+                            checksum_errors: m.checksum_errors,
+                            write_errors: m.write_errors,
+                            rebuild_progress: m
+                                .rebuild_cursor
+                                .map(|c| c as f64 / (*stripes).max(1) as f64),
+                            tier: tier.into(),
+                        }
                     }
-                    .into(),
-                    bytes_written: m.bytes_written,
-                    bytes_read: m.bytes_read,
-                    read_errors: m.read_errors,
-                    checksum_errors: m.checksum_errors,
-                    write_errors: m.write_errors,
-                    rebuild_progress: m
-                        .rebuild_cursor
-                        .map(|c| c as f64 / self.geo.segment_count.max(1) as f64),
-                    tier: "capacity".into(),
-                })
-                .collect(),
-            None => self.shared.devices[..self.geo.members]
-                .iter()
-                .enumerate()
-                .map(|(i, d)| MemberStatus {
-                    index: i,
-                    name: d.describe(),
-                    state: if self.geo.devices[i].removed {
-                        "removed"
-                    } else {
-                        "ok"
-                    }
-                    .into(),
-                    bytes_written: self.device_blocks.get(i).copied().unwrap_or(0) * bs,
-                    bytes_read: 0,
-                    read_errors: 0,
-                    checksum_errors: 0,
-                    write_errors: 0,
-                    rebuild_progress: None,
-                    tier: if self.geo.is_cache_member(i) {
-                        "cache"
-                    } else {
-                        "capacity"
-                    }
-                    .into(),
-                })
-                .collect(),
-        };
+                    _ => MemberStatus {
+                        index: i,
+                        name: self.shared.devices[i].describe(),
+                        state: if self.geo.devices[i].removed {
+                            "removed"
+                        } else {
+                            "ok"
+                        }
+                        .into(),
+                        bytes_written: self.device_blocks.get(i).copied().unwrap_or(0) * bs,
+                        bytes_read: 0,
+                        read_errors: 0,
+                        checksum_errors: 0,
+                        write_errors: 0,
+                        rebuild_progress: None,
+                        tier: tier.into(),
+                    },
+                }
+            })
+            .collect();
         // Wear: bytes written per segment of capacity (members of a stripe all have
         // the same number of segments), among the capacity tier's members (the
         // cache takes every write by design).
@@ -355,7 +364,7 @@ impl Engine {
             .iter()
             .filter(|m| m.state != "removed" && !self.geo.is_cache_member(m.index))
             .map(|m| {
-                let segs = match &self.shared.striped {
+                let segs = match self.geo.striped_index(m.index) {
                     Some(_) => 1.0,
                     None => self.geo.devices[m.index].segment_count.max(1) as f64,
                 };
@@ -382,7 +391,17 @@ impl Engine {
                 .shared
                 .striped
                 .as_ref()
-                .map_or(0, |st| st.redundancy_left() as i64),
+                // A mirrored cache's copies protect the cache alone: the array as
+                // a whole (a JBOD capacity tier) has none, unless the mirror has
+                // lost every copy.
+                .map_or(0, |st| {
+                    let r = st.redundancy_left() as i64;
+                    if self.geo.mirrored() {
+                        r.min(0)
+                    } else {
+                        r
+                    }
+                }),
             members,
             wear_spread: spread,
             pad_bytes_written: c.pad_blocks * bs,
@@ -417,6 +436,13 @@ impl Engine {
                     compacted_bytes: self.gc.compacted_blocks * bs,
                     compaction_start: start as u64,
                     compaction_stop: stop as u64,
+                    copies: self.geo.cache_copies as u64,
+                    copies_ok: match (&self.shared.striped, self.geo.mirrored()) {
+                        (Some(st), true) => (0..self.geo.cache_copies)
+                            .filter(|&m| !st.is_failed(m) && st.rebuild_cursor(m).is_none())
+                            .count() as u64,
+                        _ => self.geo.cache_copies as u64,
+                    },
                 }
             }),
             used_segments: (self.geo.usable_segments() as u64)

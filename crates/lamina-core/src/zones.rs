@@ -118,6 +118,8 @@ mod tests {
             members: 1,
             parity: 0,
             cache_first: 16,
+            cache_copies: 0,
+            cache_member0: 1,
         };
         let seg_bytes = geo.segment_blocks as u64 * 4096;
         // Zones start after the superblock area; the first three segments lie in

@@ -64,6 +64,8 @@ struct Run {
     /// lost in the checks.
     liar: Option<usize>,
     layout: Layout,
+    /// Members of the cache tier (the last ones); 2 or 3 mirror each other.
+    cache_copies: usize,
     engine: lamina_core::Engine,
     driver: Driver,
     vol: VolumeId,
@@ -302,8 +304,13 @@ impl Run {
     /// block must read back as it did with all members present.
     fn lose_members_and_check(&mut self, round: usize, keep: &str, contents: &[Vec<u8>]) {
         let n = self.devs.len();
+        let first_copy = n - self.cache_copies;
         let losses: Vec<Vec<usize>> = match self.layout {
             _ if self.liar.is_some() => vec![vec![self.liar.unwrap()]],
+            // A mirrored cache: every copy but one lost in turn.
+            Layout::Jbod if self.cache_copies > 1 => (first_copy..n)
+                .map(|keep| (first_copy..n).filter(|&i| i != keep).collect())
+                .collect(),
             Layout::Said5 => (0..n).map(|a| vec![a]).collect(),
             Layout::Said6 => (0..n)
                 .flat_map(|a| (a + 1..n).map(move |b| vec![a, b]))
@@ -406,12 +413,12 @@ fn run_layout(
     members: usize,
     injected: Faults,
 ) -> u64 {
-    run_members(seed, ops, crashes, layout, members, injected, 0).0
+    run_members(seed, ops, crashes, layout, members, injected, (0, 0)).0
 }
 
-/// [`run_layout`], with a cache tier of `cache_segments` segments on one more
-/// member when not 0; returns the recoveries that found a failed member on record
-/// and the cache segments compacted.
+/// [`run_layout`], with a cache tier of `cache.0` segments on `cache.1` more
+/// members (2 or 3 mirror each other); returns the recoveries that found a failed
+/// member on record and the cache segments compacted.
 fn run_members(
     seed: u64,
     ops: usize,
@@ -419,12 +426,13 @@ fn run_members(
     layout: Layout,
     members: usize,
     injected: Faults,
-    cache_segments: u64,
+    cache: (u64, usize),
 ) -> (u64, u64) {
+    let (cache_segments, cache_copies) = cache;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let segments = if members == 1 { 48 } else { 24 };
     let mut sizes = vec![device_bytes(segments); members];
-    if cache_segments > 0 {
+    for _ in 0..cache_copies {
         sizes.push(device_bytes(cache_segments));
     }
     let devs: Vec<Arc<CrashDevice>> = sizes
@@ -433,7 +441,7 @@ fn run_members(
         .map(|(i, &size)| Arc::new(CrashDevice::new(format!("crash{i}"), size)))
         .collect();
     let params = lamina_core::FormatParams {
-        cache_devices: (cache_segments > 0) as usize,
+        cache_devices: cache_copies,
         ..layout_params(layout)
     };
     format_devices(&dyn_devs(&devs), &params);
@@ -454,6 +462,7 @@ fn run_members(
         failure_seen: false,
         liar: None,
         layout,
+        cache_copies,
         engine,
         driver: Driver::new(),
         vol,
@@ -468,7 +477,12 @@ fn run_members(
     // as late as a device may, so that a flush that did not wait would complete
     // first and the power cut after it find no record.
     run.driver.starve_superblocks = injected == Faults::FailMember;
-    let liar = run.rng.gen_range(0..members);
+    // With a mirrored cache, the liar is one of its copies.
+    let liar = if cache_copies > 1 {
+        members + run.rng.gen_range(0..cache_copies)
+    } else {
+        run.rng.gen_range(0..members)
+    };
     run.liar = (injected == Faults::Silent).then_some(liar);
     for round in 0..crashes {
         let n = run.rng.gen_range(ops / 2..=ops);
@@ -575,9 +589,37 @@ fn power_cuts_never_lose_flushed_writes() {
 fn cache_tier_power_cuts_never_lose_flushed_writes() {
     let mut compactions = 0;
     for seed in seeds(16) {
-        compactions += run_members(seed, 3000, 4, Layout::Jbod, 1, Faults::None, 20).1;
+        compactions += run_members(seed, 3000, 4, Layout::Jbod, 1, Faults::None, (20, 1)).1;
     }
     assert!(compactions > 0, "compaction ran");
+}
+
+/// A mirrored cache tier: two copies (three every fourth seed), each keeping or
+/// dropping its unsynced writes on its own at a power cut, as the capacity member
+/// does. After each recovery every copy but one is lost in turn: every block reads
+/// back as it did with all of them, so recovery made the copies agree where the
+/// cut left them apart (the mirror's write hole) before anything could depend on
+/// one of them alone.
+#[test]
+fn mirrored_cache_power_cuts_then_a_copy_loss_keep_every_block() {
+    let mut compactions = 0;
+    for seed in seeds(16) {
+        let copies = if seed % 4 == 3 { 3 } else { 2 };
+        compactions += run_members(seed, 2500, 3, Layout::Jbod, 1, Faults::None, (20, copies)).1;
+    }
+    assert!(compactions > 0, "compaction ran");
+}
+
+/// A copy of a mirrored cache that lies about its writes (drops or misdirects
+/// them, reporting success), has bits flipped at rest and grows latent sector
+/// errors, with power cuts on top: every block reads back after recovery, and
+/// still does when that copy is then lost, so recovery never copied what the liar
+/// holds over the good copy.
+#[test]
+fn a_lying_cache_copy_and_power_cuts_keep_every_block() {
+    for seed in seeds(12) {
+        run_members(seed, 2000, 3, Layout::Jbod, 1, Faults::Silent, (20, 2));
+    }
 }
 
 /// The RAID write hole: SAID5 over four members, each keeping or dropping its

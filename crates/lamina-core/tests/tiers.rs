@@ -195,12 +195,28 @@ fn a_cache_tier_is_refused_where_it_is_not_built() {
         vec![mem("a", 24), mem("b", 24), mem("c", 24), mem("d", 24)],
     );
     assert!(e.contains("jbod"), "{e}");
+    let four = FormatParams {
+        cache_devices: 4,
+        ..tiered_params()
+    };
+    let e = err(
+        four,
+        vec![
+            mem("a", 48),
+            mem("b", 20),
+            mem("c", 20),
+            mem("d", 20),
+            mem("e", 20),
+        ],
+    );
+    assert!(e.contains("a mirror of 2 or 3"), "{e}");
+    // A mirror is as large as its smallest copy.
     let two = FormatParams {
         cache_devices: 2,
         ..tiered_params()
     };
-    let e = err(two, vec![mem("a", 48), mem("b", 20), mem("c", 20)]);
-    assert!(e.contains("mirrored"), "{e}");
+    let e = err(two, vec![mem("a", 48), mem("b", 20), mem("c", 8)]);
+    assert!(e.contains("too small"), "{e}");
     let e = err(tiered_params(), vec![mem("a", 48), mem("b", 8)]);
     assert!(e.contains("too small"), "{e}");
     let e = err(tiered_params(), vec![mem("a", 20)]);
@@ -300,13 +316,134 @@ fn a_lost_cache_device_is_named_with_what_each_volume_lost() {
             .expect("refused")
             .to_string();
         assert!(
-            err.contains("cache tier's device (member [1]) is missing")
+            err.contains("no complete copy of the cache tier is left (members [1] missing")
                 && err.contains("\"a\" 100 blocks")
                 && !err.contains("\"b\""),
             "{err}"
         );
     }
     // With the device back, everything is there.
+    let e = open_rw(&devs, small_config());
+    verify_model(&e, a, &model);
+}
+
+/// A mirrored cache serves while one complete copy is left, and refuses (saying
+/// what is lost) when the only copy left is one still being rebuilt: it holds the
+/// stripes below its cursor only, and trusting it would drop what the others held.
+#[test]
+fn a_mirror_needs_one_complete_copy() {
+    let mk = |n: &str, segs: u64| {
+        Arc::new(MemDevice::new(n, device_bytes(segs))) as Arc<dyn BlockDevice>
+    };
+    let devs = vec![
+        mk("capacity", CAPACITY_SEGMENTS),
+        mk("copy0", CACHE_SEGMENTS),
+        mk("copy1", CACHE_SEGMENTS),
+    ];
+    let params = FormatParams {
+        cache_devices: 2,
+        ..tiered_params()
+    };
+    format_devices(&devs, &params);
+    let mut e = open_rw(&devs, small_config());
+    assert_eq!(e.status().cache.unwrap().copies, 2);
+    let a = create_volume(&mut e, "a", 400 * BS as u64);
+    let mut model = HashMap::new();
+    call(&mut e, Request::Checkpoint)
+        .result
+        .expect("checkpoint");
+    overwrite(&mut e, a, &mut model, 100, 50, |i| i);
+    call(&mut e, Request::Flush).result.expect("flush");
+    // Copy 1 out and replaced; its rebuild not run.
+    call(&mut e, Request::FailMember { index: 2 })
+        .result
+        .expect("fail copy 1");
+    let new = mk("copy1-new", CACHE_SEGMENTS);
+    call(
+        &mut e,
+        Request::ReplaceMember {
+            index: 2,
+            device: lamina_core::NewDevice(new.clone()),
+            uuid: [0x77; 16],
+        },
+    )
+    .result
+    .expect("replace");
+    assert_eq!(e.status().members[2].state, "rebuilding");
+    // The complete copy cannot be failed now.
+    let err = call(&mut e, Request::FailMember { index: 1 })
+        .result
+        .unwrap_err();
+    assert!(err.to_string().contains("unrecoverable"), "{err}");
+    drop(e);
+    // Copy 0 alone serves everything.
+    let e = open_rw(
+        &[devs[0].clone(), devs[1].clone(), new.clone()],
+        small_config(),
+    );
+    verify_model(&e, a, &model);
+    drop(e);
+    // Copy 0 lost: only the copy being rebuilt is left, and that is refused.
+    for mode in [
+        lamina_core::OpenMode::ReadOnly,
+        lamina_core::OpenMode::ReadWrite,
+    ] {
+        let err = lamina_core::open(vec![devs[0].clone(), new.clone()], small_config(), mode)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("no complete copy of the cache tier is left (members [1, 2]")
+                && err.contains("\"a\""),
+            "{err}"
+        );
+    }
+}
+
+/// One copy of a mirrored cache rots whole (junk over every segment, unit
+/// headers and summaries included): a scrub still finds its units through the
+/// other copy, rewrites every live block and header from it, and after the scrub
+/// the array reads everything without the good copy.
+#[test]
+fn a_scrub_rebuilds_a_rotten_cache_copy_from_the_other() {
+    let f: Vec<Arc<lamina_device::fault::FaultDevice>> = [
+        ("capacity", CAPACITY_SEGMENTS),
+        ("copy0", CACHE_SEGMENTS),
+        ("copy1", CACHE_SEGMENTS),
+    ]
+    .iter()
+    .map(|&(n, segs)| {
+        Arc::new(lamina_device::fault::FaultDevice::new(Arc::new(
+            MemDevice::new(n, device_bytes(segs)),
+        )))
+    })
+    .collect();
+    let devs = dyn_devs(&f);
+    let params = FormatParams {
+        cache_devices: 2,
+        ..tiered_params()
+    };
+    format_devices(&devs, &params);
+    let mut e = open_rw(&devs, small_config());
+    let a = create_volume(&mut e, "a", 400 * BS as u64);
+    let mut model = HashMap::new();
+    // Enough to close several cache segments (on both copies' turns as the data
+    // column), too little for compaction to move them all.
+    overwrite(&mut e, a, &mut model, 300, 50, |i| i);
+    call(&mut e, Request::Flush).result.expect("flush");
+    let data_offset = lamina_format::superblock::DEFAULT_DATA_OFFSET;
+    let junk = vec![0x5au8; devs[2].size_bytes() as usize - data_offset as usize];
+    devs[2].write_at(&junk, data_offset).unwrap();
+    let r = lamina_core::scrub::scrub(e.shared(), &mut |_, _| {}).unwrap();
+    assert!(
+        r.stats.blocks_repaired > 0
+            && r.stats.parity_repaired > 0
+            && r.headers_found_by_parity > 0
+            && r.stats.unrecoverable == 0,
+        "{r:?}"
+    );
+    drop(e);
+    f[1].vanish();
     let e = open_rw(&devs, small_config());
     verify_model(&e, a, &model);
 }

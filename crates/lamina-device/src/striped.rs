@@ -171,6 +171,10 @@ pub struct Striped {
     /// The members are zoned: a member being rebuilt takes no writes in stripes
     /// not yet rebuilt (its zone there is written from its start by the rebuild).
     zoned: bool,
+    /// Devices `replace` took out of their slots, kept open until the array is
+    /// dropped: a descriptor [`Striped::read_target`] handed out may still be in
+    /// a caller's ring, and must not be closed (and its number reused) under it.
+    retired: Mutex<Vec<Arc<dyn BlockDevice>>>,
 }
 
 thread_local! {
@@ -232,6 +236,7 @@ impl Striped {
             failures: AtomicU64::new(0),
             rebuilt_blocks: AtomicU64::new(0),
             repairs: Mutex::new(std::collections::BTreeSet::new()),
+            retired: Mutex::new(Vec::new()),
         })
     }
 
@@ -282,7 +287,8 @@ impl Striped {
         // Under the slot's lock, so that a rebuild of the previous device cannot
         // move the cursor of this one (see `set_rebuild_cursor_if`).
         let mut slot = self.members[i].write().unwrap();
-        *slot = dev;
+        let old = std::mem::replace(&mut *slot, dev);
+        self.retired.lock().unwrap().push(old);
         self.slot_gen[i].fetch_add(1, Ordering::SeqCst);
         self.read_errors[i].store(0, Ordering::Relaxed);
         self.checksum_errors[i].store(0, Ordering::Relaxed);
@@ -291,6 +297,38 @@ impl Striped {
         self.failed[i].store(false, Ordering::SeqCst);
         drop(slot);
         Ok(())
+    }
+
+    /// Where a read of `len` bytes at `offset` lies whole on one member that is
+    /// current there, driven by io_uring: its descriptor and the byte offset on
+    /// it, for a caller that reads with a ring of its own and checks what it gets
+    /// (one block of any stripe; any run when a stripe has one data column, as a
+    /// mirror's). `None` sends the read through [`BlockDevice::read_at`], which
+    /// rebuilds what a member cannot give. The descriptor stays open while the
+    /// array does (`retired`).
+    pub fn read_target(&self, offset: u64, len: usize) -> Option<(crate::UringTarget, u64)> {
+        let (m, off) = self.whole_on_member(offset, len)?;
+        let t = self.members[m].read().unwrap().uring_target()?;
+        Some((t, off))
+    }
+
+    /// The current member and its byte offset holding all of a read of `len`
+    /// bytes at `offset`: one block of any stripe, or any run of a stripe with one
+    /// data column (a mirror).
+    fn whole_on_member(&self, offset: u64, len: usize) -> Option<(usize, u64)> {
+        let (s, b, blocks) = self.split("read", offset, len).ok()?;
+        let k = self.shape.data as u64;
+        if k != 1 && blocks != 1 {
+            return None;
+        }
+        let m = self.shape.member(s, (b % k) as usize);
+        self.current(m, s)
+            .then(|| (m, self.shape.member_offset(s, b / k)))
+    }
+
+    /// Whether any member is driven by io_uring (see [`Striped::read_target`]).
+    pub fn has_uring_members(&self) -> bool {
+        (0..self.members.len()).any(|i| self.member(i).uring_target().is_some())
     }
 
     /// Sets the bytes written to member `i` (restored from a checkpoint).
@@ -1016,6 +1054,19 @@ impl BlockDevice for Striped {
         format!("{kind}({} members)", self.members.len())
     }
 
+    /// A read that lies whole on one current member, from its page cache; false
+    /// (the caller reads with `read_at`, which rebuilds what it must) otherwise.
+    fn try_read_at(&self, buf: &mut [u8], offset: u64) -> Result<bool, DeviceError> {
+        let Some((m, off)) = self.whole_on_member(offset, buf.len()) else {
+            return Ok(false);
+        };
+        // A member's error is not the array's: the waiting path rebuilds.
+        let hit = self.member(m).try_read_at(buf, off).unwrap_or(false);
+        if hit {
+            self.read_bytes[m].fetch_add(buf.len() as u64, Ordering::Relaxed);
+        }
+        Ok(hit)
+    }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DeviceError> {
         self.read_inner(buf, offset, None)
     }

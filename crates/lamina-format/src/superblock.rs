@@ -43,6 +43,11 @@ pub const VERSION_WITH_SHARING: u16 = 3;
 /// and take the cache's segments for capacity, so it must refuse the array. Such an
 /// array may also share blocks (the version says so as 3 does).
 pub const VERSION_WITH_TIERS: u16 = 4;
+/// The superblock's version when the cache tier is a mirror (2 or 3 cache
+/// members): a build that knows one cache member only would write the cache to
+/// the first copy and leave the others stale without marking them failed, so it
+/// must refuse the array. Otherwise as [`VERSION_WITH_TIERS`].
+pub const VERSION_WITH_MIRROR: u16 = 5;
 /// A member's tier: the capacity tier (every member of an array without tiers).
 pub const TIER_CAPACITY: u32 = 0;
 /// A member's tier: the cache tier, which takes every user write first (issue 14).
@@ -193,7 +198,10 @@ impl Superblock {
         put_u64(&mut b[..], OFF_MAGIC, SUPERBLOCK_MAGIC);
         // Version 2 only once a member is removed: a build that knows nothing of
         // removed members must refuse the array rather than use their segments.
-        let version = if self.devices.iter().any(|d| d.tier == TIER_CACHE) {
+        let cache = self.devices.iter().filter(|d| d.tier == TIER_CACHE).count();
+        let version = if cache > 1 {
+            VERSION_WITH_MIRROR
+        } else if cache == 1 {
             VERSION_WITH_TIERS
         } else if self.shared_blocks {
             VERSION_WITH_SHARING
@@ -253,6 +261,7 @@ impl Superblock {
                 VERSION_WITH_REMOVED,
                 VERSION_WITH_SHARING,
                 VERSION_WITH_TIERS,
+                VERSION_WITH_MIRROR,
             ],
         )?;
         let b = &b[..BLOCK_SIZE];
@@ -308,10 +317,15 @@ impl Superblock {
         if let Some(d) = devices.iter().find(|d| d.tier > TIER_CACHE) {
             return Err(invalid(format!("device tier {}", d.tier)));
         }
-        if tiered != (version == VERSION_WITH_TIERS) {
+        let cache_members = devices.iter().filter(|d| d.tier == TIER_CACHE).count();
+        let expected = match cache_members {
+            0 => version < VERSION_WITH_TIERS,
+            1 => version == VERSION_WITH_TIERS,
+            _ => version == VERSION_WITH_MIRROR,
+        };
+        if !expected {
             return Err(invalid(format!(
-                "a version {version} superblock {} a cache tier",
-                if tiered { "with" } else { "without" }
+                "a version {version} superblock with {cache_members} cache members"
             )));
         }
         if tiered {
@@ -324,6 +338,19 @@ impl Superblock {
             {
                 return Err(invalid(
                     "cache members must follow the capacity members of a jbod".into(),
+                ));
+            }
+            // Several cache members mirror each other: each holds every cache
+            // segment, so they span the same ones; a mirror has 2 or 3 copies.
+            let cache = &devices[first_cache..];
+            if cache.len() > 3
+                || cache.iter().any(|d| {
+                    (d.first_segment, d.segment_count)
+                        != (cache[0].first_segment, cache[0].segment_count)
+                })
+            {
+                return Err(invalid(
+                    "mirrored cache members must be 2 or 3 that span the same segments".into(),
                 ));
             }
         }
@@ -481,6 +508,43 @@ mod tests {
         assert!(!refused(sb.encode(), &|_| {}));
     }
 
+    /// Several cache members mirror each other: 2 or 3 of them, spanning the
+    /// same segments; anything else is refused.
+    #[test]
+    fn mirrored_cache_members_span_the_same_segments() {
+        let mut sb = sample();
+        let mut copy = sb.devices[1].clone();
+        sb.devices[1].tier = TIER_CACHE;
+        copy.tier = TIER_CACHE;
+        copy.uuid = [9; 16];
+        sb.devices.push(copy.clone());
+        let b = sb.encode();
+        assert_eq!(
+            crate::codec::get_u16(&b[..], OFF_VERSION),
+            VERSION_WITH_MIRROR
+        );
+        let back = Superblock::decode(&b[..]).unwrap();
+        assert_eq!(back.devices.len(), 3);
+        assert!(back.shared_blocks);
+        // A build that knows one cache member only must not take it for one.
+        let mut b4 = sb.encode();
+        put_u16(&mut b4[..], OFF_VERSION, VERSION_WITH_TIERS);
+        let crc = crc32c_with_hole(&b4[..], OFF_CRC);
+        put_u32(&mut b4[..], OFF_CRC, crc);
+        assert!(Superblock::decode(&b4[..]).is_err());
+        let mut other = sb.clone();
+        other.devices[2].segment_count -= 1;
+        assert!(Superblock::decode(&other.encode()[..]).is_err());
+        let mut other = sb.clone();
+        other.devices[2].first_segment += 1;
+        assert!(Superblock::decode(&other.encode()[..]).is_err());
+        let mut three = sb.clone();
+        three.devices.push(copy.clone());
+        assert!(Superblock::decode(&three.encode()[..]).is_ok());
+        three.devices.push(copy);
+        assert!(Superblock::decode(&three.encode()[..]).is_err());
+    }
+
     #[test]
     fn roundtrip() {
         let sb = sample();
@@ -528,8 +592,13 @@ mod tests {
             Err(FormatError::Invalid { .. })
         ));
         assert!(matches!(
-            reversion(5),
-            Err(FormatError::UnsupportedVersion { found: 5, .. })
+            reversion(6),
+            Err(FormatError::UnsupportedVersion { found: 6, .. })
+        ));
+        // Version 5 is known (a mirrored cache) but says what this one is not.
+        assert!(matches!(
+            reversion(VERSION_WITH_MIRROR),
+            Err(FormatError::Invalid { .. })
         ));
     }
 

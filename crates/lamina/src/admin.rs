@@ -412,6 +412,8 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                 compacted_bytes: u("compacted_bytes"),
                 compaction_start: u("compaction_start"),
                 compaction_stop: u("compaction_stop"),
+                copies: u("copies"),
+                copies_ok: u("copies_ok"),
             }
         }),
         gc_floor_waits: u("gc_floor_waits"),

@@ -106,21 +106,34 @@ impl Found {
             .count()
     }
 
-    /// Members the layout's parity lets the array do without.
+    /// Members the layout's parity lets the array do without (a mirrored cache
+    /// tier: all its copies but one).
     pub fn parity(&self) -> usize {
         match self.reference.layout {
             lamina_format::superblock::Layout::Said5 => 1,
             lamina_format::superblock::Layout::Said6 => 2,
-            _ => 0,
+            _ => self.cache_copies().saturating_sub(1),
         }
+    }
+
+    /// Members of the cache tier (2 or 3 mirror each other).
+    fn cache_copies(&self) -> usize {
+        (0..self.members.len()).filter(|&i| self.cache(i)).count()
     }
 
     /// "complete", "degraded" (members missing or failed that parity covers) or
     /// "incomplete" (the array cannot be served from what was found).
     pub fn state(&self) -> &'static str {
-        match self.unusable() {
+        let n = self.unusable();
+        let jbod = self.reference.layout == lamina_format::superblock::Layout::Jbod;
+        // Beside a mirrored cache, a JBOD's capacity members have no copy.
+        let capacity_ok = !jbod
+            || (0..self.members.len()).all(|i| {
+                self.cache(i) || self.removed(i) || (self.members[i].is_some() && !self.failed(i))
+            });
+        match n {
             0 => "complete",
-            n if n <= self.parity() => "degraded",
+            n if n <= self.parity() && capacity_ok => "degraded",
             _ => "incomplete",
         }
     }

@@ -475,15 +475,22 @@ segments in order, so the slow devices see user data only as large sequential
 writes, and blocks overwritten while in the cache never reach them (checkpoints
 and the log's own records go to the capacity tier too). Usable capacity
 is the capacity tier's. Reads are served from whichever tier holds the block.
-Without its cache device the array is not served, and says what each volume lost:
-the cache holds the only copy of what it has not compacted (mirrored cache
-devices are not built yet).
+
+Two or three --cache-device options make a MIRROR: each device holds every cache
+segment (as many as the smallest holds), every write goes to all of them, and
+the array keeps serving while one copy is left; `lamina array fail` and
+`lamina array replace` work on a copy as on a member of a said5 array, and a
+replaced copy is rebuilt from another, online. Without a mirror, or with every
+copy lost, the array is not served and says what each volume lost: the cache
+holds the only copy of what it has not compacted.
 
 EXAMPLE
     lamina array create /srv/tank --device /var/lib/tank/a.img:100G --overprovision 0.2
     lamina volume create /srv/tank vm1 --size 40G
     lamina serve /srv/tank
-    lamina array create /srv/qlc --device /dev/sdb --cache-device /dev/nvme0n1p1";
+    lamina array create /srv/qlc --device /dev/sdb --cache-device /dev/nvme0n1p1
+    lamina array create /srv/qlc --device /dev/sdb --cache-device /dev/nvme0n1p1 \
+        --cache-device /dev/nvme1n1p1";
 
 #[derive(clap::Args)]
 struct ArrayCreateArgs {
@@ -497,10 +504,10 @@ struct ArrayCreateArgs {
         value_name = "PATH[:SIZE]"
     )]
     devices: Vec<String>,
-    /// A fast device for the cache tier, PATH or PATH:SIZE (one in this version):
-    /// every user write lands there first, and compaction moves what is still
-    /// live to the --device members, the capacity tier, in whole segments. With
-    /// jbod only.
+    /// A fast device for the cache tier, PATH or PATH:SIZE; two or three mirror
+    /// each other: every user write lands there first, and compaction moves what
+    /// is still live to the --device members, the capacity tier, in whole
+    /// segments. With jbod only.
     #[arg(long = "cache-device", value_name = "PATH[:SIZE]")]
     cache_devices: Vec<String>,
     /// Segment size: the unit of allocation and garbage collection.
@@ -940,7 +947,11 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     let (before, running) = get_status(&dir)?;
     let old = member_arg(&before, "--old", &a.old)?;
     let old_name = before.members[old].name.clone();
-    if before.layout == "jbod" {
+    // A copy of a mirrored cache tier is rebuilt from the other copies, as a
+    // striped member is; any other JBOD member is copied.
+    let mirror_copy =
+        before.members[old].tier == "cache" && before.cache.as_ref().is_some_and(|c| c.copies > 1);
+    if before.layout == "jbod" && !mirror_copy {
         if rate.is_some() || a.whole_device || a.no_wait {
             return Err(Usage(
                 "--rate, --whole-device and --no-wait are for rebuilds of striped members; a JBOD member is copied with the server stopped".into(),
@@ -1344,9 +1355,14 @@ fn array_create(a: ArrayCreateArgs) -> Result<()> {
     );
     if let Some(c) = &s.cache {
         println!(
-            "cache tier: {} segments ({}) in front of it",
+            "cache tier: {} segments ({}) in front of it{}",
             c.segment_count,
-            human(c.segment_count * s.segment_size_bytes)
+            human(c.segment_count * s.segment_size_bytes),
+            if c.copies > 1 {
+                format!(", mirrored on {} devices", c.copies)
+            } else {
+                String::new()
+            }
         );
     }
     Ok(())
@@ -1411,20 +1427,28 @@ fn array_fail(dir: &Path, device: &str) -> Result<()> {
     let dir = absolute(dir)?;
     // Checked before anything is opened for writing.
     let (st, _) = get_status(&dir)?;
-    if st.layout == "jbod" || st.layout == "said0" {
+    let mirrored = st.cache.as_ref().is_some_and(|c| c.copies > 1);
+    if (st.layout == "jbod" && !mirrored) || st.layout == "said0" {
         bail!(
             "a {} array has no redundancy: no member can be failed",
             if st.layout == "jbod" { "JBOD" } else { "SAID0" }
         );
     }
     let device = member_arg(&st, "--device", device)?;
+    if st.layout == "jbod" && st.members[device].tier != "cache" {
+        bail!(
+            "member {device} is in the capacity tier, a JBOD, which has no redundancy: only \
+             a copy of the cache mirror can be failed"
+        );
+    }
     let req = json!({"op": "member-fail", "index": device});
     if admin::request(&admin_socket(&dir)?, &req)?.is_none() {
         offline(&dir, Request::FailMember { index: device })?;
     }
     println!(
-        "member {device} of {} is failed; the array runs degraded",
-        dir.display()
+        "member {device} of {} is failed; the {} runs degraded",
+        dir.display(),
+        if mirrored { "cache mirror" } else { "array" }
     );
     Ok(())
 }

@@ -55,6 +55,8 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
             "compacted_bytes": c.compacted_bytes,
             "compaction_start": c.compaction_start,
             "compaction_stop": c.compaction_stop,
+            "copies": c.copies,
+            "copies_ok": c.copies_ok,
         })),
         "user_bytes_written": s.user_bytes_written,
         "media_bytes_written": s.media_bytes_written,
@@ -204,6 +206,17 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             human(c.compacted_bytes),
             c.compactions
         );
+        if c.copies > 1 {
+            o += &format!(
+                "  cache mirror: {} copies, {}\n",
+                c.copies,
+                match c.copies - c.copies_ok.min(c.copies) {
+                    0 => "all in service".to_string(),
+                    n if n == c.copies => "NONE in service".to_string(),
+                    n => format!("{n} out of service (degraded)"),
+                }
+            );
+        }
     }
     o += &format!(
         "  written: user {}, media {}, gc relocated {}, metadata {}\n",
@@ -548,6 +561,8 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
     let help = "Segments in the free queue.";
     e.one("free_segments", "gauge", help, s.free_segments as f64);
     if let Some(c) = &s.cache {
+        let help = "Devices of the cache tier in service (a mirror has 2 or 3).";
+        e.one("cache_copies_ok", "gauge", help, c.copies_ok as f64);
         let help = "Free segments of the cache tier.";
         e.one("cache_free_segments", "gauge", help, c.free_segments as f64);
         let help = "Live bytes in the cache tier that compaction has not moved yet.";

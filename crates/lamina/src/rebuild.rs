@@ -105,6 +105,9 @@ pub fn spawn(rt: &Runtime, index: usize, rate: Option<u64>) {
     let Some(st) = rt.shared.striped.clone() else {
         return;
     };
+    let Some(m) = rt.shared.geo.striped_index(index) else {
+        return;
+    };
     let rt = rt.clone();
     std::thread::Builder::new()
         .name(format!("lamina-rebuild{index}"))
@@ -112,7 +115,7 @@ pub fn spawn(rt: &Runtime, index: usize, rate: Option<u64>) {
             // A rebuild of a device this slot held before may still be winding
             // down (it stops at its next stripe): wait for it.
             let t0 = std::time::Instant::now();
-            while !st.claim_rebuild(index) {
+            while !st.claim_rebuild(m) {
                 if t0.elapsed() > std::time::Duration::from_secs(600) {
                     tracing::error!("member {index}: another rebuild holds the slot; giving up");
                     return;
@@ -131,7 +134,7 @@ pub fn spawn(rt: &Runtime, index: usize, rate: Option<u64>) {
                 ),
                 Err(e) => tracing::error!("rebuild of member {index} stopped: {e}"),
             }
-            st.release_rebuild(index);
+            st.release_rebuild(m);
         })
         .expect("spawn rebuild thread");
 }
@@ -141,7 +144,7 @@ pub fn resume_all(rt: &Runtime, rate: Option<u64>) {
     if let Some(st) = rt.shared.striped.clone() {
         for i in 0..st.shape().members() {
             if st.rebuild_cursor(i).is_some() && !st.is_failed(i) {
-                spawn(rt, i, rate);
+                spawn(rt, rt.shared.geo.striped_member(i), rate);
             }
         }
     }

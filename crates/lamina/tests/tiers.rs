@@ -7,6 +7,25 @@
 mod common;
 use common::*;
 
+/// An array in `t/arr` on a 256 MiB capacity file behind cache files of the
+/// given names and sizes (two or three mirror each other), 1 MiB segments: the
+/// cache tier holds 47 of them.
+fn create_tiered(t: &TempDir, caches: &[(&str, &str)]) -> std::path::PathBuf {
+    let dir = t.join("arr");
+    let mut args: Vec<String> = ["array", "create", dir.to_str().unwrap(), "--device"]
+        .map(String::from)
+        .to_vec();
+    args.push(format!("{}:256M", t.join("capacity.img").display()));
+    for (name, size) in caches {
+        args.push("--cache-device".into());
+        args.push(format!("{}:{size}", t.join(name).display()));
+    }
+    args.extend(["--segment-size", "1M", "--write-unit", "128K"].map(String::from));
+    let out = lamina(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert!(out.contains("cache tier: 47 segments"), "{out}");
+    dir
+}
+
 #[test]
 fn cache_tier_fio_verify_compaction_kill9() {
     if !need(
@@ -17,24 +36,8 @@ fn cache_tier_fio_verify_compaction_kill9() {
         return;
     }
     let t = TempDir::new("tiers");
-    let dir = t.join("arr");
+    let dir = create_tiered(&t, &[("cache.img", "48M")]);
     let d = dir.to_str().unwrap();
-    let cap = format!("{}:256M", t.join("capacity.img").display());
-    let cache = format!("{}:48M", t.join("cache.img").display());
-    let out = lamina(&[
-        "array",
-        "create",
-        d,
-        "--device",
-        &cap,
-        "--cache-device",
-        &cache,
-        "--segment-size",
-        "1M",
-        "--write-unit",
-        "128K",
-    ]);
-    assert!(out.contains("cache tier: 47 segments"), "{out}");
     let st = status_json(&dir);
     assert_eq!(st["cache"]["segment_count"], 47, "{st}");
     // Usable capacity is the capacity tier's alone.
@@ -111,12 +114,167 @@ fn cache_tier_fio_verify_compaction_kill9() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success()
-            && err.contains("the cache tier's device (member [1]) is missing")
+            && err.contains("no complete copy of the cache tier is left (members [1] missing")
             && err.contains("\"v\" "),
         "{err}"
     );
     std::fs::rename(&moved, t.join("cache.img")).unwrap();
     lamina(&["status", d]);
+}
+
+/// A mirrored cache tier (two `--cache-device`s) end to end: one copy rots whole
+/// under the running server and a scrub mends it from the other, which is then
+/// failed (every block verifies from the mended copy) and rebuilt online; one
+/// copy's file disappears after a kill -9 that followed a flush; the array is
+/// listed degraded, served from the other copy with every block verified, and
+/// takes writes; the lost copy is replaced online and rebuilt; then the other
+/// copy is failed and every block reads back from the rebuilt one.
+#[test]
+fn mirrored_cache_loses_a_copy_and_rebuilds_it() {
+    if !need(
+        "tiers::mirrored_cache_loses_a_copy_and_rebuilds_it",
+        &["fio"],
+        false,
+    ) {
+        return;
+    }
+    let t = TempDir::new("mirror");
+    // A larger copy: the mirror holds what the smallest copy holds.
+    let dir = create_tiered(&t, &[("cache0.img", "48M"), ("cache1.img", "64M")]);
+    let d = dir.to_str().unwrap();
+    let st = status_json(&dir);
+    assert_eq!(
+        (&st["cache"]["copies"], &st["cache"]["copies_ok"]),
+        (&2.into(), &2.into()),
+        "{st}"
+    );
+    let tiers: Vec<&str> = st["array"]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["tier"].as_str().unwrap())
+        .collect();
+    assert_eq!(tiers, ["capacity", "cache", "cache"], "{st}");
+    let usable = st["usable_bytes"].as_u64().unwrap();
+    let vol = usable * 7 / 10 / (1 << 20) * (1 << 20);
+    create_volume(&dir, "v", &vol.to_string());
+
+    let s = Server::start(&dir);
+    let (w, r) = fio_ok(&fio(&fio_job("mirror", &s.uri("v"), vol, &["--loops=2"])));
+    assert!(w >= 2 * vol && r == w, "wrote {w}, verified {r}");
+    let st = status_json(&dir);
+    let members = st["array"]["members"].as_array().unwrap();
+    let (a, b) = (
+        members[1]["bytes_written"].as_u64().unwrap(),
+        members[2]["bytes_written"].as_u64().unwrap(),
+    );
+    assert!(
+        a > vol && a == b,
+        "both copies take every cache write: {st}"
+    );
+    assert!(st["cache"]["compactions"].as_u64().unwrap() > 0, "{st}");
+
+    // One copy rots under the running server: junk over all its segments. A
+    // scrub finds it and rewrites what is live from the other copy.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(t.join("cache1.img"))
+            .unwrap();
+        for seg in 0..47u64 {
+            f.write_all_at(&vec![0x5a; 1 << 20], (1 << 20) + seg * (1 << 20))
+                .unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&lamina(&["array", "scrub", d, "--json", "--quiet"])).unwrap();
+    let n = |k: &str| v[k].as_u64().unwrap();
+    assert!(
+        n("blocks_repaired") + n("parity_repaired") > 0 && n("unrecoverable") == 0,
+        "{v}"
+    );
+    // The good copy failed: everything reads back from the repaired one. Then the
+    // good copy's slot is rebuilt (on a new file) from it.
+    lamina(&["array", "fail", d, "--device", "1"]);
+    let (_, r) = fio_ok(&fio(&fio_job(
+        "mirror",
+        &s.uri("v"),
+        vol,
+        &["--verify_only"],
+    )));
+    assert!(r >= vol, "verified {r} of {vol} from the scrubbed copy");
+    let new0 = format!("{}:48M", t.join("cache0-new.img").display());
+    lamina(&[
+        "array", "replace", d, "--old", "1", "--new", &new0, "--quiet",
+    ]);
+    assert_eq!(status_json(&dir)["cache"]["copies_ok"], 2);
+
+    // Flushed, killed; then one copy's device is gone.
+    let s = kill9_after_flush(s, "mirror", vol);
+    s.kill9();
+    std::fs::remove_file(t.join("cache1.img")).unwrap();
+    // Found on its devices, the array is degraded, not incomplete.
+    let list: serde_json::Value = serde_json::from_str(&lamina(&[
+        "array",
+        "list",
+        t.path().to_str().unwrap(),
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(list["arrays"][0]["state"], "degraded", "{list}");
+    let s = Server::start(&dir);
+    let st = status_json(&dir);
+    assert_eq!(st["array"]["members"][2]["state"], "failed", "{st}");
+    assert_eq!(st["cache"]["copies_ok"], 1, "{st}");
+    let text = lamina(&["status", d]);
+    assert!(
+        text.contains("cache mirror: 2 copies, 1 out of service (degraded)"),
+        "{text}"
+    );
+    let (_, r) = fio_ok(&fio(&fio_job(
+        "mirror",
+        &s.uri("v"),
+        vol,
+        &["--verify_only"],
+    )));
+    assert!(r >= vol, "verified {r} of {vol} from one copy");
+    // Degraded, it takes writes (one pass, verified).
+    let (w, r) = fio_ok(&fio(&fio_job("mirror", &s.uri("v"), vol, &[])));
+    assert!(w >= vol && r == w, "wrote {w}, verified {r} degraded");
+
+    // The lost copy replaced online and rebuilt from the other.
+    let new = format!("{}:48M", t.join("cache1-new.img").display());
+    lamina(&[
+        "array", "replace", d, "--old", "2", "--new", &new, "--quiet",
+    ]);
+    let st = status_json(&dir);
+    assert_eq!(st["array"]["members"][2]["state"], "ok", "{st}");
+    assert_eq!(st["cache"]["copies_ok"], 2, "{st}");
+    // The other copy failed: everything reads back from the rebuilt one.
+    lamina(&["array", "fail", d, "--device", "1"]);
+    let st = status_json(&dir);
+    assert_eq!(st["array"]["members"][1]["state"], "failed", "{st}");
+    let (_, r) = fio_ok(&fio(&fio_job(
+        "mirror",
+        &s.uri("v"),
+        vol,
+        &["--verify_only"],
+    )));
+    assert!(r >= vol, "verified {r} of {vol} from the rebuilt copy");
+    // The last copy cannot be failed.
+    let out = lamina_output(&["array", "fail", d, "--device", "2"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("would leave data unrecoverable"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Nor can a capacity member, which has no copy.
+    let out = lamina_output(&["array", "fail", d, "--device", "0"]);
+    assert!(!out.status.success());
+    s.stop();
 }
 
 #[test]

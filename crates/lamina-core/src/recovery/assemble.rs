@@ -45,18 +45,20 @@ pub(super) fn open_devices(
         let member = devices[..geo.members]
             .iter()
             .position(|d| d.describe() == name);
-        match (&striped, member) {
-            (Some(st), Some(i)) => {
+        match (&striped, member, member.and_then(|i| geo.striped_index(i))) {
+            (Some(st), Some(i), Some(local)) => {
                 report.warnings.push(format!("{e}: member {i} failed"));
-                st.write_failed(i);
+                st.write_failed(local);
             }
             // A device that is not a member any more (unreadable, replaced, or a
             // removed JBOD member still named): it is already out of the array.
-            (_, None) => report.warnings.push(format!("{e} (not in use)")),
+            (_, None, _) => report.warnings.push(format!("{e} (not in use)")),
             _ => return Err(e.into()),
         }
     }
-    if striped.as_ref().is_some_and(|st| st.redundancy_left() < 0) && writable {
+    // A mirrored cache with no copy left is refused with what it cost
+    // (`recovery::cache_lost`), which needs the checkpoint read first.
+    if striped.as_ref().is_some_and(|st| st.redundancy_left() < 0) && writable && !geo.mirrored() {
         return Err(EngineError::Invalid(format!(
             "more members failed than the layout's {} parity tolerates; open read-only to read what can be rebuilt",
             geo.parity
@@ -253,10 +255,18 @@ pub fn read_superblocks(
             .iter()
             .all(|&i| newest.devices[i].tier == lamina_format::superblock::TIER_CACHE)
     {
-        // The cache tier's device alone is missing: the array will not be served
-        // (it cannot vouch for what the cache held), but its checkpoint, on the
-        // capacity tier, says which volumes lost what (`recovery::cache_lost`).
+        // Cache members alone are missing. With a copy of the mirror left, the
+        // array runs degraded; without, it will not be served (it cannot vouch
+        // for what the cache held), but its checkpoint, on the capacity tier, says
+        // which volumes lost what (`recovery::cache_lost`).
+        let left = cache - missing.len();
         for &i in &missing {
+            if left > 0 {
+                warnings.push(format!(
+                    "cache member {i} of {:?} is missing: the cache mirror runs degraded",
+                    newest.array_name
+                ));
+            }
             ordered[i] = Some(Arc::new(lamina_device::striped::Absent::new(format!(
                 "member {i} (cache tier, missing)"
             ))));
@@ -312,14 +322,22 @@ fn data_path(
     EngineError,
 > {
     use lamina_device::striped::{StripeShape, Striped};
-    if sb.layout == Layout::Jbod {
+    if sb.layout == Layout::Jbod && !geo.mirrored() {
         return Ok((
             members.into_iter().map(plug).collect::<Result<_, _>>()?,
             None,
         ));
     }
-    let failed: Vec<bool> = sb
-        .devices
+    // The striped device's members: every member of a striped layout; the cache
+    // members of a JBOD whose cache tier is mirrored (one data column, the other
+    // copies as its parity: P and Q of a single column are copies of it).
+    let base = geo.striped_member0();
+    let (capacity, members) = {
+        let mut m = members;
+        let mirror = m.split_off(base);
+        (m, mirror)
+    };
+    let failed: Vec<bool> = sb.devices[base..]
         .iter()
         .zip(&members)
         .map(|(e, d)| e.state == MEMBER_FAILED || d.size_bytes() == 0)
@@ -327,17 +345,33 @@ fn data_path(
     for (i, f) in failed.iter().enumerate() {
         if *f {
             warnings.push(format!(
-                "member {i} ({}) is failed or missing: the array runs degraded",
-                members[i].describe()
+                "member {} ({}) is failed or missing: the {} runs degraded",
+                base + i,
+                members[i].describe(),
+                if geo.mirrored() {
+                    "cache mirror"
+                } else {
+                    "array"
+                }
             ));
         }
     }
-    let shape = StripeShape {
-        data: geo.row_blocks as usize,
-        parity: geo.parity,
-        chunk_blocks: (geo.segment_blocks / geo.row_blocks) as u64,
-        data_offset: geo.data_offset,
-        stripes: geo.segment_count as u64,
+    let shape = if geo.mirrored() {
+        StripeShape {
+            data: 1,
+            parity: geo.cache_copies - 1,
+            chunk_blocks: geo.segment_blocks as u64,
+            data_offset: geo.data_offset,
+            stripes: geo.cache_segments() as u64,
+        }
+    } else {
+        StripeShape {
+            data: geo.row_blocks as usize,
+            parity: geo.parity,
+            chunk_blocks: (geo.segment_blocks / geo.row_blocks) as u64,
+            data_offset: geo.data_offset,
+            stripes: geo.segment_count as u64,
+        }
     };
     let striped = Arc::new(
         Striped::new(members.clone(), shape, &failed)
@@ -348,10 +382,10 @@ fn data_path(
             "{} of {} members failed, more than the layout's {} parity: data is lost",
             striped.failed_count(),
             members.len(),
-            geo.parity
+            shape.parity
         ));
     }
-    for (i, e) in sb.devices.iter().enumerate() {
+    for (i, e) in sb.devices[base..].iter().enumerate() {
         if e.state == MEMBER_REBUILDING && !failed[i] {
             striped.set_rebuild_cursor(i, Some(e.rebuild_cursor as u64));
             // Zoned: what a killed rebuild wrote past its recorded cursor would
@@ -372,23 +406,24 @@ fn data_path(
                 }
             }
             warnings.push(format!(
-                "member {i} ({}) is being rebuilt: {} of {} stripes done",
+                "member {} ({}) is being rebuilt: {} of {} stripes done",
+                base + i,
                 members[i].describe(),
                 e.rebuild_cursor,
-                geo.segment_count
+                shape.stripes
             ));
         }
     }
     // Superblocks and syncs reach members through their slots, so that they follow
     // a replacement.
-    let mut devices: Vec<Arc<dyn BlockDevice>> = (0..members.len())
-        .map(|index| {
-            Arc::new(lamina_device::striped::MemberSlot {
-                array: striped.clone(),
-                index,
-            }) as Arc<dyn BlockDevice>
-        })
-        .collect();
+    let mut devices: Vec<Arc<dyn BlockDevice>> =
+        capacity.into_iter().map(plug).collect::<Result<_, _>>()?;
+    devices.extend((0..members.len()).map(|index| {
+        Arc::new(lamina_device::striped::MemberSlot {
+            array: striped.clone(),
+            index,
+        }) as Arc<dyn BlockDevice>
+    }));
     devices.push(plug(striped.clone())?);
     Ok((devices, Some(striped)))
 }

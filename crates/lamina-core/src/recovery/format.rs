@@ -40,10 +40,11 @@ pub fn format(
                 params.layout.name()
             ));
         }
-        if params.cache_devices > 1 {
-            return invalid(
-                "one cache device at most: mirrored cache tiers are not built yet".into(),
-            );
+        if params.cache_devices > 3 {
+            return invalid(format!(
+                "a cache tier is one device or a mirror of 2 or 3, not {}",
+                params.cache_devices
+            ));
         }
         if devices.len() <= params.cache_devices {
             return invalid("a cache tier needs at least one capacity device behind it".into());
@@ -144,6 +145,13 @@ pub fn format(
         .map(|d| Geometry::segments_on_device(d.size_bytes(), data_offset, chunk_blocks))
         .min()
         .unwrap_or(0);
+    // A mirrored cache tier: every cache member holds every cache segment, as many
+    // as the smallest of them holds, numbered after the capacity tier's.
+    let cache_segments = devices[capacity_devices..]
+        .iter()
+        .map(|d| Geometry::segments_on_device(d.size_bytes(), data_offset, params.segment_blocks))
+        .min()
+        .unwrap_or(0);
     for (i, d) in devices.iter().enumerate() {
         let size = d.size_bytes();
         let segs = if striped {
@@ -159,6 +167,11 @@ pub fn format(
                 chunk_blocks as u64 * BLOCK_SIZE_U64
             ));
         }
+        let segs = if i >= capacity_devices {
+            cache_segments
+        } else {
+            segs
+        };
         entries.push(DeviceEntry {
             uuid: device_uuids[i],
             size_bytes: size,
@@ -172,18 +185,21 @@ pub fn format(
                 TIER_CAPACITY
             },
         });
-        first = first
-            .checked_add(segs)
-            .ok_or_else(|| EngineError::Invalid("array too large".into()))?;
+        // The cache members after the first mirror it: same segments.
+        if i < capacity_devices {
+            first = first
+                .checked_add(segs)
+                .ok_or_else(|| EngineError::Invalid("array too large".into()))?;
+        }
     }
     if striped {
         first = stripes;
     }
     if params.cache_devices > 0 {
-        let cache: u32 = entries[capacity_devices..]
-            .iter()
-            .map(|e| e.segment_count)
-            .sum();
+        let cache = cache_segments;
+        first = first
+            .checked_add(cache)
+            .ok_or_else(|| EngineError::Invalid("array too large".into()))?;
         if cache < MIN_CACHE_SEGMENTS || first - cache < MIN_SEGMENTS {
             return invalid(format!(
                 "a cache tier of {cache} segments in front of {} is too small: need at least \

@@ -158,11 +158,12 @@ fn read_blocks(
     Ok(buf)
 }
 
-/// The cache tier's device is missing (issue 14; mirrored cache devices are not
-/// built): every block written since the last checkpoint is only in the cache,
-/// and so are the blocks that checkpoint maps into cache segments. The array
-/// cannot vouch for any volume and is not served; the error says which volumes
-/// lost what, as the checkpoint (on the capacity tier) counts it.
+/// No complete copy of the cache tier is left (its one device missing, or every
+/// device of its mirror missing, failed or still being rebuilt, which holds only
+/// the stripes below its cursor): every block written since the last checkpoint
+/// is only in the cache, and so are the blocks that checkpoint maps into cache
+/// segments. The array cannot vouch for any volume and is not served; the error
+/// says which volumes lost what, as the checkpoint (on the capacity tier) counts it.
 fn cache_lost(
     shared: &Shared,
     sb: &lamina_format::superblock::Superblock,
@@ -170,16 +171,22 @@ fn cache_lost(
 ) -> Option<EngineError> {
     let geo = &shared.geo;
     // `read_superblocks` put an absent device (size 0) where a cache member was
-    // missing; a member that is present is at least as large as it was.
-    let lost: Vec<usize> = (0..sb.devices.len())
-        .filter(|&i| {
-            sb.devices[i].tier == lamina_format::superblock::TIER_CACHE
-                && shared.devices[i].size_bytes() == 0
-        })
+    // missing; a member that is present is at least as large as it was. A mirror
+    // also leaves out the copies it records as failed, and those not yet rebuilt.
+    let cache: Vec<usize> = (0..sb.devices.len())
+        .filter(|&i| sb.devices[i].tier == lamina_format::superblock::TIER_CACHE)
         .collect();
-    if lost.is_empty() {
+    let gone = |i: usize| {
+        shared.devices[i].size_bytes() == 0
+            || geo
+                .striped_index(i)
+                .zip(shared.striped.as_ref())
+                .is_some_and(|(m, st)| st.is_failed(m) || st.rebuild_cursor(m).is_some())
+    };
+    if cache.is_empty() || !cache.iter().all(|&i| gone(i)) {
         return None;
     }
+    let lost = cache;
     let mut volumes = Vec::new();
     for (v, _) in &ckpt.volumes {
         let mut n = 0u64;
@@ -201,8 +208,9 @@ fn cache_lost(
         |c| format!("checkpoint generation {}", c.generation),
     );
     Some(EngineError::Invalid(format!(
-        "the cache tier's device (member {lost:?}) is missing, and the array keeps one copy of \
-         what is in its cache (mirrored cache devices are not built yet): it is not served. \
+        "no complete copy of the cache tier is left (members {lost:?} missing, failed or being \
+         rebuilt), and the array \
+         cannot vouch for what was in its cache: it is not served. \
          Lost with it: every block written since the last checkpoint ({at}), and what that \
          checkpoint maps into the cache: {}. Give the device back to serve the array",
         if volumes.is_empty() {

@@ -157,7 +157,12 @@ pub(super) fn close_write_hole(
                 ranges.push((geo.data_end, geo.summary_blocks));
             }
             for (from, len) in ranges {
-                let (_, off) = geo.locate(SegmentId(f.seg), from);
+                let (dev, off) = geo.locate(SegmentId(f.seg), from);
+                // Only the striped device's segments have rows (with a mirrored
+                // cache tier, the capacity tier's are plain JBOD segments).
+                if shared.striped_at(dev).is_none() {
+                    continue;
+                }
                 let r = st.resync(off, len as usize * BLOCK_SIZE).map_err(|e| {
                     EngineError::Io(format!("parity resync of segment {}: {e}", f.seg))
                 })?;

@@ -191,8 +191,10 @@ pub(super) fn read_unit_header(
             }
         }
     }
-    let st = shared.striped.as_ref().filter(|st| st.shape().parity > 0)?;
-    let (_, off) = shared.geo.locate(SegmentId(seg), offset);
+    let (dev, off) = shared.geo.locate(SegmentId(seg), offset);
+    // Only the striped device has rows to rebuild from (not a JBOD member beside
+    // a mirrored cache).
+    let st = shared.striped_at(dev).filter(|st| st.shape().parity > 0)?;
     let mut buf = vec![0u8; h as usize * BLOCK_SIZE];
     for m in 0..st.shape().members() {
         if st.read_without(&mut buf, off, m).is_ok() {
