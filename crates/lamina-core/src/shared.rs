@@ -173,6 +173,10 @@ pub struct ReadStats {
     pub crc_cache_misses: AtomicU64,
     /// Device reads carried out by their connection ([`Shared::read_start`]).
     pub device_reads_async: AtomicU64,
+    /// Of `blocks_read`, those read from the cache tier (arrays with one).
+    pub cache_blocks_read: AtomicU64,
+    /// Blocks read from the DRAM write buffer (not in `blocks_read`).
+    pub buffer_blocks_read: AtomicU64,
 }
 
 /// Decoded data records of one unit: the owner (`volume << 48 | lba`) and CRC of
@@ -752,7 +756,7 @@ impl Shared {
         if !ok {
             return self.read_blocks(vol, Lba(first_lba), buf);
         }
-        self.count_read(vol, first_lba, (buf.len() / BLOCK_SIZE) as u64);
+        self.count_read(vol, first_lba, seg, (buf.len() / BLOCK_SIZE) as u64);
         self.read_stats
             .device_reads_async
             .fetch_add(1, Ordering::Relaxed);
@@ -775,8 +779,13 @@ impl Shared {
 
     /// Counts `n` blocks from `lba` read from a device (and marks them read for
     /// placement, when it tracks reads).
-    fn count_read(&self, vol: &VolumeShared, lba: u64, n: u64) {
+    fn count_read(&self, vol: &VolumeShared, lba: u64, seg: SegmentId, n: u64) {
         self.read_stats.blocks_read.fetch_add(n, Ordering::Relaxed);
+        if self.geo.is_cache(seg.0) {
+            self.read_stats
+                .cache_blocks_read
+                .fetch_add(n, Ordering::Relaxed);
+        }
         if self.track_reads.load(Ordering::Relaxed) {
             vol.map.mark_read(Lba(lba), n);
         }
@@ -848,6 +857,9 @@ impl Shared {
                     let src = unsafe { self.buffers.blocks(unit, block, 1) };
                     out[dst_off..dst_off + BLOCK_SIZE].copy_from_slice(src);
                     self.buffers.pins.unpin(unit);
+                    self.read_stats
+                        .buffer_blocks_read
+                        .fetch_add(1, Ordering::Relaxed);
                     i += 1;
                 }
                 Entry::Device(pba) => {
@@ -869,7 +881,7 @@ impl Shared {
                     if !r? {
                         return Ok(false);
                     }
-                    self.count_read(vol, lba, valid);
+                    self.count_read(vol, lba, seg, valid);
                     i += valid;
                 }
             }

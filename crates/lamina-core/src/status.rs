@@ -207,6 +207,18 @@ pub struct CacheStatus {
     /// are in service (not failed, missing or still being rebuilt).
     pub copies: u64,
     pub copies_ok: u64,
+    /// Bytes read (since the array was opened) from the cache tier, from the
+    /// capacity tier, and from the DRAM write buffer, which holds the newest
+    /// writes before they reach the cache.
+    pub read_bytes_cache: u64,
+    pub read_bytes_capacity: u64,
+    pub read_bytes_buffer: u64,
+    /// Of the bytes read that were mapped, the share served without the capacity
+    /// tier (the cache tier or the write buffer); `None` before any read.
+    pub hit_ratio: Option<f64>,
+    /// Bytes written to the capacity tier's members (compaction, GC, metadata)
+    /// per user byte written, since the array was created.
+    pub capacity_write_amplification: Option<f64>,
 }
 
 fn ratio(media: u64, user: u64) -> Option<f64> {
@@ -428,6 +440,10 @@ impl Engine {
             free_segments: self.segments.free.len() as u64,
             cache: self.geo.tiered().then(|| {
                 let (start, stop) = self.cache_watermarks();
+                let read = |c: &std::sync::atomic::AtomicU64| c.load(Relaxed);
+                let cache_read = read(&rs.cache_blocks_read);
+                let capacity_read = read(&rs.blocks_read).saturating_sub(cache_read);
+                let buffer_read = read(&rs.buffer_blocks_read);
                 CacheStatus {
                     segment_count: self.geo.cache_segments() as u64,
                     free_segments: self.segments.cache_free.len() as u64,
@@ -436,6 +452,19 @@ impl Engine {
                     compacted_bytes: self.gc.compacted_blocks * bs,
                     compaction_start: start as u64,
                     compaction_stop: stop as u64,
+                    read_bytes_cache: cache_read * bs,
+                    read_bytes_capacity: capacity_read * bs,
+                    read_bytes_buffer: buffer_read * bs,
+                    hit_ratio: ratio(
+                        cache_read + buffer_read,
+                        cache_read + buffer_read + capacity_read,
+                    ),
+                    capacity_write_amplification: ratio(
+                        (0..self.geo.cache_member0)
+                            .map(|i| self.device_blocks.get(i).copied().unwrap_or(0))
+                            .sum(),
+                        c.user_blocks,
+                    ),
                     copies: self.geo.cache_copies as u64,
                     copies_ok: match (&self.shared.striped, self.geo.mirrored()) {
                         (Some(st), true) => (0..self.geo.cache_copies)

@@ -81,8 +81,28 @@ fn user_writes_land_in_the_cache_and_compaction_moves_them_on() {
         "{c:?}"
     );
     assert!(member_bytes(&e).0 > after.0 + c.compacted_bytes / 2);
+    let r0 = e.status().cache.unwrap();
     verify_model(&e, vol, &model);
     e.check_gc_index();
+    // Reads are counted where they were found: the whole volume, read once, comes
+    // from both tiers (and from the buffer, what the last flush left there).
+    let r = e.status().cache.unwrap();
+    let (cache, capacity, buffer) = (
+        r.read_bytes_cache - r0.read_bytes_cache,
+        r.read_bytes_capacity - r0.read_bytes_capacity,
+        r.read_bytes_buffer - r0.read_bytes_buffer,
+    );
+    assert!(cache > 0 && capacity > 0, "{r:?}");
+    let mapped = model.len() as u64 * BS as u64;
+    assert!(cache + capacity + buffer >= mapped, "{r:?}");
+    assert!(
+        r.hit_ratio.unwrap() > 0.0 && r.hit_ratio.unwrap() < 1.0,
+        "{r:?}"
+    );
+    // The capacity tier took compaction's and the metadata's writes, a share of
+    // what users wrote.
+    let wa = r.capacity_write_amplification.unwrap();
+    assert!(wa > 0.1 && wa < 2.0, "{r:?}");
 
     // After a restart, from both tiers.
     drop(e);

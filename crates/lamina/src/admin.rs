@@ -414,6 +414,11 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                 compaction_stop: u("compaction_stop"),
                 copies: u("copies"),
                 copies_ok: u("copies_ok"),
+                read_bytes_cache: u("read_bytes_cache"),
+                read_bytes_capacity: u("read_bytes_capacity"),
+                read_bytes_buffer: u("read_bytes_buffer"),
+                hit_ratio: c["hit_ratio"].as_f64(),
+                capacity_write_amplification: c["capacity_write_amplification"].as_f64(),
             }
         }),
         gc_floor_waits: u("gc_floor_waits"),

@@ -57,6 +57,11 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
             "compaction_stop": c.compaction_stop,
             "copies": c.copies,
             "copies_ok": c.copies_ok,
+            "read_bytes_cache": c.read_bytes_cache,
+            "read_bytes_capacity": c.read_bytes_capacity,
+            "read_bytes_buffer": c.read_bytes_buffer,
+            "hit_ratio": c.hit_ratio,
+            "capacity_write_amplification": c.capacity_write_amplification,
         })),
         "user_bytes_written": s.user_bytes_written,
         "media_bytes_written": s.media_bytes_written,
@@ -205,6 +210,16 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             human(c.dirty_bytes),
             human(c.compacted_bytes),
             c.compactions
+        );
+        o += &format!(
+            "  cache reads: {} from the cache, {} from the write buffer, {} from the capacity tier{}; capacity tier written {} per user byte\n",
+            human(c.read_bytes_cache),
+            human(c.read_bytes_buffer),
+            human(c.read_bytes_capacity),
+            c.hit_ratio
+                .map_or(String::new(), |h| format!(" (hit ratio {:.1}%)", h * 100.0)),
+            c.capacity_write_amplification
+                .map_or("-".to_string(), |w| format!("{w:.2}"))
         );
         if c.copies > 1 {
             o += &format!(
@@ -561,6 +576,24 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
     let help = "Segments in the free queue.";
     e.one("free_segments", "gauge", help, s.free_segments as f64);
     if let Some(c) = &s.cache {
+        let by_tier = [
+            ("cache", c.read_bytes_cache),
+            ("buffer", c.read_bytes_buffer),
+            ("capacity", c.read_bytes_capacity),
+        ]
+        .iter()
+        .map(|&(tier, bytes)| (vec![("tier", tier.to_string())], bytes as f64))
+        .collect();
+        e.metric(
+            "tier_read_bytes_total",
+            "counter",
+            "Bytes read, by where they were found: the cache tier, the DRAM write buffer or the capacity tier.",
+            by_tier,
+        );
+        if let Some(w) = c.capacity_write_amplification {
+            let help = "Bytes written to the capacity tier per user byte written.";
+            e.one("capacity_write_amplification", "gauge", help, w);
+        }
         let help = "Devices of the cache tier in service (a mirror has 2 or 3).";
         e.one("cache_copies_ok", "gauge", help, c.copies_ok as f64);
         let help = "Free segments of the cache tier.";

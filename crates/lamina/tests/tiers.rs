@@ -69,6 +69,21 @@ fn cache_tier_fio_verify_compaction_kill9() {
     let text = lamina(&["status", d]);
     assert!(text.contains("cache tier: 47 segments"), "{text}");
     assert!(text.contains("cache.img (cache tier)"), "{text}");
+    // fio's verification read everything back: from both tiers, counted apart.
+    assert!(
+        c["read_bytes_cache"].as_u64().unwrap() > 0
+            && c["read_bytes_capacity"].as_u64().unwrap() > 0
+            && c["hit_ratio"].as_f64().is_some_and(|h| h > 0.0 && h < 1.0)
+            && c["capacity_write_amplification"].as_f64().unwrap() > 0.3,
+        "{st}"
+    );
+    assert!(text.contains("cache reads: "), "{text}");
+    let prom = lamina(&["status", d, "--prometheus"]);
+    assert!(
+        prom.contains("lamina_tier_read_bytes_total{array=\"arr\",tier=\"cache\"}")
+            || prom.contains("lamina_tier_read_bytes_total{tier=\"cache\",array=\"arr\"}"),
+        "{prom}"
+    );
 
     // A pass written and flushed, then kill -9: everything comes back, from
     // whichever tier holds it.
