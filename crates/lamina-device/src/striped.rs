@@ -936,10 +936,35 @@ impl Striped {
         }
     }
 
+    /// Gathers `rows` rows of `buf` into columns, computes their parity and
+    /// writes every member's column at `off` (the caller holds the stripe lock).
+    fn write_rows(&self, s: u64, buf: &[u8], rows: usize, off: u64) {
+        let sh = self.shape;
+        let (n, len) = (sh.members(), rows * BLOCK);
+        with_scratch(n * len, |all| {
+            let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
+            // Gather each data column.
+            for (c, col) in cols.iter_mut().take(sh.data).enumerate() {
+                for r in 0..rows {
+                    let src = (r * sh.data + c) * BLOCK;
+                    col[r * BLOCK..(r + 1) * BLOCK].copy_from_slice(&buf[src..src + BLOCK]);
+                }
+            }
+            if sh.parity > 0 {
+                let (data, par) = cols.split_at_mut(sh.data);
+                let refs: Vec<&[u8]> = data.iter().map(|d| &**d).collect();
+                let (p, q) = par.split_at_mut(1);
+                encode(&refs, p[0], q.first_mut().map(|q| &mut **q));
+            }
+            let cols: Vec<&[u8]> = cols.iter().map(|c| &**c).collect();
+            self.write_columns(s, &cols, off);
+        });
+    }
+
     /// Writes column `j` of `cols` to the member at position `j` of stripe `s`, all
     /// at `off`: members driven by io_uring in one batch (every column in flight at
     /// once), others one after the other. A member whose write fails is failed.
-    fn write_columns(&self, s: u64, cols: &[&mut [u8]], off: u64) {
+    fn write_columns(&self, s: u64, cols: &[&[u8]], off: u64) {
         let sh = self.shape;
         // (member, its device, its column); the devices are held for the batch.
         let targets: Vec<(usize, Arc<dyn BlockDevice>, &[u8])> = cols
@@ -1093,29 +1118,18 @@ impl BlockDevice for Striped {
         }
         let rows = (blocks / k) as usize;
         let row = b / k;
-        let len = rows * BLOCK;
         let n = sh.members();
         let off = sh.member_offset(s, row);
         let _g = self.stripe_locks[(s as usize) % STRIPE_LOCKS]
             .lock()
             .unwrap();
-        with_scratch(n * len, |all| {
-            let mut cols: Vec<&mut [u8]> = all.chunks_mut(len).collect();
-            // Gather each data column.
-            for (c, col) in cols.iter_mut().take(sh.data).enumerate() {
-                for r in 0..rows {
-                    let src = (r * sh.data + c) * BLOCK;
-                    col[r * BLOCK..(r + 1) * BLOCK].copy_from_slice(&buf[src..src + BLOCK]);
-                }
-            }
-            if sh.parity > 0 {
-                let (data, par) = cols.split_at_mut(sh.data);
-                let refs: Vec<&[u8]> = data.iter().map(|d| &**d).collect();
-                let (p, q) = par.split_at_mut(1);
-                encode(&refs, p[0], q.first_mut().map(|q| &mut **q));
-            }
-            self.write_columns(s, &cols, off);
-        });
+        if sh.data == 1 {
+            // A mirror: P and Q of one column are copies of it, so every member
+            // takes the caller's buffer as it is (no gather, no parity to compute).
+            self.write_columns(s, &vec![buf; n], off);
+        } else {
+            self.write_rows(s, buf, rows, off);
+        }
         if self.unavailable_count() > sh.parity {
             return Err(self.too_many_failed("write", offset));
         }
@@ -1424,6 +1438,45 @@ mod tests {
             .map(|f| f.clone() as Arc<dyn BlockDevice>)
             .collect();
         (Striped::new(members, shape, &[]).unwrap(), faults)
+    }
+
+    /// One data column (a mirror, as the cache tier's copies are driven): every
+    /// member holds the data as written, byte for byte, in every stripe; reads
+    /// survive all members but one lost, and a read that lies on one current
+    /// member is handed out to the caller's ring (or page cache) from it.
+    #[test]
+    fn one_data_column_is_a_mirror() {
+        for copies in [2, 3] {
+            let (a, f) = array(1, copies - 1);
+            let sh = a.shape;
+            for s in 0..sh.stripes {
+                let data = pattern(s + 1, 8);
+                let off = sh.data_offset + s * sh.stripe_blocks() * BLOCK_U64;
+                a.write_at(&data, off).unwrap();
+                for m in &f {
+                    let mut got = vec![0u8; data.len()];
+                    m.read_at(&mut got, sh.member_offset(s, 0)).unwrap();
+                    assert!(got == data, "{copies} copies, stripe {s}, {}", m.describe());
+                }
+                assert_eq!(
+                    a.whole_on_member(off, data.len()),
+                    Some((sh.member(s, 0), sh.member_offset(s, 0)))
+                );
+            }
+            for (lost, m) in f.iter().enumerate().take(copies - 1) {
+                m.vanish();
+                a.fail_member(lost);
+            }
+            for s in 0..sh.stripes {
+                let mut got = vec![0u8; 8 * BLOCK];
+                let off = sh.data_offset + s * sh.stripe_blocks() * BLOCK_U64;
+                a.read_at(&mut got, off).unwrap();
+                assert!(got == pattern(s + 1, 8), "{copies} copies, stripe {s}");
+                // Only the member left is current: reads go to it or nowhere.
+                let on = a.whole_on_member(off, got.len());
+                assert!(on.is_none() || on.unwrap().0 == copies - 1);
+            }
+        }
     }
 
     fn pattern(seed: u64, blocks: usize) -> Vec<u8> {
