@@ -4,6 +4,9 @@
 # on /dev/shm, so the engine's own cost shows), a 1 GiB volume written once, then
 # 8 s of fio (nbd engine, 4 KiB, iodepth 32, one connection).
 #
+# With LAYOUT=said5 (or said6, said0, jbod) and MEMBERS=N, the array is N files of
+# 1 GiB with that layout instead.
+#
 # Usage: bench/ab.sh OLD_LAMINA NEW_LAMINA [randread|randwrite|randrw] [ROUNDS]
 # e.g.   git worktree add /tmp/old HEAD~3 && (cd /tmp/old && cargo build --release)
 #        bench/ab.sh /tmp/old/target/release/lamina target/release/lamina randwrite 3
@@ -15,7 +18,13 @@ hz=$(getconf CLK_TCK)
 run() { # binary
   local lamina=$1 w pid t0 t1
   w=$(mktemp -d /dev/shm/lamina-ab.XXXXXX)
-  "$lamina" array create "$w" --device "$w/dev.img:4G" >/dev/null
+  if [ -n "${LAYOUT:-}" ]; then
+    local devs=()
+    for i in $(seq "${MEMBERS:-4}"); do devs+=(--device "$w/d$i.img:1G"); done
+    "$lamina" array create "$w" --layout "$LAYOUT" "${devs[@]}" >/dev/null
+  else
+    "$lamina" array create "$w" --device "$w/dev.img:4G" >/dev/null
+  fi
   "$lamina" volume create "$w" vol --size 1G >/dev/null
   "$lamina" serve "$w" --unix "$w/nbd.sock" >"$w/out" 2>"$w/err" &
   pid=$!

@@ -179,6 +179,18 @@ pub struct ReadStats {
     pub buffer_blocks_read: AtomicU64,
 }
 
+/// Blocks one request read, by where they were found (see
+/// [`Shared::commit_reads`]).
+#[derive(Default)]
+struct ReadTally {
+    /// From devices (either tier).
+    device: u64,
+    /// Of `device`, from the cache tier.
+    cache: u64,
+    /// From the DRAM write buffer.
+    buffer: u64,
+}
+
 /// Decoded data records of one unit: the owner (`volume << 48 | lba`) and CRC of
 /// each data block, and whether the slot was stale when sealed.
 struct UnitCrcs {
@@ -756,7 +768,15 @@ impl Shared {
         if !ok {
             return self.read_blocks(vol, Lba(first_lba), buf);
         }
-        self.count_read(vol, first_lba, seg, (buf.len() / BLOCK_SIZE) as u64);
+        let mut tally = ReadTally::default();
+        self.count_read(
+            &mut tally,
+            vol,
+            first_lba,
+            seg,
+            (buf.len() / BLOCK_SIZE) as u64,
+        );
+        self.commit_reads(&tally);
         self.read_stats
             .device_reads_async
             .fetch_add(1, Ordering::Relaxed);
@@ -777,17 +797,36 @@ impl Shared {
         n
     }
 
-    /// Counts `n` blocks from `lba` read from a device (and marks them read for
-    /// placement, when it tracks reads).
-    fn count_read(&self, vol: &VolumeShared, lba: u64, seg: SegmentId, n: u64) {
-        self.read_stats.blocks_read.fetch_add(n, Ordering::Relaxed);
+    /// Counts `n` blocks from `lba` read from a device of `seg` into `tally`
+    /// (and marks them read for placement, when it tracks reads).
+    fn count_read(
+        &self,
+        tally: &mut ReadTally,
+        vol: &VolumeShared,
+        lba: u64,
+        seg: SegmentId,
+        n: u64,
+    ) {
+        tally.device += n;
         if self.geo.is_cache(seg.0) {
-            self.read_stats
-                .cache_blocks_read
-                .fetch_add(n, Ordering::Relaxed);
+            tally.cache += n;
         }
         if self.track_reads.load(Ordering::Relaxed) {
             vol.map.mark_read(Lba(lba), n);
+        }
+    }
+
+    /// Adds what a served request read to the counters.
+    fn commit_reads(&self, t: &ReadTally) {
+        let rs = &self.read_stats;
+        for (c, n) in [
+            (&rs.blocks_read, t.device),
+            (&rs.cache_blocks_read, t.cache),
+            (&rs.buffer_blocks_read, t.buffer),
+        ] {
+            if n > 0 {
+                c.fetch_add(n, Ordering::Relaxed);
+            }
         }
     }
 
@@ -820,6 +859,24 @@ impl Shared {
         first: u64,
         out: &mut [u8],
         nowait: bool,
+    ) -> Result<bool, ReadError> {
+        // Counted once the request is served: a no-wait attempt that gives up is
+        // read again, and counted then.
+        let mut tally = ReadTally::default();
+        let r = self.read_blocks_tallied(vol, first, out, nowait, &mut tally);
+        if !matches!(r, Ok(false)) {
+            self.commit_reads(&tally);
+        }
+        r
+    }
+
+    fn read_blocks_tallied(
+        &self,
+        vol: &VolumeShared,
+        first: u64,
+        out: &mut [u8],
+        nowait: bool,
+        tally: &mut ReadTally,
     ) -> Result<bool, ReadError> {
         let nblocks = (out.len() / BLOCK_SIZE) as u64;
         let len = vol.map.len();
@@ -857,9 +914,7 @@ impl Shared {
                     let src = unsafe { self.buffers.blocks(unit, block, 1) };
                     out[dst_off..dst_off + BLOCK_SIZE].copy_from_slice(src);
                     self.buffers.pins.unpin(unit);
-                    self.read_stats
-                        .buffer_blocks_read
-                        .fetch_add(1, Ordering::Relaxed);
+                    tally.buffer += 1;
                     i += 1;
                 }
                 Entry::Device(pba) => {
@@ -881,7 +936,7 @@ impl Shared {
                     if !r? {
                         return Ok(false);
                     }
-                    self.count_read(vol, lba, seg, valid);
+                    self.count_read(tally, vol, lba, seg, valid);
                     i += valid;
                 }
             }

@@ -467,3 +467,39 @@ fn a_scrub_rebuilds_a_rotten_cache_copy_from_the_other() {
     let e = open_rw(&devs, small_config());
     verify_model(&e, a, &model);
 }
+
+/// Reads are counted by where they were found, once: a request that a no-wait
+/// attempt gives up on (a block in the write buffer, then one on a device that
+/// has nothing at hand) and that is then read the waiting way counts each block
+/// one time.
+#[test]
+fn a_read_is_counted_once_where_it_was_found() {
+    // Behind fault-injecting devices, which have nothing at hand for a no-wait
+    // read (they pass no page cache through).
+    let devs: Vec<Arc<dyn BlockDevice>> = tiered_devices()
+        .into_iter()
+        .map(|d| Arc::new(lamina_device::fault::FaultDevice::new(d)) as Arc<dyn BlockDevice>)
+        .collect();
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let v = create_volume(&mut e, "v", 400 * BS as u64);
+    write_block(&mut e, v, 1, 1, false).unwrap();
+    call(&mut e, Request::Flush).result.expect("flush");
+    // Block 0 stays in the write buffer: no flush after it.
+    write_block(&mut e, v, 0, 1, false).unwrap();
+    let vol = e.shared().volume_by_id(v).unwrap();
+    let before = e.status().cache.unwrap();
+    let mut buf = vec![0u8; 2 * BS];
+    assert!(
+        e.shared().read_nowait(&vol, 0, &mut buf).is_none(),
+        "the device has nothing at hand"
+    );
+    e.shared().read(&vol, 0, &mut buf).unwrap();
+    let after = e.status().cache.unwrap();
+    assert_eq!(
+        after.read_bytes_buffer - before.read_bytes_buffer,
+        BS as u64
+    );
+    assert_eq!(after.read_bytes_cache - before.read_bytes_cache, BS as u64);
+    assert_eq!(after.read_bytes_capacity, before.read_bytes_capacity);
+}
