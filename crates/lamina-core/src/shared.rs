@@ -760,7 +760,12 @@ impl Shared {
             first_lba,
             ..
         } = read;
-        let ok = matches!(result, Ok(n) if n == buf.len())
+        let read_ok = matches!(result, Ok(n) if n == buf.len());
+        let (dev, voff) = self.geo.locate(seg, seg_off);
+        if let Some(st) = self.striped_at(dev) {
+            st.target_read_done(voff, buf.len(), read_ok);
+        }
+        let ok = read_ok
             && self
                 .verify_run(vol, first_lba, seg, seg_off, buf, None)
                 .is_ok();

@@ -326,6 +326,20 @@ impl Striped {
             .then(|| (m, self.shape.member_offset(s, b / k)))
     }
 
+    /// A read [`Striped::read_target`] handed out finished: counted against its
+    /// member as reads through the array are (bytes read, or a read error, whose
+    /// stripe goes to the repair list).
+    pub fn target_read_done(&self, offset: u64, len: usize, ok: bool) {
+        let Some((m, _)) = self.whole_on_member(offset, len) else {
+            return;
+        };
+        if ok {
+            self.read_bytes[m].fetch_add(len as u64, Ordering::Relaxed);
+        } else if let Ok((s, _, _)) = self.split("read", offset, len) {
+            self.note_read_error(m, s);
+        }
+    }
+
     /// Whether any member is driven by io_uring (see [`Striped::read_target`]).
     pub fn has_uring_members(&self) -> bool {
         (0..self.members.len()).any(|i| self.member(i).uring_target().is_some())
@@ -1463,6 +1477,16 @@ mod tests {
                     Some((sh.member(s, 0), sh.member_offset(s, 0)))
                 );
             }
+            // A read handed out to a caller's ring is counted against its member
+            // when it finishes: bytes, or an error and a repair of the stripe.
+            let off = sh.data_offset + sh.stripe_blocks() * BLOCK_U64;
+            let m = sh.member(1, 0);
+            let before = a.member_states()[m].bytes_read;
+            a.target_read_done(off, BLOCK, true);
+            assert_eq!(a.member_states()[m].bytes_read, before + BLOCK_U64);
+            a.target_read_done(off, BLOCK, false);
+            assert_eq!(a.member_states()[m].read_errors, 1);
+            assert_eq!(a.take_repairs(), vec![1]);
             for (lost, m) in f.iter().enumerate().take(copies - 1) {
                 m.vanish();
                 a.fail_member(lost);
