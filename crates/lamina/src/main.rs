@@ -234,7 +234,8 @@ enum ArrayCmd {
     #[command(long_about = ARRAY_CREATE_ABOUT)]
     Create(ArrayCreateArgs),
     /// Take a member device out of service (as `mdadm --fail`): the array serves
-    /// on from the others and their parity.
+    /// on from the others and their parity (a said5/6 member, or a copy of a
+    /// mirrored cache tier).
     Fail {
         dir: PathBuf,
         /// The member: its index (as `lamina status` lists them) or its path.
@@ -411,6 +412,8 @@ Put a new device in the place of failed member N of a striped array (said5,
 said6) and rebuild its share of every stripe that holds data from the other
 members' data and parity. Free stripes are skipped: a log-structured array knows
 which stripes are in use, so a rebuild moves the used space, not the device size.
+A failed copy of a mirrored cache tier is replaced the same way: the new device
+gets the cache segments in use, copied from another copy.
 
 On a JBOD array, move member N (healthy, or failing but still readable) to the new
 device, as `pvmove` onto a new disk: its segments that hold data are copied to the
