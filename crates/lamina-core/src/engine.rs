@@ -954,11 +954,7 @@ impl Engine {
                     ))),
                     None,
                 ),
-                Some((st, m))
-                    if !st.is_failed(m)
-                        && st.rebuild_cursor(m).is_none()
-                        && st.redundancy_left() <= 0 =>
-                {
+                Some((st, m)) if st.available(m) && st.redundancy_left() <= 0 => {
                     self.reply(
                     token,
                     Err(EngineError::Invalid(format!(

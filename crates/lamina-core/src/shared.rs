@@ -761,9 +761,13 @@ impl Shared {
             ..
         } = read;
         let read_ok = matches!(result, Ok(n) if n == buf.len());
-        let (dev, voff) = self.geo.locate(seg, seg_off);
-        if let Some(st) = self.striped_at(dev) {
-            st.target_read_done(voff, buf.len(), read_ok);
+        // A striped member's read is counted against it (JBOD reads locate
+        // nothing here).
+        if self.striped.is_some() {
+            let (dev, voff) = self.geo.locate(seg, seg_off);
+            if let Some(st) = self.striped_at(dev) {
+                st.target_read_done(voff, buf.len(), read_ok);
+            }
         }
         let ok = read_ok
             && self

@@ -467,9 +467,7 @@ impl Engine {
                     ),
                     copies: self.geo.cache_copies as u64,
                     copies_ok: match (&self.shared.striped, self.geo.mirrored()) {
-                        (Some(st), true) => (0..self.geo.cache_copies)
-                            .filter(|&m| !st.is_failed(m) && st.rebuild_cursor(m).is_none())
-                            .count() as u64,
+                        (Some(st), true) => (self.geo.cache_copies - st.unavailable_count()) as u64,
                         _ => self.geo.cache_copies as u64,
                     },
                 }

@@ -410,10 +410,15 @@ impl Striped {
         self.slot_gen[i].load(Ordering::SeqCst)
     }
 
+    /// Member `i` holds every stripe: neither failed nor still being rebuilt.
+    pub fn available(&self, i: usize) -> bool {
+        !self.is_failed(i) && self.rebuild_cursor(i).is_none()
+    }
+
     /// Members that are failed or still being rebuilt: neither adds redundancy.
     pub fn unavailable_count(&self) -> usize {
         (0..self.members.len())
-            .filter(|&i| self.is_failed(i) || self.rebuild_cursor(i).is_some())
+            .filter(|&i| !self.available(i))
             .count()
     }
 

@@ -99,11 +99,14 @@ impl Found {
             .is_some_and(|d| d.state == MEMBER_FAILED)
     }
 
-    /// Members the array must do without: not found, or failed, each counted once.
+    /// Member `i` is one the array must do without: not found, or failed.
+    fn lost(&self, i: usize) -> bool {
+        !self.removed(i) && (self.members[i].is_none() || self.failed(i))
+    }
+
+    /// Members the array must do without, each counted once.
     pub fn unusable(&self) -> usize {
-        (0..self.members.len())
-            .filter(|&i| !self.removed(i) && (self.members[i].is_none() || self.failed(i)))
-            .count()
+        (0..self.members.len()).filter(|&i| self.lost(i)).count()
     }
 
     /// Members the layout's parity lets the array do without (a mirrored cache
@@ -127,10 +130,7 @@ impl Found {
         let n = self.unusable();
         let jbod = self.reference.layout == lamina_format::superblock::Layout::Jbod;
         // Beside a mirrored cache, a JBOD's capacity members have no copy.
-        let capacity_ok = !jbod
-            || (0..self.members.len()).all(|i| {
-                self.cache(i) || self.removed(i) || (self.members[i].is_some() && !self.failed(i))
-            });
+        let capacity_ok = !jbod || (0..self.members.len()).all(|i| self.cache(i) || !self.lost(i));
         match n {
             0 => "complete",
             n if n <= self.parity() && capacity_ok => "degraded",

@@ -952,8 +952,7 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
     let old_name = before.members[old].name.clone();
     // A copy of a mirrored cache tier is rebuilt from the other copies, as a
     // striped member is; any other JBOD member is copied.
-    let mirror_copy =
-        before.members[old].tier == "cache" && before.cache.as_ref().is_some_and(|c| c.copies > 1);
+    let mirror_copy = before.members[old].tier == "cache" && mirrored_cache(&before);
     if before.layout == "jbod" && !mirror_copy {
         if rate.is_some() || a.whole_device || a.no_wait {
             return Err(Usage(
@@ -1426,11 +1425,16 @@ fn admin_socket(dir: &Path) -> Result<PathBuf> {
     Ok(Config::resolve(dir, &cfg.admin_socket))
 }
 
+/// Whether the array's cache tier is a mirror (2 or 3 copies).
+fn mirrored_cache(st: &lamina_core::StatusReport) -> bool {
+    st.cache.as_ref().is_some_and(|c| c.copies > 1)
+}
+
 fn array_fail(dir: &Path, device: &str) -> Result<()> {
     let dir = absolute(dir)?;
     // Checked before anything is opened for writing.
     let (st, _) = get_status(&dir)?;
-    let mirrored = st.cache.as_ref().is_some_and(|c| c.copies > 1);
+    let mirrored = mirrored_cache(&st);
     if (st.layout == "jbod" && !mirrored) || st.layout == "said0" {
         bail!(
             "a {} array has no redundancy: no member can be failed",

@@ -181,7 +181,7 @@ fn cache_lost(
             || geo
                 .striped_index(i)
                 .zip(shared.striped.as_ref())
-                .is_some_and(|(m, st)| st.is_failed(m) || st.rebuild_cursor(m).is_some())
+                .is_some_and(|(m, st)| !st.available(m))
     };
     if cache.is_empty() || !cache.iter().all(|&i| gone(i)) {
         return None;
