@@ -594,8 +594,11 @@ impl Engine {
             })
             .map_err(EngineError::Invalid)?;
         space.set_thresholds(cfg.space_warn, cfg.space_critical);
+        // A cache tier in front of zoned devices is conventional: the zone rules
+        // are the capacity tier's, and every cache segment counts as lying in a
+        // conventional zone (it holds none open and is never reset).
         let zone_layout = geo
-            .data_devices()
+            .capacity_devices()
             .map(|d| shared.devices[d].zone_layout())
             .collect::<Option<Vec<_>>>();
         let zone_limit = zone_layout
@@ -615,7 +618,12 @@ impl Engine {
                 &shared
                     .devices
                     .iter()
-                    .map(|d| d.zone_layout().map_or(0, |l| l.conventional_bytes))
+                    .enumerate()
+                    .map(|(i, d)| match d.zone_layout() {
+                        _ if geo.holds_cache(i) => u64::MAX,
+                        Some(l) => l.conventional_bytes,
+                        None => 0,
+                    })
                     .collect::<Vec<_>>(),
             ),
             durable_ckpt_version: sb.checkpoint.as_ref().map_or(0, |c| c.version),
@@ -1236,7 +1244,6 @@ impl Engine {
         {
             return;
         }
-        let before = self.discard_before();
         // The cache tier's free segments too: a flash cache takes every write.
         let tiers: &[Tier] = if self.geo.tiered() {
             &[Tier::Capacity, Tier::Cache]
@@ -1244,6 +1251,7 @@ impl Engine {
             &[Tier::Capacity]
         };
         for &tier in tiers {
+            let before = self.discard_before(tier);
             while self.segments.discarding < MAX_DISCARDS {
                 let shared = &self.shared;
                 let Some(seg) = self.segments.next_to_discard(
@@ -1713,16 +1721,26 @@ impl Engine {
 
     // ---------------------------------------------------------------- discards and releases
 
-    /// Discards are issued on arrays whose devices take writes anywhere (a zoned
-    /// device's zone is reset when its segment is reused instead).
-    fn discard_enabled(&self) -> bool {
-        self.cfg.discard && !self.zones.zoned
+    /// Discards are issued on the devices of `tier` where they take writes
+    /// anywhere (a zoned device's zone is reset when its segment is reused
+    /// instead; a cache tier in front of zoned devices is conventional).
+    fn discard_enabled(&self, tier: Tier) -> bool {
+        self.cfg.discard && (!self.zones.zoned || tier == Tier::Cache)
     }
 
-    /// Free segments whose contents were opened before this version may be
-    /// discarded (see [`SegmentTable::discardable`]); `None` when discards are off.
-    fn discard_before(&self) -> Option<u64> {
-        self.discard_enabled().then_some(self.durable_ckpt_version)
+    /// Free segments of `tier` whose contents were opened before this version
+    /// may be discarded (see [`SegmentTable::discardable`]); `None` when discards
+    /// are off there.
+    fn discard_before(&self, tier: Tier) -> Option<u64> {
+        self.discard_enabled(tier)
+            .then_some(self.durable_ckpt_version)
+    }
+
+    /// Segment `seg`'s discard on release, when there is one (no delay): before
+    /// which version it may be discarded.
+    fn release_discards(&self, seg: u32) -> Option<u64> {
+        self.discard_before(self.geo.tier(seg))
+            .filter(|_| self.cfg.discard_delay_ms == 0)
     }
 
     /// Queues the discard of segment `seg`'s whole extent.
@@ -1744,7 +1762,7 @@ impl Engine {
         if self.cfg.metadata_only {
             // Nothing is durable in a simulation: reuse at once (an emulated SSD
             // under the simulator still hears of it).
-            if self.discard_enabled() {
+            if self.discard_enabled(self.geo.tier(seg)) {
                 self.submit_discard(seg, false);
             }
             self.segments.make_free(seg, self.now_ms);
@@ -1844,15 +1862,15 @@ impl Engine {
         // queue (once no reader holds them), all those whose release is durable at
         // once; see `SegmentTable::discardable`. Otherwise `discard_idle` discards
         // those that stay free.
-        let release_discards = self
-            .discard_before()
-            .filter(|_| self.cfg.discard_delay_ms == 0);
-        if release_discards.is_some() {
+        if self.cfg.discard_delay_ms == 0 {
             for i in 0..self.segments.released(synced) {
                 let s = self.segments.releasing[i];
+                let Some(before) = self.release_discards(s) else {
+                    continue;
+                };
                 // Released: nobody reads it any more (scrub and rebuild skip it).
                 self.shared.set_segment_free(s, true);
-                if self.segments.discardable(s, release_discards)
+                if self.segments.discardable(s, Some(before))
                     && !self.segments.discards.contains_key(&s)
                     && !self.shared.segment_pinned(SegmentId(s))
                 {
@@ -1863,10 +1881,14 @@ impl Engine {
         }
         // Segments are freed in the order their release records were sealed, which
         // is the order recovery walks them.
-        while let Some(s) = self
-            .segments
-            .free_next_released(synced, release_discards, self.now_ms)
-        {
+        while let Some(&first) = self.segments.releasing.first() {
+            let release_discards = self.release_discards(first);
+            let Some(s) = self
+                .segments
+                .free_next_released(synced, release_discards, self.now_ms)
+            else {
+                break;
+            };
             self.shared.set_segment_free(s, true);
         }
         // When free segments run low, run a flush to move the protocol forward.

@@ -323,10 +323,11 @@ impl Engine {
         let kind = self.log.streams[s].kind;
         // Zoned devices: a new zone only while the device's open limit allows (a
         // closing segment frees its zone when its last write lands). The metadata
-        // stream's next segment may be conventional and need no zone.
+        // stream's next segment may be conventional and need no zone, and so is
+        // every segment of a cache tier.
         let needs_zone = match (kind, self.log.streams[s].next_seg) {
             (StreamKind::Meta, Some(next)) => !self.seg_conventional(next),
-            _ => !self.log.streams[s].small,
+            _ => self.holds_zones(s),
         };
         if needs_zone && !self.zones.may_open() {
             return Err(Blocked);
@@ -425,6 +426,14 @@ impl Engine {
         } else {
             Tier::Capacity
         }
+    }
+
+    /// Stream `s` takes segments that hold a zone open on a zoned array (the
+    /// metadata stream's may not; see `open_segment`): not the small stream's,
+    /// which are conventional, nor a cache tier's.
+    pub(crate) fn holds_zones(&self, s: usize) -> bool {
+        let st = &self.log.streams[s];
+        !st.small && self.stream_tier(st.kind) == Tier::Capacity
     }
 
     /// Segment `seg` lies in a conventional zone of a zoned device.

@@ -69,10 +69,17 @@ impl Engine {
                     .into()
             }));
         };
-        if !self.zones.zoned && device.zone_layout().is_some() {
+        // A cache copy is conventional even in front of zoned capacity members.
+        let zoned = self.zones.zoned && !self.geo.is_cache_member(index);
+        if !zoned && device.zone_layout().is_some() {
             return Err(EngineError::Invalid(format!(
-                "{} is a zoned device; this array's members are not",
-                device.describe()
+                "{} is a zoned device; this array's {} are not",
+                device.describe(),
+                if self.geo.is_cache_member(index) {
+                    "cache members"
+                } else {
+                    "members"
+                }
             )));
         }
         if index >= self.geo.members {
@@ -92,7 +99,7 @@ impl Engine {
             ));
         }
         // Zoned: checked, and emptied, once everything else is known to be right.
-        let device = if self.zones.zoned {
+        let device = if zoned {
             self.zoned_replacement(device)?
         } else {
             device

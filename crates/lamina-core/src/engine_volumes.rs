@@ -143,9 +143,9 @@ impl Engine {
         let read_hot_stream = self
             .geometry_aware
             .then(|| extra(self, StreamKind::Gc, total, |st| st.read_hot = true));
-        let small_stream = self
-            .zones
-            .any_conventional
+        // With a cache tier, user writes land there, in conventional segments:
+        // no short unit needs a way around a zone.
+        let small_stream = (self.zones.any_conventional && !self.geo.tiered())
             .then(|| extra(self, StreamKind::User, total + 1, |st| st.small = true));
         streams.extend(read_hot_stream);
         streams.extend(small_stream);
@@ -251,9 +251,15 @@ impl Engine {
     }
 
     /// Streams of a volume with classifier `c` that may hold a zone open (the small
-    /// stream takes conventional segments only: no zone).
+    /// stream takes conventional segments only: no zone; nor do user streams in
+    /// front of a cache tier).
     pub(crate) fn zone_streams(&self, c: &dyn crate::placement::Classifier) -> usize {
-        (c.user_classes() + c.gc_classes()) as usize + self.geometry_aware as usize
+        let user = if self.geo.tiered() {
+            0
+        } else {
+            c.user_classes()
+        };
+        (user + c.gc_classes()) as usize + self.geometry_aware as usize
     }
 
     /// Streams of the volumes attached so far that may hold a zone open. Volumes
@@ -265,7 +271,7 @@ impl Engine {
             .flatten()
             // A snapshot's streams open no segment (see `create_snapshot`).
             .filter(|v| !self.lineage.read_only(v.shared.id))
-            .map(|v| v.streams.len() - v.small_stream.is_some() as usize)
+            .map(|v| v.streams.iter().filter(|&&s| self.holds_zones(s)).count())
             .sum()
     }
 

@@ -233,6 +233,18 @@ impl Geometry {
                 .is_some_and(|d| d.first_segment >= self.cache_first)
     }
 
+    /// Whether device index `dev` holds cache segments: a cache member, or the
+    /// striped device that drives a mirrored cache's copies.
+    pub fn holds_cache(&self, dev: usize) -> bool {
+        self.is_cache_member(dev) || (self.mirrored() && dev == self.members)
+    }
+
+    /// The devices whose segments are the capacity tier's (every data device of
+    /// an array without a cache tier).
+    pub fn capacity_devices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.data_devices().filter(|&d| !self.holds_cache(d))
+    }
+
     /// Segments of the cache tier.
     pub fn cache_segments(&self) -> u32 {
         self.segment_count - self.cache_first

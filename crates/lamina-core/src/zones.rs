@@ -21,9 +21,11 @@ pub(crate) struct Zones {
     /// segments hold one now (open or closing).
     pub limit: u32,
     pub active: u32,
-    /// Per segment (a bit each): it lies in a conventional zone.
+    /// Per segment (a bit each): it lies in a conventional zone (every segment of
+    /// a cache tier in front of zoned devices does: the cache is conventional).
     conventional: Vec<u64>,
-    /// Some segment does.
+    /// Some segment of the capacity tier does: there the metadata stream and
+    /// short flushed units have a place outside the zones.
     pub any_conventional: bool,
     /// Short units a flush moved to conventional zones.
     pub small_units_moved: u64,
@@ -32,7 +34,7 @@ pub(crate) struct Zones {
 impl Zones {
     /// `limit`: the devices' open-zone limit (0: none); `conventional_end`: per
     /// device, where its sequential zones start (0 when it has none, or is not
-    /// zoned).
+    /// zoned; past its end for a cache tier's devices).
     pub fn new(geo: &Geometry, zoned: bool, limit: u32, conventional_end: &[u64]) -> Self {
         let n = geo.segment_count as usize;
         let mut conventional = vec![0u64; n.div_ceil(64)];
@@ -48,7 +50,8 @@ impl Zones {
             zoned,
             limit,
             active: 0,
-            any_conventional: conventional.iter().any(|&w| w != 0),
+            any_conventional: (0..geo.cache_first.min(n as u32))
+                .any(|s| conventional[s as usize / 64] & (1 << (s % 64)) != 0),
             conventional,
             small_units_moved: 0,
         }
@@ -138,5 +141,30 @@ mod tests {
         // Not zoned: nothing is conventional and there is no limit.
         let z = Zones::new(&geo, false, 0, &[geo.data_offset + 3 * seg_bytes]);
         assert!(!z.any_conventional && !z.holds_zone(0) && z.may_open());
+
+        // A cache member in front of a zoned one (segments 12..16): its segments
+        // hold no zone, but they are not the capacity tier's conventional space.
+        let mut geo = geo;
+        geo.devices = vec![
+            DeviceSpan {
+                removed: false,
+                first_segment: 0,
+                segment_count: 12,
+            },
+            DeviceSpan {
+                removed: false,
+                first_segment: 12,
+                segment_count: 4,
+            },
+        ];
+        geo.members = 2;
+        geo.cache_first = 12;
+        geo.cache_copies = 1;
+        let mut z = Zones::new(&geo, true, 2, &[geo.data_offset, u64::MAX]);
+        assert!(!z.any_conventional);
+        assert!((12..16).all(|s| z.conventional(s) && !z.holds_zone(s)));
+        assert!((0..12).all(|s| z.holds_zone(s)));
+        z.opened(12);
+        assert_eq!(z.active, 0, "a cache segment holds no zone");
     }
 }

@@ -127,8 +127,31 @@ fn lifecycle(
     limit: u32,
     config: impl Fn() -> EngineConfig,
 ) {
-    let devs = dyn_devs(&z);
-    format_devices(&devs, &layout_params(layout));
+    lifecycle_with_cache(layout, z, 0, limit, config)
+}
+
+/// [`lifecycle`], with a conventional cache device of `cache_zones` zone-sized
+/// segments in front of the zoned ones when that is not 0.
+fn lifecycle_with_cache(
+    layout: Layout,
+    z: Vec<Arc<ZonedDevice>>,
+    cache_zones: u64,
+    limit: u32,
+    config: impl Fn() -> EngineConfig,
+) {
+    let mut devs = dyn_devs(&z);
+    let conventional = z[0].config().conventional_zones as u64 * ZONE;
+    if cache_zones > 0 {
+        devs.push(Arc::new(MemDevice::new(
+            "cache",
+            conventional + cache_zones * ZONE,
+        )));
+    }
+    let params = FormatParams {
+        cache_devices: (cache_zones > 0) as usize,
+        ..layout_params(layout)
+    };
+    format_devices(&devs, &params);
     let mut e = open_rw(&devs, config());
     let seg = e.status().segment_size_bytes;
     let per_member = match layout {
@@ -144,8 +167,27 @@ fn lifecycle(
     let blocks = (e.status().usable_bytes / BS as u64) * 8 / 10;
     let vol = create_volume(&mut e, "v", blocks * BS as u64);
     let mut model = HashMap::new();
+    if cache_zones > 0 {
+        // User writes land in the cache: less than it holds touches no zone
+        // (after a flush has sealed what creating the volume left in the
+        // metadata stream).
+        // Its segments are as large as the zones' writable part.
+        assert_eq!(
+            e.status().cache.unwrap().segment_count,
+            cache_zones * ZONE / seg
+        );
+        call(&mut e, Request::Flush).result.expect("flush");
+        let zoned_bytes = |e: &lamina_core::Engine| e.status().members[0].bytes_written;
+        let before = zoned_bytes(&e);
+        overwrite(&mut e, vol, &mut model, 200, 50, |i| i * 7 % blocks);
+        assert_eq!(zoned_bytes(&e), before, "a user write reached a zone");
+    }
     run(&mut e, vol, &mut model, blocks, blocks * 4, 1);
     assert!(e.counters().gc_blocks > 0, "GC ran");
+    if cache_zones > 0 {
+        let c = e.status().cache.unwrap();
+        assert!(c.compactions > 0 && c.compacted_bytes > 0, "{c:?}");
+    }
     verify_model(&e, vol, &model);
     within_the_rules(&z, limit);
 
@@ -189,6 +231,28 @@ fn jbod_on_zns_with_capacity_below_zone_size() {
     // one). One device, so that zones a crash left open would exceed the limit
     // if recovery did not finish them.
     lifecycle(Layout::Jbod, zoned(1, 120, 192 << 10, 10), 10, config);
+}
+
+/// CSAL on ZNS (issue 14): a conventional cache in front of a zoned device takes
+/// every user write; compaction and GC fill the zones. Only their streams and
+/// the metadata stream hold zones open: the 4 heat classes with their read-hot
+/// stream and metadata fit a limit of 7 that the same volume without a cache
+/// (8 user and GC streams, read-hot, metadata) does not.
+#[test]
+fn a_cache_in_front_of_zns_keeps_user_writes_out_of_the_zones() {
+    lifecycle_with_cache(Layout::Jbod, zoned(1, 120, 192 << 10, 7), 24, 7, config);
+    let devs = dyn_devs(&zoned(1, 120, 192 << 10, 7));
+    format_devices(&devs, &layout_params(Layout::Jbod));
+    let mut e = open_rw(&devs, config());
+    let r = call(
+        &mut e,
+        Request::CreateVolume {
+            name: "v".into(),
+            size_bytes: 1 << 20,
+        },
+    );
+    let err = r.result.expect_err("no room for its zones").to_string();
+    assert!(err.contains("zones be open at once"), "{err}");
 }
 
 #[test]

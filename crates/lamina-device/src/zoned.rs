@@ -149,6 +149,11 @@ pub struct ZonedDevice {
     /// Zones finished by the host, and bytes written to conventional zones.
     finishes: AtomicU64,
     conventional_written: AtomicU64,
+    /// Bytes written to sequential zones, and resets of zones that held any:
+    /// what a ZNS drive programs and erases (it has no garbage collection of
+    /// its own).
+    sequential_written: AtomicU64,
+    resets: AtomicU64,
     /// Zones whose persisted state failed its checksum (taken offline at open).
     damaged: Vec<usize>,
 }
@@ -318,6 +323,8 @@ impl ZonedDevice {
             rejected: AtomicU64::new(0),
             finishes: AtomicU64::new(0),
             conventional_written: AtomicU64::new(0),
+            sequential_written: AtomicU64::new(0),
+            resets: AtomicU64::new(0),
             damaged: Vec::new(),
         })
     }
@@ -437,6 +444,16 @@ impl ZonedDevice {
         self.conventional_written.load(Ordering::Relaxed)
     }
 
+    /// Bytes the host wrote to sequential zones.
+    pub fn sequential_bytes_written(&self) -> u64 {
+        self.sequential_written.load(Ordering::Relaxed)
+    }
+
+    /// Resets of zones that held something (an empty zone's reset erases nothing).
+    pub fn zone_resets(&self) -> u64 {
+        self.resets.load(Ordering::Relaxed)
+    }
+
     fn reject(&self, e: DeviceError) -> DeviceError {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         e
@@ -553,6 +570,9 @@ impl ZonedDevice {
         let mut st = self.st.lock().unwrap();
         self.check_zone(&st, i, "reset")?;
         let z = &mut st.zones[i];
+        if z.cond != ZoneCond::Empty {
+            self.resets.fetch_add(1, Ordering::Relaxed);
+        }
         z.wp = z.start;
         z.cond = ZoneCond::Empty;
         self.persist(&st, i)
@@ -815,6 +835,7 @@ impl BlockDevice for ZonedDevice {
             self.conventional_written.fetch_add(len, Ordering::Relaxed);
         }
         if z.ty == ZoneType::SequentialRequired {
+            self.sequential_written.fetch_add(len, Ordering::Relaxed);
             z.wp += len;
             z.cond = if z.wp == z.start + z.capacity {
                 ZoneCond::Full

@@ -11,7 +11,11 @@
 //!   block, which is read from the SLC and written to the QLC where it belongs
 //!   (the fill goes through the cache too, as through Lamina's cache tier);
 //! * **Lamina on the QLC**: an array on the drive, the volumes filling it;
-//! * **Lamina + cache tier**: the same array with the SLC SSD as its cache tier.
+//! * **Lamina + cache tier**: the same array with the SLC SSD as its cache tier;
+//! * **Lamina + cache tier on ZNS**: the same cache in front of a ZNS drive of
+//!   the QLC's capacity with zones of one erase block (CSAL's other setup). A ZNS
+//!   drive has no garbage collection of its own: it programs what it is sent,
+//!   and erases a zone when the host resets it. Lamina's segments are zones.
 //!
 //! What is measured is what the QLC programs: NAND bytes per user byte written
 //! after the fill, its own write amplification (NAND bytes per byte it was sent),
@@ -24,6 +28,7 @@ use anyhow::Result;
 use lamina_device::flash::{Cell, Flash, FlashConfig, FlashOp, FlashStats};
 use lamina_device::mem::MemDevice;
 use lamina_device::sparse::SparseDevice;
+use lamina_device::zoned::{ZonedConfig, ZonedDevice};
 use lamina_device::BlockDevice;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -78,6 +83,17 @@ struct Row {
     slc: Option<u64>,
     /// Lamina: bytes compaction moved to the capacity tier.
     compacted: Option<u64>,
+    /// User bytes of the measured writes (the ZNS drive's volumes are a little
+    /// smaller: its superblocks take a whole zone).
+    user: u64,
+}
+
+impl Row {
+    /// Bytes per user byte of this row's writes, and its user GiB.
+    fn per_user(&self) -> (impl Fn(u64) -> f64, f64) {
+        let user = self.user as f64;
+        (move |b: u64| b as f64 / user, user / (1u64 << 30) as f64)
+    }
 }
 
 fn delta(a: &FlashStats, b: &FlashStats) -> (u64, u64, u64) {
@@ -117,6 +133,7 @@ fn raw(a: &CsalArgs, blocks: u64) -> Result<Row> {
         qlc: ((wa * host as f64).round() as u64, host, erases),
         slc: None,
         compacted: None,
+        user: host,
     })
 }
 
@@ -141,6 +158,7 @@ fn lru(a: &CsalArgs, blocks: u64) -> Result<Row> {
         qlc: delta(&q0, &qlc.stats()),
         slc: Some(delta(&s0, &slc.stats()).0),
         compacted: None,
+        user: a.passes as u64 * blocks * BS,
     })
 }
 
@@ -203,12 +221,69 @@ impl Lru {
     }
 }
 
-/// Lamina on the QLC, with the SLC drive as its cache tier when `tiered`.
-/// Returns the row and the blocks of each volume.
-fn lamina(a: &CsalArgs, tiered: bool) -> Result<(Row, u64)> {
+/// The capacity drive of a Lamina row: the QLC SSD, or a ZNS drive of its
+/// capacity with zones of its erase block.
+enum Capacity {
+    Qlc(Arc<Flash>),
+    Zns(Arc<ZonedDevice>),
+}
+
+impl Capacity {
+    /// Zones a ZNS drive lets be open at once here: enough for the metadata
+    /// stream and each of 8 volumes' SepBIT GC streams (user writes go to the
+    /// cache), as on the QLC rows. Drives differ: 14 to several hundred.
+    const ZNS_OPEN: u32 = 64;
+
+    fn new(a: &CsalArgs, zns: bool) -> Result<Self> {
+        let qcfg = qlc_config(a);
+        let mem = Arc::new(MemDevice::new("qlc", qcfg.capacity_bytes));
+        if !zns {
+            return Ok(Capacity::Qlc(flash(&qcfg, mem)?));
+        }
+        let zone = qcfg.block_bytes();
+        let cfg = ZonedConfig {
+            zone_bytes: zone,
+            zone_capacity_bytes: zone,
+            // The superblocks' megabyte (real ZNS drives keep it on a small
+            // conventional namespace).
+            conventional_zones: (lamina_format::superblock::DEFAULT_DATA_OFFSET.div_ceil(zone))
+                as u32,
+            max_open: Self::ZNS_OPEN,
+            max_active: Self::ZNS_OPEN,
+            ..Default::default()
+        };
+        Ok(Capacity::Zns(Arc::new(ZonedDevice::new(mem, cfg)?)))
+    }
+
+    fn device(&self) -> Arc<dyn BlockDevice> {
+        match self {
+            Capacity::Qlc(f) => f.clone(),
+            Capacity::Zns(z) => z.clone(),
+        }
+    }
+
+    /// NAND bytes programmed, bytes it was sent, erases. A ZNS drive programs
+    /// what it is sent (its conventional zones too) and erases a zone on reset.
+    fn stats(&self) -> (u64, u64, u64) {
+        match self {
+            Capacity::Qlc(f) => {
+                let s = f.stats();
+                (s.nand_bytes_programmed, s.host_bytes_written, s.erases)
+            }
+            Capacity::Zns(z) => {
+                let sent = z.sequential_bytes_written() + z.conventional_bytes_written();
+                (sent, sent, z.zone_resets())
+            }
+        }
+    }
+}
+
+/// Lamina on the QLC (or a ZNS drive when `zns`), with the SLC drive as its
+/// cache tier when `tiered`. Returns the row and the blocks of each volume.
+fn lamina(a: &CsalArgs, tiered: bool, zns: bool) -> Result<(Row, u64)> {
     let (qcfg, scfg) = (qlc_config(a), slc_config(a));
-    let qlc = flash(&qcfg, Arc::new(MemDevice::new("qlc", qcfg.capacity_bytes)))?;
-    let mut devs: Vec<Arc<dyn BlockDevice>> = vec![qlc.clone()];
+    let capacity = Capacity::new(a, zns)?;
+    let mut devs: Vec<Arc<dyn BlockDevice>> = vec![capacity.device()];
     let slc = if tiered {
         let slc = flash(&scfg, Arc::new(MemDevice::new("slc", scfg.capacity_bytes)))?;
         devs.push(slc.clone());
@@ -224,14 +299,20 @@ fn lamina(a: &CsalArgs, tiered: bool) -> Result<(Row, u64)> {
         cache_devices: tiered as usize,
         ..Default::default()
     };
-    let mut l = Inline::with_volumes(devs, &params, Default::default(), a.volumes)?;
+    // No read-hot stream: an SSD has no outer tracks (the default on zoned
+    // devices, for SMR disks).
+    let cfg = lamina_core::EngineConfig {
+        geometry_aware: Some(false),
+        ..Default::default()
+    };
+    let mut l = Inline::with_volumes(devs, &params, cfg, a.volumes)?;
     let per_vol = l.volume_bytes / BS;
     let total = per_vol * a.volumes as u64;
     for b in 0..total {
         l.write_to((b / per_vol) as usize, b % per_vol * BS, BS as usize);
     }
     l.flush()?;
-    let (q0, s0) = (qlc.stats(), slc.as_ref().map(|s| s.stats()));
+    let (q0, s0) = (capacity.stats(), slc.as_ref().map(|s| s.stats()));
     let c0 = l.e.status().cache.map_or(0, |c| c.compacted_bytes);
     for b in writes(&a.workload, total, a.passes)? {
         l.write_to((b / per_vol) as usize, b % per_vol * BS, BS as usize);
@@ -240,14 +321,18 @@ fn lamina(a: &CsalArgs, tiered: bool) -> Result<(Row, u64)> {
     let st = l.e.status();
     Ok((
         Row {
-            name: if tiered {
-                "Lamina + cache tier on SLC"
-            } else {
-                "Lamina on the QLC"
+            name: match (tiered, zns) {
+                (true, true) => "Lamina + cache tier on SLC, ZNS drive",
+                (true, false) => "Lamina + cache tier on SLC",
+                _ => "Lamina on the QLC",
             },
-            qlc: delta(&q0, &qlc.stats()),
+            qlc: {
+                let q1 = capacity.stats();
+                (q1.0 - q0.0, q1.1 - q0.1, q1.2 - q0.2)
+            },
             slc: slc.map(|s| delta(&s0.unwrap(), &s.stats()).0),
             compacted: st.cache.map(|c| c.compacted_bytes - c0),
+            user: a.passes as u64 * total * BS,
         },
         per_vol,
     ))
@@ -257,26 +342,30 @@ pub fn run(a: &CsalArgs) -> Result<()> {
     if a.volumes == 0 || a.passes == 0 {
         anyhow::bail!("--volumes and --passes must be at least 1");
     }
-    let (plain, per_vol) = lamina(a, false)?;
-    let (tiered, per_vol_t) = lamina(a, true)?;
+    let (plain, per_vol) = lamina(a, false, false)?;
+    let (tiered, per_vol_t) = lamina(a, true, false)?;
     // The usable space is the capacity tier's in both: the same volumes.
     anyhow::ensure!(per_vol == per_vol_t, "the cache changed the usable space");
+    // On the ZNS drive the superblocks take a whole zone: a little less space.
+    let (zns, per_vol_z) = lamina(a, true, true)?;
+    anyhow::ensure!(
+        per_vol_z <= per_vol && per_vol_z * 100 >= per_vol * 99,
+        "the ZNS drive's volumes ({per_vol_z} blocks) are not those of the QLC ({per_vol})"
+    );
     let blocks = per_vol * a.volumes as u64;
-    let rows = [raw(a, blocks)?, lru(a, blocks)?, plain, tiered];
-    let user = (a.passes as u64 * blocks * BS) as f64;
-    let per_user = |b: u64| b as f64 / user;
-    let gib = user / (1u64 << 30) as f64;
+    let rows = [raw(a, blocks)?, lru(a, blocks)?, plain, tiered, zns];
     let json_rows: Vec<serde_json::Value> = rows
         .iter()
         .map(|r| {
+            let (per_user, gib) = r.per_user();
             serde_json::json!({
                 "setup": r.name,
                 "qlc_nand_bytes_per_user_byte": per_user(r.qlc.0),
                 "qlc_write_amplification": r.qlc.0 as f64 / r.qlc.1.max(1) as f64,
                 "qlc_bytes_written_per_user_byte": per_user(r.qlc.1),
                 "qlc_erases_per_user_gib": r.qlc.2 as f64 / gib,
-                "slc_nand_bytes_per_user_byte": r.slc.map(per_user),
-                "compacted_bytes_per_user_byte": r.compacted.map(per_user),
+                "slc_nand_bytes_per_user_byte": r.slc.map(&per_user),
+                "compacted_bytes_per_user_byte": r.compacted.map(&per_user),
             })
         })
         .collect();
@@ -308,6 +397,7 @@ pub fn run(a: &CsalArgs) -> Result<()> {
     println!("| setup | QLC NAND bytes per user byte | QLC WA | QLC erases per user GiB | SLC NAND bytes per user byte |");
     println!("|---|---:|---:|---:|---:|");
     for r in &rows {
+        let (per_user, gib) = r.per_user();
         println!(
             "| {} | {:.2} | {:.2} | {:.0} | {} |",
             r.name,
@@ -318,11 +408,14 @@ pub fn run(a: &CsalArgs) -> Result<()> {
                 .map_or("-".to_string(), |b| format!("{:.2}", per_user(b)))
         );
     }
-    if let Some(c) = rows[3].compacted {
-        println!(
-            "\ncompaction moved {:.2} bytes to the QLC per user byte",
-            per_user(c)
-        );
+    for r in &rows {
+        if let Some(c) = r.compacted {
+            println!(
+                "{}: compaction moved {:.2} bytes to the capacity drive per user byte",
+                r.name,
+                r.per_user().0(c)
+            );
+        }
     }
     Ok(())
 }

@@ -487,6 +487,11 @@ replaced copy is rebuilt from another, online. Without a mirror, or with every
 copy lost, the array is not served and says what each volume lost: the cache
 holds the only copy of what it has not compacted.
 
+In front of ZONED capacity devices (ZNS SSDs, host-managed SMR disks) the cache
+is conventional and its segments are zone-sized: user writes never touch a zone;
+compaction and garbage collection fill zones from their start, and only their
+streams count against the devices' open-zone limit.
+
 EXAMPLE
     lamina array create /srv/tank --device /var/lib/tank/a.img:100G --overprovision 0.2
     lamina volume create /srv/tank vm1 --size 40G
@@ -545,7 +550,8 @@ struct ArrayCreateArgs {
     /// with settings `zone=SIZE,cap=SIZE,conv=N,open=N,active=N` (for example
     /// `zns,zone=4M,cap=3M`). A segment becomes one zone (per data member), the
     /// superblocks live in the conventional zones, and the zone state is kept in
-    /// PATH.zones beside each file.
+    /// PATH.zones beside each file. Cache devices stay conventional: with
+    /// --cache-device this is CSAL's cache in front of ZNS drives.
     #[arg(long, value_name = "SPEC")]
     zoned: Option<String>,
     /// Also serve NBD on this TCP address (written to lamina.toml as `[serve]
@@ -1148,9 +1154,11 @@ pub fn create_array(
     let mut seen = std::collections::HashSet::new();
     let mut devices: Vec<Arc<dyn BlockDevice>> = Vec::new();
     let mut paths = Vec::new();
-    for (p, size) in device_specs {
+    // Cache devices (the last ones) stay conventional in front of zoned ones.
+    let capacity = device_specs.len().saturating_sub(params.cache_devices);
+    for (i, (p, size)) in device_specs.iter().enumerate() {
         let (abs, dev) = open_new_device(p, *size, &Default::default(), &mut seen, &mut created)?;
-        match zoned {
+        match zoned.filter(|_| i < capacity) {
             Some(spec) => {
                 // Its zone state file is ours to remove only if it was not there.
                 let state = lamina_device::zoned::state_path(&abs);

@@ -18,7 +18,7 @@ fn zones_within_limits(dir: &Path, devs: &[PathBuf]) -> serde_json::Value {
     }
     let open = st["array"]["zones_open"].as_u64().expect("zoned status");
     let limit = st["array"]["zone_open_limit"].as_u64().unwrap();
-    assert_eq!(limit, 14);
+    assert_eq!(limit, 14, "the emulator's default");
     assert!(open <= limit, "{open} zones open, limit {limit}");
     for d in devs {
         // The state file: 64-byte header, 16-byte records (condition at byte 8;
@@ -139,4 +139,114 @@ fn said5_on_emulated_zns_fio_verify_gc_kill9() {
     )));
     assert!(r >= vol, "verified through the rebuilt member");
     s.stop();
+}
+
+/// CSAL on ZNS (issue 14), end to end: an emulated ZNS drive behind a mirrored
+/// conventional cache. fio's random 4 KiB writes land in the cache; compaction
+/// fills the zones; kill -9 after a flush and while writing loses nothing; a
+/// cache copy fails and a new plain file (not zoned) takes its place online.
+#[test]
+fn a_mirrored_cache_in_front_of_emulated_zns_fio_verify_kill9() {
+    if !need(
+        "zoned::a_mirrored_cache_in_front_of_emulated_zns_fio_verify_kill9",
+        &["fio"],
+        false,
+    ) {
+        return;
+    }
+    let t = TempDir::new("zoned-cache");
+    let dir = t.join("arr");
+    let d = dir.to_str().unwrap();
+    let zns = t.join("zns.img");
+    let mut args: Vec<String> = ["array", "create", d].map(String::from).to_vec();
+    args.extend(["--zoned", "zns,zone=4M,cap=3M", "--write-unit", "256K"].map(String::from));
+    args.push("--device".into());
+    args.push(format!("{}:192M", zns.display()));
+    for c in ["cache0.img", "cache1.img"] {
+        args.push("--cache-device".into());
+        args.push(format!("{}:80M", t.join(c).display()));
+    }
+    let out = lamina(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert!(
+        out.contains("segments of 3.0 MiB"),
+        "a segment is a zone: {out}"
+    );
+    // Only the capacity drive is zoned.
+    assert!(lamina_device::zoned::state_path(&zns).exists());
+    assert!(!lamina_device::zoned::state_path(&t.join("cache0.img")).exists());
+    let st = zones_within_limits(&dir, std::slice::from_ref(&zns));
+    assert_eq!(st["cache"]["copies"], 2, "{st}");
+    let usable = st["usable_bytes"].as_u64().unwrap();
+    let vol = usable * 7 / 10 / (1 << 20) * (1 << 20);
+    create_volume(&dir, "v", &vol.to_string());
+
+    let s = Server::start(&dir);
+    let (w, r) = fio_ok(&fio(&fio_job("zcache", &s.uri("v"), vol, &["--loops=3"])));
+    assert!(w >= 3 * vol && r == w, "wrote {w}, verified {r}");
+    let st = zones_within_limits(&dir, std::slice::from_ref(&zns));
+    let c = &st["cache"];
+    assert!(
+        c["compactions"].as_u64().unwrap() > 0 && c["compacted_bytes"].as_u64().unwrap() > 0,
+        "compaction ran: {st}"
+    );
+    let s = kill9_after_flush(s, "zcache", vol);
+    zones_within_limits(&dir, std::slice::from_ref(&zns));
+    let s = kill9_while_writing(s, "zcache", vol);
+    zones_within_limits(&dir, std::slice::from_ref(&zns));
+
+    // A cache copy fails; a plain file replaces it and is rebuilt from the other
+    // while fio writes (a zoned file would be refused: the cache takes writes
+    // anywhere).
+    lamina(&["array", "fail", d, "--device", "1"]);
+    let mut bg = Command::new("fio")
+        .args(fio_job(
+            "zcache",
+            &s.uri("v"),
+            vol,
+            &["--loops=2", "--do_verify=0"],
+        ))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let new = t.join("cache2.img");
+    lamina(&[
+        "array",
+        "replace",
+        d,
+        "--old",
+        "1",
+        "--new",
+        &format!("{}:80M", new.display()),
+        "--quiet",
+    ]);
+    assert!(
+        bg.wait().unwrap().success(),
+        "fio wrote through the rebuild"
+    );
+    assert!(!lamina_device::zoned::state_path(&new).exists());
+    let st = zones_within_limits(&dir, std::slice::from_ref(&zns));
+    assert_eq!(st["cache"]["copies_ok"], 2, "{st}");
+    // The other copy fails: the rebuilt one carries the cache alone.
+    lamina(&["array", "fail", d, "--device", "2"]);
+    let (_, r) = fio_ok(&fio(&fio_job(
+        "zcache",
+        &s.uri("v"),
+        vol,
+        &["--verify_only"],
+    )));
+    assert!(r >= vol, "verified from the rebuilt copy");
+    s.stop();
+    // fsck checks every summary and names what is missing: one copy.
+    let out = lamina_output(&["fsck", d]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !out.status.success() && text.contains("the cache mirror runs degraded"),
+        "fsck: {text}"
+    );
+    assert_eq!(text.matches("damage:").count(), 1, "fsck: {text}");
 }

@@ -66,9 +66,15 @@ pub fn format(
     let mut params = params.clone();
     // Zoned devices: a segment (a striped layout's chunk) is one zone, and the
     // superblocks live in the conventional zones before the first sequential one.
-    let zones = zoned_layout(devices)?;
-    if zones.is_some() && params.cache_devices > 0 {
-        return invalid("a cache tier with zoned devices is not built yet".into());
+    // A cache tier in front of them is conventional (it takes writes anywhere)
+    // and is cut into segments of the same size, after the same offset.
+    let (capacity, cache) = devices.split_at(capacity_devices);
+    let zones = zoned_layout(capacity)?;
+    if let Some(d) = cache.iter().find(|d| d.zone_layout().is_some()) {
+        return invalid(format!(
+            "cache device {} is zoned: a cache tier takes writes anywhere (a conventional SSD, Optane or a file)",
+            d.describe()
+        ));
     }
     let data_offset = match zones {
         Some(l) => {
@@ -238,13 +244,16 @@ pub fn format(
     if zones.is_some() {
         // Start from empty zones: whatever an earlier user left would hold zones
         // open against the device's limits.
-        for d in devices {
+        for d in capacity {
             empty_zones(&**d)?;
         }
-    } else if params.discard {
+    }
+    if params.discard {
         // Only now: the devices were checked for another array's superblock above,
-        // and everything about the new one is known to be right.
-        discard_all(devices, data_offset, params.progress.as_ref());
+        // and everything about the new one is known to be right. Zoned devices
+        // were emptied instead.
+        let conventional = if zones.is_some() { cache } else { devices };
+        discard_all(conventional, data_offset, params.progress.as_ref());
     }
     for off in SUPERBLOCK_OFFSETS {
         for (i, d) in devices.iter().enumerate() {

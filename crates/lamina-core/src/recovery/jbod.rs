@@ -290,7 +290,9 @@ fn checkpointed<T>(
     drop(engine);
     let mut warnings = Vec::new();
     let (sb, members) = assemble::read_superblocks(members, &mut warnings)?;
-    jbod_only(&sb, format::zoned_layout(&members)?.is_some(), what)?;
+    // Any zoned member (a cache tier in front of zoned ones is not zoned).
+    let zoned = members.iter().any(|d| d.zone_layout().is_some());
+    jbod_only(&sb, zoned, what)?;
     Ok((sb, members, seen))
 }
 

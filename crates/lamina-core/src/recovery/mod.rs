@@ -324,14 +324,17 @@ pub fn open_unfinished(
     // (recovery leaves no data segment open, so nothing is closed here).
     engine.update_class_caps();
     if writable && engine.zones.zoned {
-        // Small streams take conventional segments only: no zone. Nor do a
-        // snapshot's streams take one: a snapshot takes no writes, and GC moves
-        // its blocks within the segments' owners' streams.
-        let streams = engine
-            .log
-            .streams
-            .iter()
-            .filter(|s| !s.small && !engine.lineage.read_only(VolumeId(s.volume)))
+        // Small streams take conventional segments only: no zone, and nor do user
+        // streams in front of a cache tier. Nor do a snapshot's streams take one:
+        // a snapshot takes no writes, and GC moves its blocks within the
+        // segments' owners' streams.
+        let streams = (0..engine.log.streams.len())
+            .filter(|&s| {
+                engine.holds_zones(s)
+                    && !engine
+                        .lineage
+                        .read_only(VolumeId(engine.log.streams[s].volume))
+            })
             .count() as u32;
         if engine.zones.limit > 0 && streams > engine.zones.limit {
             return Err(EngineError::Invalid(format!(
@@ -374,7 +377,8 @@ fn reconcile_zones(engine: &Engine) -> Result<(), EngineError> {
     let geo = &engine.geo;
     let shared = &engine.shared;
     let mut reports = std::collections::HashMap::new();
-    for d in geo.data_devices() {
+    // A cache tier's devices are conventional: their segments are skipped below.
+    for d in geo.capacity_devices() {
         let zones: std::collections::HashMap<u64, lamina_device::zoned::Zone> = shared.devices[d]
             .report_zones()?
             .into_iter()
