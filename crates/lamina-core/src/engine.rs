@@ -597,6 +597,24 @@ impl Engine {
         // A cache tier in front of zoned devices is conventional: the zone rules
         // are the capacity tier's, and every cache segment counts as lying in a
         // conventional zone (it holds none open and is never reset).
+        // Each cache member (a mirror's copies as the striped device holds them:
+        // their slots do not speak of zones).
+        let cache_device = |d: usize| match (geo.striped_index(d), &shared.striped) {
+            (Some(m), Some(st)) => st.member(m),
+            _ => shared.devices[d].clone(),
+        };
+        if let Some(d) = (0..geo.members)
+            .filter(|&d| geo.is_cache_member(d))
+            .map(cache_device)
+            .find(|d| d.zone_layout().is_some())
+        {
+            return Err(EngineError::Invalid(format!(
+                "cache device {} is zoned, but the array's cache tier is conventional (it \
+                 takes writes anywhere); an emulated device's zone state file beside it \
+                 (FILE.zones) may be left from an earlier use",
+                d.describe()
+            )));
+        }
         let zone_layout = geo
             .capacity_devices()
             .map(|d| shared.devices[d].zone_layout())

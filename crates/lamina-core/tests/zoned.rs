@@ -187,6 +187,11 @@ fn lifecycle_with_cache(
     if cache_zones > 0 {
         let c = e.status().cache.unwrap();
         assert!(c.compactions > 0 && c.compacted_bytes > 0, "{c:?}");
+        // Released cache segments are discarded (the zoned device refuses a
+        // discard of a sequential zone, and `within_the_rules` counts it).
+        if config().discard_delay_ms == 0 {
+            assert!(e.segments_discarded() > 0, "no cache segment discarded");
+        }
     }
     verify_model(&e, vol, &model);
     within_the_rules(&z, limit);
@@ -240,6 +245,11 @@ fn jbod_on_zns_with_capacity_below_zone_size() {
 /// (8 user and GC streams, read-hot, metadata) does not.
 #[test]
 fn a_cache_in_front_of_zns_keeps_user_writes_out_of_the_zones() {
+    // Segments discarded as they are released, in release order across tiers.
+    let config = || EngineConfig {
+        discard_delay_ms: 0,
+        ..config()
+    };
     lifecycle_with_cache(Layout::Jbod, zoned(1, 120, 192 << 10, 7), 24, 7, config);
     let devs = dyn_devs(&zoned(1, 120, 192 << 10, 7));
     format_devices(&devs, &layout_params(Layout::Jbod));
@@ -294,6 +304,16 @@ fn zoned_arrays_refuse_what_cannot_work() {
     let plain: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("plain", 40 * ZONE));
     let e = err(vec![z[0].clone(), plain], layout_params(Layout::Jbod));
     assert!(e.contains("not zoned"), "{e}");
+    // A zoned cache device: a cache tier takes writes anywhere.
+    let two = zoned(2, 40, ZONE, 0);
+    let e = err(
+        dyn_devs(&two),
+        FormatParams {
+            cache_devices: 1,
+            ..layout_params(Layout::Jbod)
+        },
+    );
+    assert!(e.contains("cache device") && e.contains("is zoned"), "{e}");
     // An open limit too small for the streams.
     let e = err(
         dyn_devs(&zoned(1, 40, ZONE, 3)),
@@ -703,4 +723,74 @@ fn a_snapshot_family_on_zones_survives_small_flushes_and_restarts() {
     drop(e);
     let e = open_rw(&devs, config());
     check_family(&e, &models);
+}
+
+/// A mirrored cache in front of a zoned device: a failed copy is replaced by a
+/// conventional device, never a zoned one; and an array whose cache device turns
+/// up zoned at open (an emulated device's stale zone state beside its file) is
+/// refused with the reason, not served into zone errors.
+#[test]
+fn a_cache_in_front_of_zones_stays_conventional() {
+    let z = zoned(1, 120, 192 << 10, 7);
+    let conv = 4 * ZONE;
+    let copies: Vec<Arc<MemDevice>> = (0..2)
+        .map(|i| Arc::new(MemDevice::new(format!("c{i}"), conv + 24 * ZONE)))
+        .collect();
+    let mut devs = dyn_devs(&z);
+    devs.extend(dyn_devs(&copies));
+    let params = FormatParams {
+        cache_devices: 2,
+        ..layout_params(Layout::Jbod)
+    };
+    format_devices(&devs, &params);
+    let mut e = open_rw(&devs, config());
+    let vol = create_volume(&mut e, "v", 4 << 20);
+    let mut model = HashMap::new();
+    run(&mut e, vol, &mut model, 1024, 3000, 3);
+    call(&mut e, Request::FailMember { index: 2 })
+        .result
+        .expect("fail copy 1");
+    let replace = |e: &mut lamina_core::Engine, d: Arc<dyn BlockDevice>| {
+        call(
+            e,
+            Request::ReplaceMember {
+                index: 2,
+                device: lamina_core::NewDevice(d),
+                uuid: [0x42; 16],
+            },
+        )
+        .result
+    };
+    let zoned_copy = zoned(1, 28, ZONE, 7).remove(0);
+    let err = replace(&mut e, zoned_copy).unwrap_err().to_string();
+    assert!(err.contains("cache members are not"), "{err}");
+    let c2 = Arc::new(MemDevice::new("c2", conv + 24 * ZONE));
+    replace(&mut e, c2.clone()).expect("replace");
+    verify_model(&e, vol, &model);
+    drop(e);
+
+    // The first copy seen through a zoned emulation at open.
+    let as_zoned = Arc::new(
+        ZonedDevice::new(
+            copies[0].clone(),
+            ZonedConfig {
+                zone_bytes: ZONE,
+                zone_capacity_bytes: ZONE,
+                conventional_zones: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let mut devs = dyn_devs(&z);
+    devs.push(as_zoned);
+    devs.push(c2);
+    let err = lamina_core::open(devs, config(), lamina_core::OpenMode::ReadWrite)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("is zoned, but the array's cache tier is conventional"),
+        "{err}"
+    );
 }

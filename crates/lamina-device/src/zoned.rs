@@ -875,6 +875,28 @@ impl BlockDevice for ZonedDevice {
     fn report_zones(&self) -> Result<Vec<Zone>, DeviceError> {
         Ok(self.zones())
     }
+    /// Conventional zones take discards; a sequential zone is emptied by a reset
+    /// only (host-managed drives refuse a discard there), so one is refused and
+    /// counted with the writes that broke a rule.
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        check_range(self, "discard", offset, len as usize)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let st = self.st.lock().unwrap();
+        let (first, last) = (self.zone_index(offset), self.zone_index(offset + len - 1));
+        if let Some(i) = (first..=last).find(|&i| st.zones[i].ty == ZoneType::SequentialRequired) {
+            return Err(self.reject(err(
+                &self.name,
+                "discard",
+                offset,
+                libc::EINVAL,
+                format!("zone {i} is sequential: it is reset, not discarded"),
+            )));
+        }
+        drop(st);
+        self.inner.discard(offset, len)
+    }
     fn reset_zone(&self, offset: u64) -> Result<(), DeviceError> {
         self.reset(self.zone_at("reset zone", offset)?)
     }

@@ -101,6 +101,11 @@ impl BlockDevice for Compact {
         let inner = &self.inner;
         self.pieces(offset, buf.len(), |o, r| inner.write_at(&buf[r], o))
     }
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        let inner = &self.inner;
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        self.pieces(offset, len, |o, r| inner.discard(o, r.len() as u64))
+    }
     fn sync(&self) -> Result<(), DeviceError> {
         self.inner.sync()
     }
@@ -270,6 +275,9 @@ impl BlockDevice for Plug {
         drop(g);
         self.cv.notify_all();
         r
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.inner.discard(offset, len)
     }
     fn sync(&self) -> Result<(), DeviceError> {
         self.inner.sync()

@@ -1167,7 +1167,20 @@ pub fn create_array(
                 }
                 devices.push(devices::make_zoned(&abs, dev, spec)?);
             }
-            None => devices.push(Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?)),
+            None => {
+                // Opening the array later would take the file for the emulated
+                // zoned device it once was.
+                let state = lamina_device::zoned::state_path(&abs);
+                if abs.is_file() && state.exists() {
+                    bail!(
+                        "{} is to be a conventional device, but {} beside it holds the zone state \
+                         of an emulated zoned device; remove it first",
+                        abs.display(),
+                        state.display()
+                    );
+                }
+                devices.push(Arc::from(lamina_device::blkzoned::open_if_zoned(dev)?))
+            }
         }
         paths.push(abs);
     }

@@ -171,7 +171,12 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
     }
     if let Some(open) = s.zones_open {
         o += &format!(
-            "  zoned: a segment per zone; {open} zones open of {}\n",
+            "  zoned: a segment per zone{}; {open} zones open of {}\n",
+            if s.cache.is_some() {
+                " of the capacity tier (the cache is conventional)"
+            } else {
+                ""
+            },
             match s.zone_open_limit {
                 0 => "no limit".to_string(),
                 l => format!("at most {l}"),

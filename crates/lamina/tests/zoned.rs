@@ -250,3 +250,43 @@ fn a_mirrored_cache_in_front_of_emulated_zns_fio_verify_kill9() {
     );
     assert_eq!(text.matches("damage:").count(), 1, "fsck: {text}");
 }
+
+/// A file once used as an emulated zoned device keeps its zone state beside it;
+/// made a conventional device (here a cache), it would be opened as zoned again
+/// later. `array create` says so instead, and leaves nothing behind.
+#[test]
+fn a_stale_zone_state_file_is_named_at_create() {
+    let t = TempDir::new("zoned-stale");
+    let dir = t.join("arr");
+    let cap = t.join("cap.img");
+    let cache = t.join("cache.img");
+    std::fs::File::create(&cache)
+        .unwrap()
+        .set_len(80 << 20)
+        .unwrap();
+    let state = lamina_device::zoned::state_path(&cache);
+    std::fs::write(&state, b"stale").unwrap();
+    let out = lamina_output(&[
+        "array",
+        "create",
+        dir.to_str().unwrap(),
+        "--zoned",
+        "zns,zone=4M,cap=3M",
+        "--device",
+        &format!("{}:128M", cap.display()),
+        "--cache-device",
+        cache.to_str().unwrap(),
+        "--force",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("holds the zone state of an emulated zoned device"),
+        "{err}"
+    );
+    assert!(
+        !dir.exists() && !cap.exists(),
+        "a failed create leaves nothing"
+    );
+    assert!(state.exists(), "the user's file is not removed");
+}
