@@ -60,8 +60,8 @@ impl Engine {
             return Err(EngineError::Invalid(if self.geo.mirrored() {
                 format!(
                     "member {index} is in the capacity tier, a jbod without redundancy: it \
-                     cannot be rebuilt, and an array with a cache tier does not move its \
-                     capacity members yet"
+                     cannot be rebuilt online; `lamina array replace` copies it to the new \
+                     device with the array stopped"
                 )
             } else {
                 "only striped arrays (said0/5/6) and mirrored cache tiers replace members \

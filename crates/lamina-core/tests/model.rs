@@ -91,67 +91,159 @@ proptest! {
         cache_copies in 0usize..3,
     ) {
         // Room for the open segments of every class (up to 8 + 8 per volume).
-        let d: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(64)));
-        let mut devs = vec![d];
-        for i in 0..cache_copies {
-            // A cache tier of the fewest segments it may have.
-            devs.push(Arc::new(MemDevice::new(format!("cache{i}"), device_bytes(16))));
-        }
-        let params = lamina_core::FormatParams {
-            cache_devices: cache_copies,
-            ..small_params()
-        };
-        format_devices(&devs, &params);
-        let config = || placement_config(classifier, policy);
-        let mut e = open_rw(&devs, config());
-        let vol = create_volume(&mut e, "m", VOL_BLOCKS * BS as u64);
-        let mut model = vec![0u8; (VOL_BLOCKS * BS as u64) as usize];
-        for op in ops {
-            match op {
-                Op::Write { offset, len, seed } => {
-                    let data = bytes(seed, offset, len);
-                    call(&mut e, Request::Write { volume: vol, offset, data: data.clone(), fua: seed % 7 == 0 }).result.unwrap();
-                    model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
-                }
-                Op::Zero { offset, len } => {
-                    call(&mut e, Request::Zero { volume: vol, offset, length: len, fua: false, allocate: len % 3 == 0 }).result.unwrap();
-                    model[offset as usize..(offset + len) as usize].fill(0);
-                }
-                Op::Read { offset, len } => {
-                    let v = e.shared().volume_by_id(vol).unwrap();
-                    let mut got = vec![0u8; len as usize];
-                    e.shared().read(&v, offset, &mut got).unwrap();
-                    prop_assert!(got[..] == model[offset as usize..(offset + len) as usize], "read at {offset}+{len} differs");
-                }
-                Op::Flush => call(&mut e, Request::Flush).result.unwrap(),
-                Op::Checkpoint => call(&mut e, Request::Checkpoint).result.unwrap(),
-                Op::Restart => {
-                    call(&mut e, Request::Checkpoint).result.unwrap();
-                    drop(e);
-                    e = open_rw(&devs, config());
-                    check_all(&e, &model)?;
-                }
-                Op::Churn { first, rounds } => {
-                    for r in 0..rounds as u64 {
-                        for lba in first..first + 64 {
-                            let data = bytes(r as u8 ^ 0x5a, lba * BS as u64, BS as u64);
-                            call(&mut e, Request::Write { volume: vol, offset: lba * BS as u64, data: data.clone(), fua: false }).result.unwrap();
-                            model[(lba * BS as u64) as usize..((lba + 1) * BS as u64) as usize].copy_from_slice(&data);
-                        }
+        let (devs, params) =
+            with_cache(Arc::new(MemDevice::new("mem0", device_bytes(64))), cache_copies);
+        run_model(&devs, &params, classifier, policy, ops)?;
+    }
+
+    /// A zoned capacity tier behind a cache of one device or a mirror of two
+    /// (CSAL on ZNS, issue 14): the same model, every write within the zone rules.
+    #[test]
+    fn zoned_capacity_behind_a_cache_matches_reference_model(
+        ops in proptest::collection::vec(op(), 1..60),
+        classifier in proptest::sample::select(lamina_core::placement::CLASSIFIER_NAMES),
+        policy in proptest::sample::select(lamina_core::gc::POLICY_NAMES),
+        cache_copies in 1usize..3,
+    ) {
+        use lamina_device::zoned::{ZonedConfig, ZonedDevice};
+        // Zones of one small segment; the superblocks' megabyte conventional; as
+        // many zones open as every GC class, the read-hot stream and metadata take.
+        const ZONE: u64 = 64 * BS as u64;
+        let zoned = Arc::new(
+            ZonedDevice::new(
+                Arc::new(MemDevice::new("zns", device_bytes(64))),
+                ZonedConfig {
+                    zone_bytes: ZONE,
+                    zone_capacity_bytes: ZONE,
+                    conventional_zones: ((1u64 << 20) / ZONE) as u32,
+                    max_open: 14,
+                    max_active: 14,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        );
+        let (devs, params) = with_cache(zoned.clone(), cache_copies);
+        run_model(&devs, &params, classifier, policy, ops)?;
+        prop_assert_eq!(zoned.rejected_writes(), 0, "writes broke zone rules");
+    }
+}
+
+/// `capacity` with a cache tier of `copies` devices (none when 0) of the fewest
+/// segments a cache may have, and the parameters to format them with.
+fn with_cache(
+    capacity: Arc<dyn BlockDevice>,
+    copies: usize,
+) -> (Vec<Arc<dyn BlockDevice>>, lamina_core::FormatParams) {
+    let mut devs = vec![capacity];
+    for i in 0..copies {
+        devs.push(Arc::new(MemDevice::new(
+            format!("cache{i}"),
+            device_bytes(16),
+        )));
+    }
+    let params = lamina_core::FormatParams {
+        cache_devices: copies,
+        ..small_params()
+    };
+    (devs, params)
+}
+
+/// Runs `ops` on a new array of `devs` against the model, then checks the whole
+/// volume, after a clean restart and after one that only flushed.
+fn run_model(
+    devs: &[Arc<dyn BlockDevice>],
+    params: &lamina_core::FormatParams,
+    classifier: &str,
+    policy: &str,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
+    format_devices(devs, params);
+    let config = || placement_config(classifier, policy);
+    let mut e = open_rw(devs, config());
+    let vol = create_volume(&mut e, "m", VOL_BLOCKS * BS as u64);
+    let mut model = vec![0u8; (VOL_BLOCKS * BS as u64) as usize];
+    for op in ops {
+        match op {
+            Op::Write { offset, len, seed } => {
+                let data = bytes(seed, offset, len);
+                call(
+                    &mut e,
+                    Request::Write {
+                        volume: vol,
+                        offset,
+                        data: data.clone(),
+                        fua: seed % 7 == 0,
+                    },
+                )
+                .result
+                .unwrap();
+                model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+            }
+            Op::Zero { offset, len } => {
+                call(
+                    &mut e,
+                    Request::Zero {
+                        volume: vol,
+                        offset,
+                        length: len,
+                        fua: false,
+                        allocate: len % 3 == 0,
+                    },
+                )
+                .result
+                .unwrap();
+                model[offset as usize..(offset + len) as usize].fill(0);
+            }
+            Op::Read { offset, len } => {
+                let v = e.shared().volume_by_id(vol).unwrap();
+                let mut got = vec![0u8; len as usize];
+                e.shared().read(&v, offset, &mut got).unwrap();
+                prop_assert!(
+                    got[..] == model[offset as usize..(offset + len) as usize],
+                    "read at {offset}+{len} differs"
+                );
+            }
+            Op::Flush => call(&mut e, Request::Flush).result.unwrap(),
+            Op::Checkpoint => call(&mut e, Request::Checkpoint).result.unwrap(),
+            Op::Restart => {
+                call(&mut e, Request::Checkpoint).result.unwrap();
+                drop(e);
+                e = open_rw(devs, config());
+                check_all(&e, &model)?;
+            }
+            Op::Churn { first, rounds } => {
+                for r in 0..rounds as u64 {
+                    for lba in first..first + 64 {
+                        let data = bytes(r as u8 ^ 0x5a, lba * BS as u64, BS as u64);
+                        call(
+                            &mut e,
+                            Request::Write {
+                                volume: vol,
+                                offset: lba * BS as u64,
+                                data: data.clone(),
+                                fua: false,
+                            },
+                        )
+                        .result
+                        .unwrap();
+                        model[(lba * BS as u64) as usize..((lba + 1) * BS as u64) as usize]
+                            .copy_from_slice(&data);
                     }
                 }
             }
         }
-        check_all(&e, &model)?;
-        e.check_gc_index();
-        // And once more after a restart without a clean checkpoint (only what was
-        // flushed is promised, but nothing was lost: the in-memory devices keep all).
-        call(&mut e, Request::Flush).result.unwrap();
-        drop(e);
-        let e = open_rw(&devs, config());
-        check_all(&e, &model)?;
-        e.check_gc_index();
     }
+    check_all(&e, &model)?;
+    e.check_gc_index();
+    // And once more after a restart without a clean checkpoint (only what was
+    // flushed is promised, but nothing was lost: the in-memory devices keep all).
+    call(&mut e, Request::Flush).result.unwrap();
+    drop(e);
+    let e = open_rw(devs, config());
+    check_all(&e, &model)?;
+    e.check_gc_index();
+    Ok(())
 }
 
 /// JBOD over several devices, opened with the devices in another order: the

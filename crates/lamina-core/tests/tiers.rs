@@ -503,3 +503,125 @@ fn a_read_is_counted_once_where_it_was_found() {
     assert_eq!(after.read_bytes_cache - before.read_bytes_cache, BS as u64);
     assert_eq!(after.read_bytes_capacity, before.read_bytes_capacity);
 }
+
+/// The members of a tiered array move as JBOD members do (issue 14): a capacity
+/// member and the cache device are copied to new devices with the array closed,
+/// and a capacity member is evacuated onto the other; every block reads back
+/// after each step. The cache is not evacuated, a mirror's copy is replaced
+/// online only, and a tiered array does not grow: each refusal says why.
+#[test]
+fn the_members_of_a_tiered_array_move() {
+    let mem = |n: &str, segs: u64| Arc::new(MemDevice::new(n, device_bytes(segs)));
+    let (a, b, c) = (
+        mem("cap-a", CAPACITY_SEGMENTS),
+        mem("cap-b", CAPACITY_SEGMENTS),
+        mem("cache", CACHE_SEGMENTS),
+    );
+    let devs = dyn_devs(&[a.clone(), b.clone(), c.clone()]);
+    format_devices(&devs, &tiered_params());
+    let mut e = open_rw(&devs, small_config());
+    let blocks = e.usable_bytes() / BS as u64 * 4 / 10;
+    let vol = create_volume(&mut e, "v", blocks * BS as u64);
+    let mut model = HashMap::new();
+    overwrite(&mut e, vol, &mut model, 5 * blocks, 100, |i| {
+        (i * 2_654_435_761) % blocks
+    });
+    let s = e.status();
+    assert!(s.cache.as_ref().unwrap().compactions > 0, "{s:?}");
+    assert!(
+        s.members.iter().all(|m| m.bytes_written > 0),
+        "every member holds data: {:?}",
+        s.members
+    );
+    call(&mut e, Request::Flush).result.expect("flush");
+    drop(e);
+
+    let replace = |devs: &[Arc<dyn BlockDevice>], i: usize, new: Arc<dyn BlockDevice>| {
+        lamina_core::replace(
+            devs.to_vec(),
+            &small_config(),
+            i,
+            new,
+            [0x50 + i as u8; 16],
+            &lamina_core::GrowParams::default(),
+            &mut |_, _| {},
+            &mut || Ok(()),
+        )
+    };
+    // A capacity member, then the cache device.
+    let a2 = mem("cap-a2", CAPACITY_SEGMENTS);
+    let r = replace(&devs, 0, a2.clone()).expect("replace a capacity member");
+    assert!(r.segments_copied > 0);
+    let devs = dyn_devs(&[a2.clone(), b.clone(), c.clone()]);
+    let e = open_rw(&devs, small_config());
+    verify_model(&e, vol, &model);
+    drop(e);
+    let c2 = mem("cache2", CACHE_SEGMENTS);
+    let r = replace(&devs, 2, c2.clone()).expect("replace the cache device");
+    // Compaction keeps part of the cache free: those segments are not copied.
+    assert!(
+        r.segments_copied > 0 && r.segments_copied < r.segments,
+        "{} of {}",
+        r.segments_copied,
+        r.segments
+    );
+    let devs = dyn_devs(&[a2.clone(), b.clone(), c2.clone()]);
+    let mut e = open_rw(&devs, small_config());
+    verify_model(&e, vol, &model);
+    assert_eq!(e.superblock().devices[2].uuid, [0x52; 16]);
+    // Writes go on (into the new cache) and read back.
+    overwrite(&mut e, vol, &mut model, blocks, 100, |i| (i * 7) % blocks);
+    call(&mut e, Request::Flush).result.expect("flush");
+    drop(e);
+
+    // The cache is not evacuated; a capacity member is.
+    let evacuate = |devs: &[Arc<dyn BlockDevice>], i: usize| {
+        lamina_core::evacuate(
+            devs.to_vec(),
+            &small_config(),
+            i,
+            &mut |_, _| {},
+            &mut || Ok(()),
+        )
+    };
+    let err = evacuate(&devs, 2).unwrap_err().to_string();
+    assert!(err.contains("is its cache tier"), "{err}");
+    let r = evacuate(&devs, 0).expect("evacuate a capacity member");
+    assert!(r.blocks_moved > 0);
+    let devs = dyn_devs(&[b.clone(), c2.clone()]);
+    let mut e = open_rw(&devs, small_config());
+    verify_model(&e, vol, &model);
+    assert!(e.status().cache.is_some());
+    overwrite(&mut e, vol, &mut model, blocks, 100, |i| (i * 13) % blocks);
+    verify_model(&e, vol, &model);
+    drop(e);
+
+    // No grow; a mirror's copy is not copied offline.
+    let err = lamina_core::grow(
+        devs.clone(),
+        &small_config(),
+        &[mem("more", 24) as Arc<dyn BlockDevice>],
+        &[[9; 16]],
+        &lamina_core::GrowParams::default(),
+        &mut || Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("cannot grow yet"), "{err}");
+    let m = dyn_devs(&[
+        mem("m-cap", CAPACITY_SEGMENTS),
+        mem("m-c0", CACHE_SEGMENTS),
+        mem("m-c1", CACHE_SEGMENTS),
+    ]);
+    format_devices(
+        &m,
+        &FormatParams {
+            cache_devices: 2,
+            ..small_params()
+        },
+    );
+    let err = replace(&m, 1, mem("m-c2", CACHE_SEGMENTS))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("is replaced online"), "{err}");
+}

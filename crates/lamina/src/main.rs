@@ -354,7 +354,9 @@ stopped after, the array opens grown, and its first read-write open (`lamina
 serve`) writes the new superblock to every member.
 
 Striped layouts (said0, said5, said6) would have to restripe every live segment
-over the new member count, and zoned arrays to match zones: both are refused.
+over the new member count, and zoned arrays to match zones: both are refused, as
+is an array with a cache tier (its segments are numbered after the capacity
+tier's).
 
 EXIT STATUS
     0  the array grew
@@ -381,6 +383,10 @@ command says which and removes nothing.
 A removed member keeps its place in the array's table of members (the segments
 of the members after it keep their numbers), shown as \"removed\" by `status` and
 `array list`.
+
+On an array with a cache tier, a capacity member is evacuated onto the other
+capacity members; the cache member itself cannot be (that would remove the
+cache; `array replace` moves it to another device).
 
 EXIT STATUS
     0  the member was removed
@@ -420,7 +426,8 @@ device, as `pvmove` onto a new disk: its segments that hold data are copied to t
 same offsets of the new device, which must be at least as large as the member's
 segments need, and takes its place; the old device keeps its contents. This runs
 with the server stopped. A segment the old device cannot read stops it with
-nothing changed: JBOD has no other copy.
+nothing changed: JBOD has no other copy. The capacity members of an array with a
+cache tier, and its cache device when it is not mirrored, are moved this way.
 
 When `lamina serve` runs, the rebuild runs inside it while clients keep working,
 at most --rate bytes per second; this command shows its progress until it is done

@@ -39,6 +39,12 @@
 //! count (grow), and replace their members by rebuilding from parity (the
 //! `rebuild` module). Zoned arrays are refused too (a new device's zones would
 //! have to match, and its conventional zones be placed).
+//!
+//! **Tiers.** An array with a cache tier moves a capacity member, or a cache
+//! device that is not mirrored, as any JBOD member (a mirror's copies are
+//! replaced online instead), and evacuates a capacity member onto the others;
+//! it does not grow (the cache's segments are numbered after the capacity
+//! tier's, where a new member's would go) and does not evacuate its cache.
 
 use super::{assemble, format, open, OpenMode, Progress, MEMBER_REMOVED};
 use crate::engine::{Engine, EngineConfig};
@@ -166,7 +172,8 @@ pub fn replace(
     let (sb, members, in_use) = checkpointed(members, cfg, "replace", |engine| {
         let geo = &engine.shared().geo;
         let mut free = vec![false; geo.segment_count as usize];
-        for &s in &engine.segments.free {
+        // Both tiers' free queues: the member may be the cache's.
+        for s in engine.segments.all_free() {
             free[s as usize] = true;
         }
         match geo.devices.get(index) {
@@ -186,6 +193,15 @@ pub fn replace(
     if entry.state == MEMBER_REMOVED {
         return invalid(format!(
             "member {index} of {:?} was removed: it holds nothing to move (`array grow` adds a device)",
+            sb.array_name
+        ));
+    }
+    let copies = sb.devices.iter().filter(|d| d.tier == TIER_CACHE).count();
+    if entry.tier == TIER_CACHE && copies > 1 {
+        return invalid(format!(
+            "member {index} of {:?} is a copy of a mirrored cache: it is replaced online and \
+             rebuilt from another copy (`lamina array fail`, then `lamina array replace` with \
+             the array served)",
             sb.array_name
         ));
     }
@@ -314,9 +330,11 @@ fn jbod_only(sb: &Superblock, zoned: bool, what: &str) -> Result<(), EngineError
     if zoned {
         return invalid(format!("zoned arrays cannot {what} their members yet"));
     }
-    if sb.devices.iter().any(|d| d.tier == TIER_CACHE) {
+    // The cache tier's segments are numbered after the capacity tier's: a new
+    // capacity member would have to be numbered between them.
+    if what == "grow" && sb.devices.iter().any(|d| d.tier == TIER_CACHE) {
         return invalid(format!(
-            "array {:?} has a cache tier: its members cannot {what} yet (issue 14)",
+            "array {:?} has a cache tier: it cannot grow yet (issue 14)",
             sb.array_name
         ));
     }
@@ -453,6 +471,13 @@ pub fn evacuate(
             geo.devices.len()
         ));
     };
+    if geo.is_cache_member(index) {
+        return invalid(format!(
+            "member {index} of {:?} is its cache tier: evacuating it would remove the cache, \
+             which is not built (`lamina array replace` moves it to another device)",
+            sb.array_name
+        ));
+    }
     if span.removed {
         return invalid(format!(
             "member {index} of {:?} was removed already",
