@@ -409,3 +409,89 @@ fn a_jbod_member_is_evacuated() {
     assert!(!cfg.contains("d1.img") && cfg.contains("d2.img"), "{cfg}");
     check_blocks(&b);
 }
+
+/// A tiered array's members move with the array stopped (issue 14): `array
+/// replace` copies a capacity member and the cache device to new files, `array
+/// evacuate` moves a capacity member's data onto the other; lamina.toml follows
+/// and the data reads back after each step. Evacuating the cache and growing
+/// are refused with the reason.
+#[test]
+fn a_tiered_arrays_members_move() {
+    let t = TempDir::new("tiered-move");
+    let disks = t.join("disks");
+    let a = t.join("a");
+    let ad = a.to_str().unwrap();
+    let dev = |n: &str, size: &str| format!("{}:{size}", disks.join(n).display());
+    let mut args: Vec<String> = ["array", "create", ad].map(String::from).to_vec();
+    for d in [dev("d0.img", "32M"), dev("d1.img", "32M")] {
+        args.extend(["--device".into(), d]);
+    }
+    args.extend(["--cache-device".into(), dev("c0.img", "24M")]);
+    args.extend(["--segment-size", "1M", "--write-unit", "128K"].map(String::from));
+    lamina(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    create_volume(&a, "v", "16M");
+    let s = Server::start(&a);
+    write_blocks(&s.sock);
+    // More than the cache holds, over the rest of the volume: compaction moves
+    // the first blocks on to the capacity members.
+    let mut c = Client::connect_unix(&s.sock, "v").unwrap();
+    for round in 2..5 {
+        for lba in BLOCKS..4096 {
+            c.write(lba * BS as u64, &pattern(lba, round), false)
+                .unwrap();
+        }
+    }
+    c.flush().unwrap();
+    drop(c);
+    let st = status_json(&a);
+    assert!(st["cache"]["compactions"].as_u64().unwrap() > 0, "{st}");
+    s.kill9();
+
+    lamina(&[
+        "array",
+        "replace",
+        ad,
+        "--old",
+        "0",
+        "--new",
+        &dev("d0b.img", "32M"),
+    ]);
+    lamina(&[
+        "array",
+        "replace",
+        ad,
+        "--old",
+        "2",
+        "--new",
+        &dev("c1.img", "24M"),
+    ]);
+    let cfg = std::fs::read_to_string(a.join("lamina.toml")).unwrap();
+    assert!(
+        cfg.contains("d0b.img") && cfg.contains("c1.img") && !cfg.contains("c0.img"),
+        "{cfg}"
+    );
+    let st = status_json(&a);
+    assert_eq!(st["array"]["members"][2]["tier"], "cache", "{st}");
+    check_blocks(&a);
+
+    fails(
+        &["array", "evacuate", ad, "--device", "2"],
+        "is its cache tier",
+    );
+    fails(
+        &["array", "grow", ad, "--device", &dev("d2.img", "32M")],
+        "cannot grow yet",
+    );
+    let out = lamina(&["array", "evacuate", ad, "--device", "1", "--json"]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        r["segments"].as_u64().unwrap() > 0,
+        "member 1 held data: {r}"
+    );
+    let cfg = std::fs::read_to_string(a.join("lamina.toml")).unwrap();
+    assert!(!cfg.contains("d1.img") && cfg.contains("c1.img"), "{cfg}");
+    let st = status_json(&a);
+    assert_eq!(st["array"]["members"][1]["state"], "removed", "{st}");
+    assert!(st["cache"].is_object(), "{st}");
+    check_blocks(&a);
+}
