@@ -587,7 +587,8 @@ fn the_members_of_a_tiered_array_move() {
     let err = evacuate(&devs, 2).unwrap_err().to_string();
     assert!(err.contains("is its cache tier"), "{err}");
     let r = evacuate(&devs, 0).expect("evacuate a capacity member");
-    assert!(r.blocks_moved > 0);
+    // (Blocks moved count compaction's too; the reads below are the proof.)
+    assert!(r.segments > 0, "member 0 held data");
     let devs = dyn_devs(&[b.clone(), c2.clone()]);
     let mut e = open_rw(&devs, small_config());
     verify_model(&e, vol, &model);
@@ -610,6 +611,7 @@ fn the_members_of_a_tiered_array_move() {
     assert!(err.contains("cannot grow yet"), "{err}");
     let m = dyn_devs(&[
         mem("m-cap", CAPACITY_SEGMENTS),
+        mem("m-cap1", CAPACITY_SEGMENTS),
         mem("m-c0", CACHE_SEGMENTS),
         mem("m-c1", CACHE_SEGMENTS),
     ]);
@@ -620,8 +622,41 @@ fn the_members_of_a_tiered_array_move() {
             ..small_params()
         },
     );
-    let err = replace(&m, 1, mem("m-c2", CACHE_SEGMENTS))
+    let err = replace(&m, 2, mem("m-c2", CACHE_SEGMENTS))
         .unwrap_err()
         .to_string();
     assert!(err.contains("is replaced online"), "{err}");
+
+    // Beside a mirror running on one copy (the other failed, its device gone),
+    // a capacity member is still copied and another evacuated: the failed copy
+    // takes no superblock.
+    let mut e = open_rw(&m, small_config());
+    let vol = create_volume(&mut e, "w", blocks * BS as u64);
+    let mut model = HashMap::new();
+    overwrite(&mut e, vol, &mut model, 4 * blocks, 100, |i| {
+        (i * 2_654_435_761) % blocks
+    });
+    call(&mut e, Request::FailMember { index: 3 })
+        .result
+        .expect("fail a copy");
+    call(&mut e, Request::Flush).result.expect("flush");
+    drop(e);
+    let gone: Arc<dyn BlockDevice> = Arc::new(lamina_device::striped::Absent::new("m-c1"));
+    let m = vec![m[0].clone(), m[1].clone(), m[2].clone(), gone];
+    let cap2 = mem("m-cap2", CAPACITY_SEGMENTS);
+    replace(&m, 0, cap2.clone()).expect("replace beside a degraded mirror");
+    let m = vec![
+        cap2 as Arc<dyn BlockDevice>,
+        m[1].clone(),
+        m[2].clone(),
+        m[3].clone(),
+    ];
+    let e = open_rw(&m, small_config());
+    verify_model(&e, vol, &model);
+    assert_eq!(e.status().cache.unwrap().copies_ok, 1);
+    drop(e);
+    evacuate(&m, 1).expect("evacuate beside a degraded mirror");
+    let m = vec![m[0].clone(), m[2].clone(), m[3].clone()];
+    let e = open_rw(&m, small_config());
+    verify_model(&e, vol, &model);
 }

@@ -427,7 +427,8 @@ same offsets of the new device, which must be at least as large as the member's
 segments need, and takes its place; the old device keeps its contents. This runs
 with the server stopped. A segment the old device cannot read stops it with
 nothing changed: JBOD has no other copy. The capacity members of an array with a
-cache tier, and its cache device when it is not mirrored, are moved this way.
+cache tier, and its cache device when it is not mirrored, are moved this way
+(not when the capacity devices are zoned).
 
 When `lamina serve` runs, the rebuild runs inside it while clients keep working,
 at most --rate bytes per second; this command shows its progress until it is done

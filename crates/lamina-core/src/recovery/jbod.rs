@@ -46,7 +46,7 @@
 //! it does not grow (the cache's segments are numbered after the capacity
 //! tier's, where a new member's would go) and does not evacuate its cache.
 
-use super::{assemble, format, open, OpenMode, Progress, MEMBER_REMOVED};
+use super::{assemble, format, open, OpenMode, Progress, MEMBER_FAILED, MEMBER_REMOVED};
 use crate::engine::{Engine, EngineConfig};
 use crate::error::EngineError;
 use crate::geometry::Geometry;
@@ -272,8 +272,10 @@ pub fn replace(
     })
 }
 
-/// The members (in their order) that take superblocks: all but `except` and the
-/// removed ones, whose devices are not needed (a placeholder stands for them).
+/// The members (in their order) that take superblocks: all but `except`, the
+/// removed ones, whose devices are not needed (a placeholder stands for them),
+/// and a mirrored cache's failed copies (missing, or never to be trusted again),
+/// as the engine's own superblock writes leave them out.
 fn in_service(
     sb: &Superblock,
     members: Devices,
@@ -282,7 +284,9 @@ fn in_service(
     members
         .into_iter()
         .enumerate()
-        .filter(|(i, _)| Some(*i) != except && sb.devices[*i].state != MEMBER_REMOVED)
+        .filter(|(i, _)| {
+            Some(*i) != except && !matches!(sb.devices[*i].state, MEMBER_REMOVED | MEMBER_FAILED)
+        })
         .collect()
 }
 
