@@ -596,8 +596,8 @@ impl Engine {
         space.set_thresholds(cfg.space_warn, cfg.space_critical);
         // A cache tier in front of zoned devices is conventional: the zone rules
         // are the capacity tier's, and every cache segment counts as lying in a
-        // conventional zone (it holds none open and is never reset).
-        // Each cache member (a mirror's copies as the striped device holds them:
+        // conventional zone (it holds none open and is never reset). Each cache
+        // member is checked (a mirror's copies as the striped device holds them:
         // their slots do not speak of zones).
         let cache_device = |d: usize| match (geo.striped_index(d), &shared.striped) {
             (Some(m), Some(st)) => st.member(m),

@@ -46,15 +46,16 @@ impl Zones {
                 }
             }
         }
-        Zones {
+        let mut z = Zones {
             zoned,
             limit,
             active: 0,
-            any_conventional: (0..geo.cache_first.min(n as u32))
-                .any(|s| conventional[s as usize / 64] & (1 << (s % 64)) != 0),
+            any_conventional: false,
             conventional,
             small_units_moved: 0,
-        }
+        };
+        z.any_conventional = (0..geo.cache_first.min(n as u32)).any(|s| z.conventional(s));
+        z
     }
 
     /// Segment `seg` lies in a conventional zone of a zoned device.

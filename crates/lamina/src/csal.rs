@@ -78,7 +78,7 @@ fn slc_config(a: &CsalArgs) -> FlashConfig {
 struct Row {
     name: &'static str,
     /// QLC: NAND bytes programmed, bytes it was sent, erases.
-    qlc: (u64, u64, u64),
+    qlc: Wear,
     /// SLC (setups with a cache): NAND bytes programmed.
     slc: Option<u64>,
     /// Lamina: bytes compaction moved to the capacity tier.
@@ -96,12 +96,16 @@ impl Row {
     }
 }
 
-fn delta(a: &FlashStats, b: &FlashStats) -> (u64, u64, u64) {
-    (
-        b.nand_bytes_programmed - a.nand_bytes_programmed,
-        b.host_bytes_written - a.host_bytes_written,
-        b.erases - a.erases,
-    )
+/// What a drive has done: NAND bytes programmed, bytes it was sent, erases.
+type Wear = (u64, u64, u64);
+
+fn wear(s: &FlashStats) -> Wear {
+    (s.nand_bytes_programmed, s.host_bytes_written, s.erases)
+}
+
+/// What a drive did between two readings.
+fn delta(a: Wear, b: Wear) -> Wear {
+    (b.0 - a.0, b.1 - a.1, b.2 - a.2)
 }
 
 fn write(f: &Flash, block: u64) {
@@ -149,14 +153,14 @@ fn lru(a: &CsalArgs, blocks: u64) -> Result<Row> {
     for b in 0..blocks {
         cache.write(b, &qlc, &slc);
     }
-    let (q0, s0) = (qlc.stats(), slc.stats());
+    let (q0, s0) = (wear(&qlc.stats()), wear(&slc.stats()));
     for b in writes(&a.workload, blocks, a.passes)? {
         cache.write(b, &qlc, &slc);
     }
     Ok(Row {
         name: "LRU cache on SLC + QLC",
-        qlc: delta(&q0, &qlc.stats()),
-        slc: Some(delta(&s0, &slc.stats()).0),
+        qlc: delta(q0, wear(&qlc.stats())),
+        slc: Some(delta(s0, wear(&slc.stats())).0),
         compacted: None,
         user: a.passes as u64 * blocks * BS,
     })
@@ -262,14 +266,11 @@ impl Capacity {
         }
     }
 
-    /// NAND bytes programmed, bytes it was sent, erases. A ZNS drive programs
-    /// what it is sent (its conventional zones too) and erases a zone on reset.
-    fn stats(&self) -> (u64, u64, u64) {
+    /// Its [`Wear`]. A ZNS drive programs what it is sent (its conventional
+    /// zones too) and erases a zone on reset.
+    fn stats(&self) -> Wear {
         match self {
-            Capacity::Qlc(f) => {
-                let s = f.stats();
-                (s.nand_bytes_programmed, s.host_bytes_written, s.erases)
-            }
+            Capacity::Qlc(f) => wear(&f.stats()),
             Capacity::Zns(z) => {
                 let sent = z.sequential_bytes_written() + z.conventional_bytes_written();
                 (sent, sent, z.zone_resets())
@@ -312,7 +313,7 @@ fn lamina(a: &CsalArgs, tiered: bool, zns: bool) -> Result<(Row, u64)> {
         l.write_to((b / per_vol) as usize, b % per_vol * BS, BS as usize);
     }
     l.flush()?;
-    let (q0, s0) = (capacity.stats(), slc.as_ref().map(|s| s.stats()));
+    let (q0, s0) = (capacity.stats(), slc.as_ref().map(|s| wear(&s.stats())));
     let c0 = l.e.status().cache.map_or(0, |c| c.compacted_bytes);
     for b in writes(&a.workload, total, a.passes)? {
         l.write_to((b / per_vol) as usize, b % per_vol * BS, BS as usize);
@@ -326,11 +327,8 @@ fn lamina(a: &CsalArgs, tiered: bool, zns: bool) -> Result<(Row, u64)> {
                 (true, false) => "Lamina + cache tier on SLC",
                 _ => "Lamina on the QLC",
             },
-            qlc: {
-                let q1 = capacity.stats();
-                (q1.0 - q0.0, q1.1 - q0.1, q1.2 - q0.2)
-            },
-            slc: slc.map(|s| delta(&s0.unwrap(), &s.stats()).0),
+            qlc: delta(q0, capacity.stats()),
+            slc: slc.map(|s| delta(s0.unwrap(), wear(&s.stats())).0),
             compacted: st.cache.map(|c| c.compacted_bytes - c0),
             user: a.passes as u64 * total * BS,
         },

@@ -33,6 +33,27 @@ fn zones_within_limits(dir: &Path, devs: &[PathBuf]) -> serde_json::Value {
     st
 }
 
+/// Replaces failed member `old` of the array `s` serves by `new` (PATH:SIZE), its
+/// rebuild running online while fio writes `loops` passes of the volume (job
+/// `name`) in the background; fio must write through it.
+fn replace_while_writing(s: &Server, name: &str, vol: u64, loops: u32, old: &str, new: &str) {
+    let loops = format!("--loops={loops}");
+    let mut bg = Command::new("fio")
+        .args(fio_job(name, &s.uri("v"), vol, &[&loops, "--do_verify=0"]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let dir = s.dir.to_str().unwrap();
+    lamina(&[
+        "array", "replace", dir, "--old", old, "--new", new, "--quiet",
+    ]);
+    assert!(
+        bg.wait().unwrap().success(),
+        "fio wrote through the rebuild"
+    );
+}
+
 #[test]
 fn said5_on_emulated_zns_fio_verify_gc_kill9() {
     if !need(
@@ -94,31 +115,7 @@ fn said5_on_emulated_zns_fio_verify_gc_kill9() {
     // everything still verifies: the new member carries its share.
     lamina(&["array", "fail", dir.to_str().unwrap(), "--device", "2"]);
     let new = t.join("z4.img");
-    let mut bg = Command::new("fio")
-        .args(fio_job(
-            "zoned",
-            &s.uri("v"),
-            vol,
-            &["--loops=3", "--do_verify=0"],
-        ))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    lamina(&[
-        "array",
-        "replace",
-        dir.to_str().unwrap(),
-        "--old",
-        "2",
-        "--new",
-        &format!("{}:128M", new.display()),
-        "--quiet",
-    ]);
-    assert!(
-        bg.wait().unwrap().success(),
-        "fio wrote through the rebuild"
-    );
+    replace_while_writing(&s, "zoned", vol, 3, "2", &format!("{}:128M", new.display()));
     assert!(lamina_device::zoned::state_path(&new).exists());
     let mut devs = devs.clone();
     devs[2] = new;
@@ -198,32 +195,8 @@ fn a_mirrored_cache_in_front_of_emulated_zns_fio_verify_kill9() {
     // while fio writes (a zoned file would be refused: the cache takes writes
     // anywhere).
     lamina(&["array", "fail", d, "--device", "1"]);
-    let mut bg = Command::new("fio")
-        .args(fio_job(
-            "zcache",
-            &s.uri("v"),
-            vol,
-            &["--loops=2", "--do_verify=0"],
-        ))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
     let new = t.join("cache2.img");
-    lamina(&[
-        "array",
-        "replace",
-        d,
-        "--old",
-        "1",
-        "--new",
-        &format!("{}:80M", new.display()),
-        "--quiet",
-    ]);
-    assert!(
-        bg.wait().unwrap().success(),
-        "fio wrote through the rebuild"
-    );
+    replace_while_writing(&s, "zcache", vol, 2, "1", &format!("{}:80M", new.display()));
     assert!(!lamina_device::zoned::state_path(&new).exists());
     let st = zones_within_limits(&dir, std::slice::from_ref(&zns));
     assert_eq!(st["cache"]["copies_ok"], 2, "{st}");
