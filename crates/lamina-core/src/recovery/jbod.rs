@@ -196,8 +196,8 @@ pub fn replace(
             sb.array_name
         ));
     }
-    let copies = sb.devices.iter().filter(|d| d.tier == TIER_CACHE).count();
-    if entry.tier == TIER_CACHE && copies > 1 {
+    let geo = Geometry::from_superblock(&sb);
+    if geo.mirrored() && geo.is_cache_member(index) {
         return invalid(format!(
             "member {index} of {:?} is a copy of a mirrored cache: it is replaced online and \
              rebuilt from another copy (`lamina array fail`, then `lamina array replace` with \
@@ -226,7 +226,6 @@ pub fn replace(
             params.progress.as_ref(),
         );
     }
-    let geo = Geometry::from_superblock(&sb);
     let old = &members[index];
     let total = in_use.len() as u64 * seg_bytes;
     // A segment at a time, in pieces of 1 MiB (segments may be 64 GiB stripes
