@@ -247,7 +247,7 @@ pub struct Reply {
 use crate::durability::{Durability, SyncTarget};
 use crate::outbox::Outbox;
 use crate::sb_writer::SbWriter;
-pub(crate) use crate::segments::{Seg, SegState, SegmentTable};
+pub(crate) use crate::segments::{Extent, Seg, SegState, SegmentTable};
 use crate::space::Space;
 use crate::zones::Zones;
 
@@ -406,6 +406,8 @@ pub(crate) enum Purpose {
     Discard {
         seg: u32,
         wait: bool,
+        /// The first unit header was kept ([`Extent::Tail`]).
+        tail: bool,
     },
     /// A zone finished at a segment's write pointer (zoned devices).
     ZoneFinish {
@@ -725,6 +727,13 @@ impl Engine {
     /// Segments discarded since the array was opened.
     pub fn segments_discarded(&self) -> u64 {
         self.segments.discarded
+    }
+
+    /// Discards done since the array was opened for segments opened after the
+    /// durable checkpoint, which keep their first unit header (see
+    /// `SegmentTable::discardable`).
+    pub fn segments_tail_discarded(&self) -> u64 {
+        self.segments.tail_discards
     }
 
     /// Free segments discarded since they were last written.
@@ -1116,10 +1125,11 @@ impl Engine {
                 self.zones.done(seg);
                 self.segment_write_done(seg);
             }
-            Purpose::Discard { seg, wait } => {
+            Purpose::Discard { seg, wait, tail } => {
                 if let Err(e) = &c.result {
                     tracing::debug!("discard of segment {seg}: {e}");
                 }
+                self.segments.tail_discards += (tail && c.result.is_ok()) as u64;
                 if wait || self.cfg.metadata_only {
                     // Released (or, in a simulation, freed as it was discarded).
                     self.segments.discarded += c.result.is_ok() as u64;
@@ -1272,7 +1282,7 @@ impl Engine {
             let before = self.discard_before(tier);
             while self.segments.discarding < MAX_DISCARDS {
                 let shared = &self.shared;
-                let Some(seg) = self.segments.next_to_discard(
+                let Some((seg, extent)) = self.segments.next_to_discard(
                     tier,
                     self.now_ms,
                     self.cfg.discard_delay_ms,
@@ -1283,7 +1293,7 @@ impl Engine {
                 ) else {
                     break;
                 };
-                self.submit_discard(seg, false);
+                self.submit_discard(seg, false, extent);
             }
         }
     }
@@ -1761,12 +1771,20 @@ impl Engine {
             .filter(|_| self.cfg.discard_delay_ms == 0)
     }
 
-    /// Queues the discard of segment `seg`'s whole extent.
-    fn submit_discard(&mut self, seg: u32, wait: bool) {
-        let (dev, off) = self.geo.locate(SegmentId(seg), 0);
-        let len = self.geo.segment_blocks as u64 * BLOCK_SIZE_U64;
+    /// Queues the discard of segment `seg`'s `extent`.
+    fn submit_discard(&mut self, seg: u32, wait: bool, extent: Extent) {
+        let from = match extent {
+            Extent::Whole => 0,
+            Extent::Tail => self.geo.header_blocks as u32,
+        };
+        let (dev, off) = self.geo.locate(SegmentId(seg), from);
+        let len = (self.geo.segment_blocks - from) as u64 * BLOCK_SIZE_U64;
         self.submit_io(
-            Purpose::Discard { seg, wait },
+            Purpose::Discard {
+                seg,
+                wait,
+                tail: extent == Extent::Tail,
+            },
             dev,
             off,
             IoKind::Discard { len },
@@ -1781,7 +1799,7 @@ impl Engine {
             // Nothing is durable in a simulation: reuse at once (an emulated SSD
             // under the simulator still hears of it).
             if self.discard_enabled(self.geo.tier(seg)) {
-                self.submit_discard(seg, false);
+                self.submit_discard(seg, false, Extent::Whole);
             }
             self.segments.make_free(seg, self.now_ms);
             self.shared.set_segment_free(seg, true);
@@ -1888,12 +1906,14 @@ impl Engine {
                 };
                 // Released: nobody reads it any more (scrub and rebuild skip it).
                 self.shared.set_segment_free(s, true);
-                if self.segments.discardable(s, Some(before))
-                    && !self.segments.discards.contains_key(&s)
+                let Some(extent) = self.segments.discardable(s, Some(before)) else {
+                    continue;
+                };
+                if !self.segments.discards.contains_key(&s)
                     && !self.shared.segment_pinned(SegmentId(s))
                 {
                     self.segments.discards.insert(s, false);
-                    self.submit_discard(s, true);
+                    self.submit_discard(s, true, extent);
                 }
             }
         }

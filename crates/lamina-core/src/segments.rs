@@ -22,6 +22,14 @@ use crate::victims::VictimIndex;
 use lamina_format::unit::StreamKind;
 use std::collections::{HashMap, VecDeque};
 
+/// What a discard of a segment covers (see [`SegmentTable::discardable`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Extent {
+    Whole,
+    /// All but the first unit's header blocks.
+    Tail,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SegState {
     Free,
@@ -72,6 +80,10 @@ pub(crate) struct Seg {
     /// Free: the version at which its last contents were opened (an upper bound
     /// for segments found free at start); see [`SegmentTable::discardable`].
     pub retired: u64,
+    /// Free: its last contents are known to have been a data segment's (user or
+    /// GC), whose units carry no record the walk needs (release records are the
+    /// metadata stream's); not known for segments found free at start.
+    pub retired_data: bool,
     /// Free: engine time (ms) when it joined the free queue.
     pub freed_ms: u64,
     /// Free: a discard of its extent is under way; allocation must not take it.
@@ -148,6 +160,7 @@ impl Seg {
             closed: 0,
             origins: None,
             retired: u64::MAX,
+            retired_data: false,
             freed_ms: 0,
             discarding: false,
             clean: false,
@@ -182,6 +195,8 @@ pub(crate) struct SegmentTable {
     /// Per tier (capacity, cache).
     discard_cursor: [usize; 2],
     pub discarded: u64,
+    /// Discards done that kept the first unit header ([`Extent::Tail`]).
+    pub tail_discards: u64,
     /// Free segments set aside because their zone could not be reset.
     pub quarantined: u64,
     /// Segments that never join the free queue again: those of a member being
@@ -275,6 +290,7 @@ impl SegmentTable {
             discarding: 0,
             discard_cursor: [0; 2],
             discarded: 0,
+            tail_discards: 0,
             quarantined: 0,
             withheld: Vec::new(),
         };
@@ -416,20 +432,38 @@ impl SegmentTable {
             .count()
     }
 
-    /// Whether released or free segment `seg` may be discarded: discards are on
-    /// (`before` is `Some`) and its contents were opened before the durable
-    /// checkpoint's start version `before`. Recovery from that checkpoint walks
-    /// the segments opened after it in free-queue order and takes a run of empty
-    /// ones for the end of what was allocated, so those must keep their units
-    /// until reused (a segment opened before the checkpoint reads as stale to the
-    /// walk either way).
-    pub fn discardable(&self, seg: u32, before: Option<u64>) -> bool {
+    /// How much of released or free segment `seg` may be discarded, when
+    /// discards are on (`before` is `Some`, the durable checkpoint's start
+    /// version):
+    /// - contents opened before `before`: all of it (a segment opened before the
+    ///   checkpoint reads as stale to the walk either way);
+    /// - a data segment's contents opened after it: all but the first unit's
+    ///   header ([`Extent::Tail`]). Recovery from that checkpoint walks the
+    ///   segments opened after it in free-queue order and takes a run of empty
+    ///   ones for the end of what was allocated; a segment that read as empty in
+    ///   the middle of that order could end the walk early. With its first header
+    ///   kept, every visit of the walk finds (or, for a visit that needs a later
+    ///   incarnation, misses) it exactly as it would the whole segment, and the
+    ///   release record that retired it keeps its units out of replay. The
+    ///   metadata stream's segments hold the release records the walk follows,
+    ///   so they keep everything.
+    pub fn discardable(&self, seg: u32, before: Option<u64>) -> Option<Extent> {
         let s = &self.segs[seg as usize];
-        let opened = match s.state {
-            SegState::Free => s.retired,
-            _ => s.incarnation,
+        // (A segment reserved for the metadata stream and not opened yet holds
+        // what it held while it was free.)
+        let (opened, data) = if s.state == SegState::Free || s.incarnation == 0 {
+            (s.retired, s.retired_data)
+        } else {
+            (s.incarnation, s.kind != StreamKind::Meta)
         };
-        before.is_some_and(|v| opened < v)
+        let before = before?;
+        if opened < before {
+            Some(Extent::Whole)
+        } else if data {
+            Some(Extent::Tail)
+        } else {
+            None
+        }
     }
 
     /// Frees the first releasing segment if its release is durable and, where it
@@ -446,7 +480,7 @@ impl SegmentTable {
             return None;
         }
         let discarded = self.discards.get(&s) == Some(&true);
-        if self.discardable(s, release_discards) && !discarded {
+        if self.discardable(s, release_discards).is_some() && !discarded {
             return None;
         }
         self.discards.remove(&s);
@@ -464,9 +498,16 @@ impl SegmentTable {
         self.victims.release(seg, old);
         // A simulation frees emptied segments at once, without draining them.
         self.proportion.leave(old);
-        let retired = old.incarnation;
+        // A segment reserved for the metadata stream and superseded before it was
+        // opened still holds what it held when it was free.
+        let (retired, retired_data) = if old.incarnation == 0 {
+            (old.retired, old.retired_data)
+        } else {
+            (old.incarnation, old.kind != StreamKind::Meta)
+        };
         self.segs[seg as usize] = Seg {
             retired,
+            retired_data,
             freed_ms: now_ms,
             ..Seg::free(old.erase_count)
         };
@@ -615,7 +656,7 @@ impl SegmentTable {
         window: usize,
         mut scan: usize,
         pinned: impl Fn(u32) -> bool,
-    ) -> Option<u32> {
+    ) -> Option<(u32, Extent)> {
         let q = tier as usize;
         let len = self.free_in(tier).len();
         if before.is_none() || len <= window {
@@ -640,10 +681,10 @@ impl SegmentTable {
             if s.clean || s.discarding || now_ms - s.freed_ms < delay_ms {
                 continue;
             }
-            if self.discardable(seg, before) && !pinned(seg) {
+            if let Some(extent) = self.discardable(seg, before).filter(|_| !pinned(seg)) {
                 self.segs[seg as usize].discarding = true;
                 self.discarding += 1;
-                return Some(seg);
+                return Some((seg, extent));
             }
         }
         None
@@ -710,17 +751,20 @@ mod tests {
     }
 
     /// Free segments are discarded once they have stayed free for the delay, one
-    /// at a time, never those allocation takes next, those opened after the durable
-    /// checkpoint, those a reader holds, or those already discarded.
+    /// at a time, never those allocation takes next, metadata segments opened
+    /// after the durable checkpoint, those a reader holds, or those already
+    /// discarded; data segments opened after the checkpoint all but their first
+    /// header.
     #[test]
     fn free_segments_are_discarded_once_they_stay_free() {
         let mut t = table(8);
-        // Segments 0..8 released in order at times 0, 10, .., 70; 5 was opened
-        // after the durable checkpoint (version 10).
+        // Segments 0..8 released in order at times 0, 10, .., 70; 5 (metadata)
+        // and 6 (data) were opened after the durable checkpoint (version 10).
         for seg in 0..8 {
-            t.segs[seg as usize].incarnation = if seg == 5 { 12 } else { 5 };
+            t.segs[seg as usize].incarnation = if seg == 5 || seg == 6 { 12 } else { 5 };
             t.emptied(seg, 1);
         }
+        t.segs[5].kind = StreamKind::Meta;
         t.synced(1);
         for _ in 0..8 {
             t.release_recorded(2);
@@ -734,16 +778,20 @@ mod tests {
         };
         assert_eq!(
             next(&mut t, 70),
-            Some(2),
+            Some((2, Extent::Whole)),
             "0 and 1 are allocation's next two"
         );
         assert!(t.segs[2].discarding);
         assert_eq!(next(&mut t, 70), None, "3 is pinned, 4 is too young");
-        assert_eq!(next(&mut t, 200), Some(4), "5 is newer than the checkpoint");
-        assert_eq!(next(&mut t, 200), Some(6));
-        assert_eq!(next(&mut t, 200), Some(7));
+        assert_eq!(
+            next(&mut t, 200),
+            Some((4, Extent::Whole)),
+            "5 is metadata newer than the checkpoint"
+        );
+        assert_eq!(next(&mut t, 200), Some((6, Extent::Tail)));
+        assert_eq!(next(&mut t, 200), Some((7, Extent::Whole)));
         assert_eq!(next(&mut t, 200), None);
-        assert!(!t.discardable(1, None), "discards off");
+        assert_eq!(t.discardable(1, None), None, "discards off");
         assert_eq!(
             t.next_to_discard(Tier::Capacity, 200, 35, None, 2, 100, pinned),
             None
@@ -757,7 +805,7 @@ mod tests {
         assert_eq!(t.segs[3].freed_ms, 210);
         assert_eq!(
             t.next_to_discard(Tier::Capacity, 245, 35, Some(10), 2, 100, |_| false),
-            Some(3)
+            Some((3, Extent::Whole))
         );
         t.discard_done(3, true);
         t.discard_done(2, true);
@@ -775,7 +823,7 @@ mod tests {
         t.release_recorded(4);
         assert_eq!(t.free_next_released(4, None, 300), Some(2));
         assert!(!t.segs[2].clean && t.segs[2].retired == 7);
-        assert_eq!(next(&mut t, 400), Some(2));
+        assert_eq!(next(&mut t, 400), Some((2, Extent::Whole)));
     }
 
     /// With no discard delay, a released segment is discarded before it joins the
@@ -792,8 +840,12 @@ mod tests {
         t.segs[1].incarnation = 5;
         t.segs[2].incarnation = 12;
         let discard = Some(10);
-        assert!(t.discardable(1, discard) && !t.discardable(2, discard));
-        assert!(!t.discardable(1, None), "discards off");
+        assert_eq!(t.discardable(1, discard), Some(Extent::Whole));
+        assert_eq!(t.discardable(2, discard), Some(Extent::Tail));
+        assert_eq!(t.discardable(1, None), None, "discards off");
+        // Segment 2 is the metadata stream's: kept whole until a later checkpoint.
+        t.segs[2].kind = StreamKind::Meta;
+        assert_eq!(t.discardable(2, discard), None);
         t.discards.insert(1, false);
         assert!(t.free_next_released(2, discard, 0).is_none());
         assert!(t.free.is_empty(), "segment 2 must not overtake 1");
@@ -803,6 +855,30 @@ mod tests {
         assert!(t.segs[1].clean, "not discarded again while free");
         assert_eq!(t.free_next_released(2, discard, 0), Some(2));
         assert!(!t.segs[2].clean);
+        assert!(!t.segs[2].retired_data, "freed as a metadata segment");
+        assert_eq!(t.discardable(2, discard), None);
+        assert_eq!(t.discardable(1, discard), Some(Extent::Whole));
+    }
+
+    /// A segment reserved for the metadata stream and superseded before it was
+    /// opened is judged by what it held while it was free.
+    #[test]
+    fn a_reserved_metadata_segment_keeps_what_it_held() {
+        let mut t = table(2);
+        t.segs[1].incarnation = 12;
+        t.emptied(1, 1);
+        t.synced(1);
+        t.release_recorded(2);
+        assert_eq!(t.free_next_released(2, None, 0), Some(1));
+        assert!(t.segs[1].retired_data);
+        t.free.retain(|&s| s != 1);
+        t.segs[1].state = SegState::Meta;
+        t.superseded(1);
+        assert_eq!(t.discardable(1, Some(10)), Some(Extent::Tail));
+        t.release_recorded(3);
+        assert_eq!(t.free_next_released(3, None, 0), Some(1));
+        assert_eq!((t.segs[1].retired, t.segs[1].retired_data), (12, true));
+        assert_eq!(t.discardable(1, Some(10)), Some(Extent::Tail));
     }
 
     #[test]

@@ -172,6 +172,12 @@ pub struct StatusReport {
     /// Times user writes waited for GC to earn them room (pacing, between the start
     /// watermark and the floor).
     pub gc_pace_waits: u64,
+    /// Segments discarded (TRIM, holes in files) since the array was opened.
+    pub segments_discarded: u64,
+    /// Of those discards, the ones that kept the segment's first unit header
+    /// (segments opened after the durable checkpoint: see
+    /// docs/design.md, "Segment lifecycle").
+    pub segments_tail_discarded: u64,
     pub flushes: u64,
     pub syncs: u64,
     pub checkpoints: u64,
@@ -483,6 +489,8 @@ impl Engine {
             gc_victims: self.gc.victims,
             gc_floor_waits: self.gc.floor_waits,
             gc_pace_waits: self.gc.pace_waits,
+            segments_discarded: self.segments.discarded,
+            segments_tail_discarded: self.segments.tail_discards,
             flushes: c.flushes,
             syncs: c.syncs,
             checkpoints: c.checkpoints,

@@ -423,6 +423,8 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         }),
         gc_floor_waits: u("gc_floor_waits"),
         gc_pace_waits: u("gc_pace_waits"),
+        segments_discarded: u("segments_discarded"),
+        segments_tail_discarded: u("segments_tail_discarded"),
         flushes: u("flushes"),
         syncs: u("syncs"),
         checkpoints: u("checkpoints"),

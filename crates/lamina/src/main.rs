@@ -220,7 +220,9 @@ live_bytes, segment_count, used_segments, free_segments, user_bytes_written,
 media_bytes_written, gc_bytes_relocated, metadata_bytes_written,
 write_amplification, gc_floor_waits (times user writes waited at the user floor
 for garbage collection to free a segment), gc_pace_waits (times they waited for GC
-to earn them room, between its start watermark and the floor), and volumes[] with the same per-volume keys (plus classes[]
+to earn them room, between its start watermark and the floor), segments_discarded
+(TRIMs of free segments since the array was opened) and segments_tail_discarded
+(those that kept the segment's first unit header, which recovery reads), and volumes[] with the same per-volume keys (plus classes[]
 per heat class). Arrays: array.members[] (index, name, state ok/failed/rebuilding,
 bytes_written, bytes_read, read_errors, checksum_errors, write_errors,
 rebuild_progress), array.redundancy_left,

@@ -72,6 +72,8 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "gc_victims": s.gc_victims,
         "gc_floor_waits": s.gc_floor_waits,
         "gc_pace_waits": s.gc_pace_waits,
+        "segments_discarded": s.segments_discarded,
+        "segments_tail_discarded": s.segments_tail_discarded,
         "flushes": s.flushes,
         "syncs": s.syncs,
         "checkpoints": s.checkpoints,
@@ -254,6 +256,10 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
     o += &format!(
         "  user writes waited for GC: paced {} times, at the floor for a free segment {} times\n",
         s.gc_pace_waits, s.gc_floor_waits
+    );
+    o += &format!(
+        "  segments discarded {} ({} keeping their first header)\n",
+        s.segments_discarded, s.segments_tail_discarded
     );
     o += &format!(
         "  checkpoints {} (generation {}), flushes {}, syncs {}, corrupt blocks {}, read checksum errors {}\n",
@@ -620,7 +626,7 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
             c.compactions as f64,
         );
     }
-    let counters: [(&str, &str, u64); 13] = [
+    let counters: [(&str, &str, u64); 15] = [
         (
             "user_bytes_written_total",
             "Bytes written by clients.",
@@ -653,6 +659,16 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
             "gc_pace_waits_total",
             "Times user writes waited for GC to earn them room (pacing).",
             s.gc_pace_waits,
+        ),
+        (
+            "segments_discarded_total",
+            "Segments discarded (TRIM, holes in files) since the array was opened.",
+            s.segments_discarded,
+        ),
+        (
+            "segments_tail_discarded_total",
+            "Discards that kept the segment's first unit header (opened after the durable checkpoint).",
+            s.segments_tail_discarded,
         ),
         (
             "corrupt_blocks_total",

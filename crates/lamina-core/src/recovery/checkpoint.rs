@@ -3,7 +3,7 @@
 //! the superblock names; every block is checked against its record's checksum (and
 //! rebuilt from parity where the layout has it).
 
-use super::walk::read_unit_header;
+use super::walk::{blame_member, read_unit_header};
 use super::{read_blocks, RecoveryReport};
 use crate::engine::{Seg, SegState};
 use crate::error::EngineError;
@@ -262,7 +262,12 @@ impl<'a> CheckpointReader<'a> {
                         && incarnation.is_none_or(|i| u.incarnation == i)
                         && u.incarnation > min
                 })
-                .map(|(b, u, _)| (u, b))
+                .map(|(b, u, rebuilt)| {
+                    if let Some(m) = rebuilt {
+                        blame_member(self.shared, report, seg, offset, m);
+                    }
+                    (u, b)
+                })
             } else {
                 None
             };

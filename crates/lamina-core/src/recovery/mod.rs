@@ -126,7 +126,8 @@ pub struct RecoveryReport {
     pub trims_replayed: u64,
     pub releases_seen: u64,
     pub torn_blocks_ignored: u64,
-    /// Unit headers that failed as read and were rebuilt from parity.
+    /// Unit headers that failed as read and were rebuilt from parity (in the
+    /// checkpoint and the units replay uses).
     pub headers_rebuilt: u64,
     /// Data blocks of units written after the last durable point that failed their
     /// checksums as read and were rebuilt from parity (and, read-write, written

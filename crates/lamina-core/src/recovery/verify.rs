@@ -66,7 +66,7 @@ pub(super) fn unvouched_units(
     let mut put_back: Vec<(u64, Vec<u8>)> = Vec::new();
     for f in walk.kept() {
         for u in f.units.iter().filter(|u| !marks.vouch(u)) {
-            if let Some(h) = &u.rebuilt {
+            if let Some((_, h)) = &u.rebuilt {
                 put_back.push((geo.locate(SegmentId(f.seg), u.offset).1, h.clone()));
             }
         }

@@ -161,12 +161,25 @@ pub(super) fn walk(
         }
     }
     report.releases_seen = released.len() as u64;
-    Walk {
+    let walk = Walk {
         found,
         scanned_heads,
         walked_queue,
         released,
+    };
+    // Headers rebuilt from parity count against their member only in what replay
+    // uses: past its first header, a released incarnation may have been discarded
+    // (`Extent::Tail`), and members need not agree on what a discarded range
+    // reads as (zeros on one, the old units on the others would rebuild an old
+    // header and blame the member that zeroed it).
+    for f in walk.kept() {
+        for u in &f.units {
+            if let Some((m, _)) = &u.rebuilt {
+                blame_member(shared, report, f.seg, u.offset, *m);
+            }
+        }
     }
+    walk
 }
 
 /// Reads and decodes the unit header at `offset` of `seg` that `accept` takes (the
@@ -175,7 +188,9 @@ pub(super) fn walk(
 /// not the one expected there (a stale header left by a write the member dropped or
 /// stored elsewhere), is read again with each member rebuilt from the others in
 /// turn: a header damaged on one member must not end the walk of a segment whose
-/// later units were flushed. The flag says the header was rebuilt.
+/// later units were flushed. The third value is the member the header was
+/// rebuilt without; the caller blames it ([`blame_member`]) where the unit is
+/// needed.
 pub(super) fn read_unit_header(
     shared: &Shared,
     report: &mut RecoveryReport,
@@ -183,11 +198,11 @@ pub(super) fn read_unit_header(
     offset: u32,
     h: u32,
     accept: impl Fn(&UnitHeader) -> bool,
-) -> Option<(Vec<u8>, UnitHeader, bool)> {
+) -> Option<(Vec<u8>, UnitHeader, Option<usize>)> {
     if let Ok(buf) = read_blocks(shared, report, seg, offset, h) {
         if let Ok(u) = UnitHeader::decode(&buf) {
             if accept(&u) {
-                return Some((buf, u, false));
+                return Some((buf, u, None));
             }
         }
     }
@@ -200,14 +215,28 @@ pub(super) fn read_unit_header(
         if st.read_without(&mut buf, off, m).is_ok() {
             if let Ok(u) = UnitHeader::decode(&buf) {
                 if accept(&u) {
-                    report.headers_rebuilt += 1;
-                    st.note_bad_block(m, off);
-                    return Some((buf, u, true));
+                    return Some((buf, u, Some(m)));
                 }
             }
         }
     }
     None
+}
+
+/// A header at `offset` of `seg` was rebuilt from parity without `member`: that
+/// member's block there is counted as damaged and its stripe queued for repair.
+pub(super) fn blame_member(
+    shared: &Shared,
+    report: &mut RecoveryReport,
+    seg: u32,
+    offset: u32,
+    member: usize,
+) {
+    let (dev, off) = shared.geo.locate(SegmentId(seg), offset);
+    if let Some(st) = shared.striped_at(dev) {
+        report.headers_rebuilt += 1;
+        st.note_bad_block(member, off);
+    }
 }
 
 /// One unit found by the walk.
@@ -225,9 +254,10 @@ pub(super) struct FoundUnit {
     pub volume_time: u64,
     pub origin: u64,
     pub records: Vec<RawRecord>,
-    /// The header as rebuilt from parity, when it did not decode as read (or was
+    /// The member left out and the header as rebuilt from parity, when it did
+    /// not decode as read (or was
     /// not the one expected there).
-    pub rebuilt: Option<Vec<u8>>,
+    pub rebuilt: Option<(usize, Vec<u8>)>,
 }
 
 /// One segment incarnation found by the walk.
@@ -299,7 +329,7 @@ fn scan_segment(
             opened_time: u.opened_time,
             volume_time: u.volume_time,
             origin: u.origin,
-            rebuilt: rebuilt.then(|| buf.clone()),
+            rebuilt: rebuilt.map(|m| (m, buf.clone())),
             records,
         });
         prev = u.version;
