@@ -11,6 +11,9 @@ use crate::types::{VolumeId, BLOCK_SIZE_U64};
 use lamina_format::unit::StreamKind;
 use std::sync::Arc;
 
+/// Below this many volume ids left, each new volume logs a warning.
+pub(crate) const VOLUME_IDS_WARN: u64 = 1000;
+
 impl Engine {
     pub(crate) fn create_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
         self.check_new_name(name)?;
@@ -57,15 +60,28 @@ impl Engine {
             .sum()
     }
 
-    /// The id a new volume gets (ids are never reused).
+    /// The id a new volume gets (ids are never reused). Logs a warning while
+    /// fewer than [`VOLUME_IDS_WARN`] are left.
     pub(crate) fn next_volume_id(&self) -> Result<VolumeId, EngineError> {
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
         if next >= u16::MAX as u64 {
             return Err(EngineError::Invalid(
-                "volume ids of this array are exhausted (65535 volumes created)".into(),
+                "volume ids of this array are exhausted: 65535 volumes, snapshots, clones and rollbacks were created over its life, and ids are not reused".into(),
             ));
         }
+        let left = self.volume_ids_left() - 1;
+        if left < VOLUME_IDS_WARN {
+            tracing::warn!(
+                "{left} volume ids left after this one: every volume, snapshot, clone and rollback takes one, and they are not reused"
+            );
+        }
         Ok(VolumeId(next as u16))
+    }
+
+    /// Volume ids this array can still give out.
+    pub(crate) fn volume_ids_left(&self) -> u64 {
+        let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
+        (u16::MAX as u64).saturating_sub(next)
     }
 
     /// Whether the streams of a new volume with classifier `c` fit the devices'
@@ -582,4 +598,52 @@ pub fn check_volume_size(size_bytes: u64) -> Result<(), EngineError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::engine::{Request, Token};
+    use crate::recovery::call_inline;
+    use lamina_device::{mem::MemDevice, BlockDevice};
+    use std::sync::Arc;
+
+    /// Every volume takes an id for good (a deleted one's is not given out
+    /// again), status counts what is left, and the last one gone is a clear
+    /// refusal.
+    #[test]
+    fn volume_ids_are_counted_and_run_out_with_a_clear_error() {
+        let devs: Vec<Arc<dyn BlockDevice>> =
+            vec![Arc::new(MemDevice::new("m", (1 << 20) + (40 << 18)))];
+        let params = crate::FormatParams {
+            segment_blocks: 64,
+            write_unit_blocks: 8,
+            ..Default::default()
+        };
+        crate::format(&devs, &params, [7; 16], &[[1; 16]], 0).unwrap();
+        let cfg = crate::EngineConfig::default();
+        let (mut e, _) = crate::open(devs, cfg, crate::OpenMode::ReadWrite).unwrap();
+        let call = |e: &mut crate::Engine, req| {
+            let t = Token { conn: 9, handle: 1 };
+            call_inline(e, t, req, 100_000).expect("a reply").result
+        };
+        let create = |name: &str| Request::CreateVolume {
+            name: name.into(),
+            size_bytes: 1 << 20,
+        };
+        let left = e.status().volume_ids_left;
+        assert_eq!(left, u16::MAX as u64);
+        call(&mut e, create("a")).unwrap();
+        call(&mut e, Request::DeleteVolume { name: "a".into() }).unwrap();
+        call(&mut e, create("b")).unwrap();
+        assert_eq!(e.status().volume_ids_left, left - 2, "ids are not reused");
+        e.counters.next_volume_id = u16::MAX as u64 - 1;
+        call(&mut e, create("c")).unwrap();
+        assert_eq!(e.status().volume_ids_left, 0);
+        let err = call(&mut e, create("d")).unwrap_err().to_string();
+        assert!(
+            err.contains("volume ids of this array are exhausted"),
+            "{err}"
+        );
+        assert!(e.shared().volume("d").is_none());
+    }
 }

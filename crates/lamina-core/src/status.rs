@@ -146,6 +146,10 @@ pub struct StatusReport {
     pub live_bytes: u64,
     /// The volumes' sizes together (above `usable_bytes`: thin, overcommitted).
     pub promised_bytes: u64,
+    /// Volume ids this array can still give out: every volume, snapshot, clone
+    /// and rollback takes one, and ids are not reused (65535 over the array's
+    /// life).
+    pub volume_ids_left: u64,
     /// "ok", "warning", "critical" or "full" (see `[engine] space_warn`).
     pub space_state: String,
     pub space_warn: f64,
@@ -438,6 +442,7 @@ impl Engine {
             usable_bytes: self.space.usable * bs,
             live_bytes: self.space.live * bs,
             promised_bytes: self.promised_bytes(),
+            volume_ids_left: self.volume_ids_left(),
             space_state: self.space.fullness().name().into(),
             space_warn: self.cfg.space_warn,
             space_critical: self.cfg.space_critical,

@@ -388,6 +388,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         usable_bytes: u("usable_bytes"),
         live_bytes: u("live_bytes"),
         promised_bytes: u("promised_bytes"),
+        volume_ids_left: u("volume_ids_left"),
         space_state: s["space_state"].as_str().unwrap_or("").into(),
         space_warn: s["space_warn"].as_f64().unwrap_or(0.0),
         space_critical: s["space_critical"].as_f64().unwrap_or(0.0),

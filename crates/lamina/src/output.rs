@@ -40,6 +40,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "usable_bytes": s.usable_bytes,
         "live_bytes": s.live_bytes,
         "promised_bytes": s.promised_bytes,
+        "volume_ids_left": s.volume_ids_left,
         "space_state": s.space_state,
         "space_warn": s.space_warn,
         "space_critical": s.space_critical,
@@ -568,6 +569,9 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
     e.one("live_bytes", "gauge", "Live data.", s.live_bytes as f64);
     let help = "The volumes' sizes together (above usable_bytes: overcommitted).";
     e.one("promised_bytes", "gauge", help, s.promised_bytes as f64);
+    let help = "Volume ids the array can still give out (each volume, snapshot, clone \
+                and rollback takes one; they are not reused).";
+    e.one("volume_ids_left", "gauge", help, s.volume_ids_left as f64);
     let help = "Fullness against the usable capacity: 0 ok, 1 above the warning \
                 threshold, 2 above the critical one, 3 full.";
     let state = match s.space_state.as_str() {
@@ -836,7 +840,15 @@ fn space_line(s: &StatusReport) -> String {
     } else {
         String::new()
     };
-    format!("  space {state}{thin}{refused}\n")
+    let ids = if s.volume_ids_left < 1000 {
+        format!(
+            "\n  volume ids: {} left (volumes, snapshots, clones and rollbacks each take one; not reused)",
+            s.volume_ids_left
+        )
+    } else {
+        String::new()
+    };
+    format!("  space {state}{thin}{refused}{ids}\n")
 }
 
 /// The last scrub of a running server, as `zpool status` shows its scan line.
