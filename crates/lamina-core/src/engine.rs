@@ -853,6 +853,31 @@ impl Engine {
 
     /// Accepts a request. Its reply appears in [`Engine::drain_replies`], possibly
     /// right away.
+    /// [`Engine::submit`] for a client that addresses volume `created` names
+    /// by its creation version as well as its id (an NBD connection: the ids of
+    /// deleted volumes are given out again, and a connection to one that was
+    /// deleted must not write into the volume that got its id).
+    pub fn submit_to(&mut self, token: Token, req: Request, created: u64) {
+        let volume = match &req {
+            Request::Write { volume, .. } | Request::Zero { volume, .. } => *volume,
+            _ => return self.submit(token, req),
+        };
+        let current = self
+            .volumes
+            .get(volume.0 as usize)
+            .and_then(|v| v.as_ref())
+            .map(|v| v.shared.created_version());
+        if current != Some(created) {
+            let data = match req {
+                Request::Write { data, .. } => Some(data),
+                _ => None,
+            };
+            let e = EngineError::Invalid(format!("no {volume}: it was deleted"));
+            return self.reply(token, Err(e), data);
+        }
+        self.submit(token, req)
+    }
+
     pub fn submit(&mut self, token: Token, req: Request) {
         match req {
             Request::Write {

@@ -261,7 +261,7 @@ impl Engine {
             map,
         ));
         shared.read_only.store(read_only, Ordering::Release);
-        self.counters.next_volume_id = id.0 as u64 + 1;
+        self.counters.next_volume_id = self.counters.next_volume_id.max(id.0 as u64 + 1);
         self.lineage.add(from, id, read_only);
         let family = self.lineage.family(id).expect("just added");
         self.shared.set_family(from, family);

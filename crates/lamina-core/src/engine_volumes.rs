@@ -9,10 +9,18 @@ use crate::map::UNMAPPED;
 use crate::shared::VolumeShared;
 use crate::types::{VolumeId, BLOCK_SIZE_U64};
 use lamina_format::unit::StreamKind;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Below this many volume ids left, each new volume logs a warning.
 pub(crate) const VOLUME_IDS_WARN: u64 = 1000;
+
+/// Ids not held among the `next` given out so far, plus those never given out.
+fn count_left(held: &[bool], next: u64) -> u64 {
+    let next = next.min(u16::MAX as u64);
+    let free_below = held[..next as usize].iter().filter(|&&h| !h).count() as u64;
+    free_below + (u16::MAX as u64 - next)
+}
 
 impl Engine {
     pub(crate) fn create_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
@@ -22,9 +30,11 @@ impl Engine {
         let next = self.next_volume_id()?;
         let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
         self.check_zone_room(name, placement.0.as_ref())?;
-        self.counters.next_volume_id = next.0 as u64 + 1;
+        self.counters.next_volume_id = self.counters.next_volume_id.max(next.0 as u64 + 1);
         let created = self.take_version();
         let publish_at = self.ckpt.target_generation();
+        // A family of its own: the id may have been a snapshot family member's.
+        self.shared.set_family(next, next.0);
         let shared = Arc::new(VolumeShared::new(
             next,
             name.to_string(),
@@ -60,28 +70,67 @@ impl Engine {
             .sum()
     }
 
-    /// The id a new volume gets (ids are never reused). Logs a warning while
-    /// fewer than [`VOLUME_IDS_WARN`] are left.
+    /// The id a new volume (snapshot, clone, rollback) gets: a new one while
+    /// the 16-bit space has them, then the lowest id nothing refers to any more
+    /// ([`Engine::volume_ids_held`]). Logs a warning while fewer than
+    /// [`VOLUME_IDS_WARN`] are left.
+    ///
+    /// Why an id may be given again. Recovery replays only units and trims
+    /// written after its checkpoint, and the deleted volume's were all written
+    /// before the new volume was created (its deletion committed first, and no
+    /// segment holds its blocks any more); replay also skips a volume's records
+    /// older than its creation. A client still connected to the deleted volume
+    /// names it by id and creation version (`Engine::submit_to`), so its writes
+    /// cannot reach the new one.
     pub(crate) fn next_volume_id(&self) -> Result<VolumeId, EngineError> {
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
-        if next >= u16::MAX as u64 {
-            return Err(EngineError::Invalid(
-                "volume ids of this array are exhausted: 65535 volumes, snapshots, clones and rollbacks were created over its life, and ids are not reused".into(),
-            ));
-        }
-        let left = self.volume_ids_left() - 1;
+        let held = self.volume_ids_held();
+        let id = if next < u16::MAX as u64 {
+            next as u16
+        } else {
+            (0..u16::MAX).find(|&i| !held[i as usize]).ok_or_else(|| {
+                EngineError::Invalid(
+                    "all 65535 volume ids of this array are held: by volumes, snapshots and clones, by deleted ones whose blocks a snapshot or clone still shares, and by deleted ones whose segments are still being released".into(),
+                )
+            })?
+        };
+        let left = count_left(&held, next) - 1;
         if left < VOLUME_IDS_WARN {
             tracing::warn!(
-                "{left} volume ids left after this one: every volume, snapshot, clone and rollback takes one, and they are not reused"
+                "{left} volume ids left after this one: every volume, snapshot, clone and rollback holds one until it is deleted and its blocks are gone"
             );
         }
-        Ok(VolumeId(next as u16))
+        Ok(VolumeId(id))
     }
 
-    /// Volume ids this array can still give out.
+    /// Volume ids this array can still give out: new ones, and those of deleted
+    /// volumes nothing refers to any more.
     pub(crate) fn volume_ids_left(&self) -> u64 {
         let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
-        (u16::MAX as u64).saturating_sub(next)
+        count_left(&self.volume_ids_held(), next)
+    }
+
+    /// Which of the ids given out so far something still refers to: a volume
+    /// (being created, deleted or rolled back included), a segment that holds or
+    /// is releasing its blocks, or a snapshot family (its deleted members'
+    /// blocks may still be shared). One pass over the segments: only volume
+    /// creation and status ask.
+    fn volume_ids_held(&self) -> Vec<bool> {
+        let mut held = vec![false; u16::MAX as usize];
+        for (i, v) in self.volumes.iter().enumerate() {
+            held[i] |= v.is_some();
+        }
+        // (A segment reserved for the metadata stream is in the Meta state with
+        // a free segment's fields.)
+        for s in &self.segments.segs {
+            if !matches!(s.state, SegState::Free | SegState::Meta) && s.kind != StreamKind::Meta {
+                held[s.volume as usize] = true;
+            }
+        }
+        for id in self.lineage.ids() {
+            held[id as usize] = true;
+        }
+        held
     }
 
     /// Whether the streams of a new volume with classifier `c` fit the devices'
@@ -129,6 +178,7 @@ impl Engine {
         (classifier, policy): (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>),
     ) -> &mut Vol {
         let id = shared.id;
+        shared.created.store(created_version, Ordering::Relaxed);
         if publish {
             self.shared.set_volume(shared.clone());
         }
@@ -607,11 +657,14 @@ mod tests {
     use lamina_device::{mem::MemDevice, BlockDevice};
     use std::sync::Arc;
 
-    /// Every volume takes an id for good (a deleted one's is not given out
-    /// again), status counts what is left, and the last one gone is a clear
-    /// refusal.
+    /// Ids come new while the 16-bit space has them; then the ids of deleted
+    /// volumes are given out again, but only once nothing refers to them: not a
+    /// snapshot family that still shares a deleted member's blocks, not a
+    /// segment still releasing them. A client still connected to the deleted
+    /// volume (it names the volume by id and creation version) cannot write
+    /// into the one that got its id, and a restart finds each volume's own data.
     #[test]
-    fn volume_ids_are_counted_and_run_out_with_a_clear_error() {
+    fn ids_of_deleted_volumes_are_given_again_once_nothing_refers_to_them() {
         let devs: Vec<Arc<dyn BlockDevice>> =
             vec![Arc::new(MemDevice::new("m", (1 << 20) + (40 << 18)))];
         let params = crate::FormatParams {
@@ -620,30 +673,115 @@ mod tests {
             ..Default::default()
         };
         crate::format(&devs, &params, [7; 16], &[[1; 16]], 0).unwrap();
-        let cfg = crate::EngineConfig::default();
-        let (mut e, _) = crate::open(devs, cfg, crate::OpenMode::ReadWrite).unwrap();
-        let call = |e: &mut crate::Engine, req| {
-            let t = Token { conn: 9, handle: 1 };
-            call_inline(e, t, req, 100_000).expect("a reply").result
-        };
+        let cfg = crate::EngineConfig::default;
+        let (mut e, _) = crate::open(devs.clone(), cfg(), crate::OpenMode::ReadWrite).unwrap();
+        let t = Token { conn: 9, handle: 1 };
+        let call = |e: &mut crate::Engine, req| call_inline(e, t, req, 100_000).unwrap().result;
         let create = |name: &str| Request::CreateVolume {
             name: name.into(),
             size_bytes: 1 << 20,
         };
-        let left = e.status().volume_ids_left;
-        assert_eq!(left, u16::MAX as u64);
+        let write = |volume, byte: u8| Request::Write {
+            volume,
+            offset: 0,
+            data: vec![byte; 64 << 10],
+            fua: false,
+        };
+        let id = |e: &crate::Engine, name: &str| e.shared().volume(name).unwrap().id;
+        let ids = e.status().volume_ids_left;
+        assert_eq!(ids, u16::MAX as u64);
         call(&mut e, create("a")).unwrap();
-        call(&mut e, Request::DeleteVolume { name: "a".into() }).unwrap();
+        let a = id(&e, "a");
+        let a_created = e.shared().volume("a").unwrap().created_version();
+        call(&mut e, write(a, 1)).unwrap();
+        call(&mut e, Request::Flush).unwrap();
+        call(
+            &mut e,
+            Request::CreateSnapshot {
+                origin: "a".into(),
+                name: "s".into(),
+                writable: false,
+            },
+        )
+        .unwrap();
+        let snap = id(&e, "s");
+        call(
+            &mut e,
+            Request::CreateSnapshot {
+                origin: "s".into(),
+                name: "k".into(),
+                writable: true,
+            },
+        )
+        .unwrap();
+        // k holds no block of its own: only its family refers to its id.
+        let k = id(&e, "k");
+        call(&mut e, Request::DeleteVolume { name: "k".into() }).unwrap();
+        call(&mut e, Request::Checkpoint).unwrap();
+        // New ids first, as long as there are any.
         call(&mut e, create("b")).unwrap();
-        assert_eq!(e.status().volume_ids_left, left - 2, "ids are not reused");
-        e.counters.next_volume_id = u16::MAX as u64 - 1;
-        call(&mut e, create("c")).unwrap();
-        assert_eq!(e.status().volume_ids_left, 0);
-        let err = call(&mut e, create("d")).unwrap_err().to_string();
-        assert!(
-            err.contains("volume ids of this array are exhausted"),
-            "{err}"
+        assert!(id(&e, "b").0 > k.0);
+        assert_eq!(
+            e.status().volume_ids_left,
+            ids - 4,
+            "k's id is held by its family"
         );
-        assert!(e.shared().volume("d").is_none());
+        // The new ids run out: the lowest id nothing refers to is given again,
+        // never k's while its family lives on.
+        e.counters.next_volume_id = u16::MAX as u64;
+        call(&mut e, Request::DeleteVolume { name: "b".into() }).unwrap();
+        call(&mut e, Request::Checkpoint).unwrap();
+        call(&mut e, create("c")).unwrap();
+        let c = id(&e, "c");
+        assert!(![a, snap, k].contains(&c), "{c} given while it is held");
+        call(&mut e, Request::DeleteVolume { name: "s".into() }).unwrap();
+        call(&mut e, Request::DeleteVolume { name: "a".into() }).unwrap();
+        call(&mut e, Request::Checkpoint).unwrap();
+        // The family is gone, but a's segment is still on its way back to the
+        // free queue: s's id comes first.
+        assert_eq!(e.shared().family_of(snap), a.0, "s was of a's family");
+        call(&mut e, create("x")).unwrap();
+        assert_eq!(id(&e, "x"), snap, "a's blocks are still being released");
+        assert_eq!(
+            e.shared().family_of(snap),
+            snap.0,
+            "x is a family of its own"
+        );
+        call(&mut e, Request::DeleteVolume { name: "x".into() }).unwrap();
+        for _ in 0..4 {
+            call(&mut e, Request::Flush).unwrap();
+            call(&mut e, Request::Checkpoint).unwrap();
+        }
+        let left = e.status().volume_ids_left;
+        call(&mut e, create("d")).unwrap();
+        let d = id(&e, "d");
+        assert_eq!(d, a, "the lowest id nothing refers to any more");
+        assert_eq!(e.status().volume_ids_left, left - 1);
+        // A client of the deleted volume names it by id and creation version.
+        let d_created = e.shared().volume("d").unwrap().created_version();
+        assert_ne!(d_created, a_created);
+        e.submit_to(t, write(d, 9), a_created);
+        let mut replies = Vec::new();
+        e.drain_replies(&mut replies);
+        let err = replies.pop().unwrap().result.unwrap_err().to_string();
+        assert!(err.contains("deleted"), "{err}");
+        e.submit_to(t, write(d, 2), d_created);
+        crate::run_inline(&mut e);
+        replies.clear();
+        e.drain_replies(&mut replies);
+        replies.pop().unwrap().result.unwrap();
+        call(&mut e, Request::Flush).unwrap();
+        let read = |e: &crate::Engine, name: &str| {
+            let v = e.shared().volume(name).unwrap();
+            let mut b = vec![0u8; 4096];
+            e.shared().read(&v, 0, &mut b).unwrap();
+            b[0]
+        };
+        assert_eq!((read(&e, "c"), read(&e, "d")), (0, 2));
+        drop(e);
+        let (e, _) = crate::open(devs, cfg(), crate::OpenMode::ReadWrite).unwrap();
+        assert_eq!((read(&e, "c"), read(&e, "d")), (0, 2));
+        assert_eq!(id(&e, "d"), d);
+        assert!(e.shared().volume("a").is_none() && e.shared().volume("s").is_none());
     }
 }

@@ -125,7 +125,7 @@ impl Lineage {
         };
         assert!(
             !self.records.contains_key(&new.0),
-            "volume ids are never reused"
+            "a volume id a family names is not given out again"
         );
         self.records.insert(
             new.0,
@@ -140,6 +140,12 @@ impl Lineage {
     }
 
     /// `vol` is gone (its deletion committed).
+    /// Every volume id a family still names (deleted members included: their
+    /// blocks may still be shared).
+    pub(crate) fn ids(&self) -> impl Iterator<Item = u16> + '_ {
+        self.records.keys().copied()
+    }
+
     pub(crate) fn deleted(&mut self, vol: VolumeId) {
         if let Some(r) = self.records.get_mut(&vol.0) {
             r.flags |= LINEAGE_DELETED;

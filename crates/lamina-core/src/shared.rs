@@ -44,6 +44,10 @@ pub struct VolumeShared {
     pub deleted: AtomicBool,
     /// A snapshot: served read-only, and the engine refuses writes to it.
     pub read_only: AtomicBool,
+    /// The version at which the volume was created (set by the engine as it
+    /// attaches the volume): tells it from a later volume given the same id once
+    /// this one is deleted (see `Engine::next_volume_id`).
+    pub(crate) created: AtomicU64,
 }
 
 impl VolumeShared {
@@ -56,7 +60,15 @@ impl VolumeShared {
             map,
             deleted: AtomicBool::new(false),
             read_only: AtomicBool::new(false),
+            created: AtomicU64::new(0),
         }
+    }
+
+    /// The version at which the volume was created: with the id, it names the
+    /// volume for good (ids of deleted volumes are given out again).
+    #[inline]
+    pub fn created_version(&self) -> u64 {
+        self.created.load(Ordering::Relaxed)
     }
 
     /// The volume's name (its export's).
@@ -290,8 +302,10 @@ pub struct Shared {
     volumes: RwLock<Vec<Option<Arc<VolumeShared>>>>,
     /// Per volume id: its snapshot family (its own id when it shares nothing), so
     /// that a read may accept a block whose unit names another member of the
-    /// reader's family (snapshots and clones share blocks at the same LBA). Ids are
-    /// never reused, so an entry never goes stale. 128 KiB per array.
+    /// reader's family (snapshots and clones share blocks at the same LBA). An id
+    /// is given again only once no family names it, and a volume created under
+    /// it is made its own family again (`Engine::create_volume`). 128 KiB per
+    /// array.
     family: Box<[AtomicU16]>,
     crc_cache: CrcCache,
     pub read_stats: ReadStats,
@@ -337,6 +351,12 @@ impl Shared {
     /// Records that volume `vol` belongs to snapshot family `family` (the engine).
     pub(crate) fn set_family(&self, vol: VolumeId, family: u16) {
         self.family[vol.0 as usize].store(family, Ordering::Release);
+    }
+
+    /// The snapshot family of volume `vol`.
+    #[cfg(test)]
+    pub(crate) fn family_of(&self, vol: VolumeId) -> u16 {
+        self.family[vol.0 as usize].load(Ordering::Acquire)
     }
 
     /// Whether a unit record naming `owner` (`volume << 48 | lba`) names block

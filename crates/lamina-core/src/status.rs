@@ -146,9 +146,9 @@ pub struct StatusReport {
     pub live_bytes: u64,
     /// The volumes' sizes together (above `usable_bytes`: thin, overcommitted).
     pub promised_bytes: u64,
-    /// Volume ids this array can still give out: every volume, snapshot, clone
-    /// and rollback takes one, and ids are not reused (65535 over the array's
-    /// life).
+    /// Volume ids this array can still give out (65535 at most): every volume,
+    /// snapshot, clone and rollback holds one until it is deleted and nothing
+    /// refers to it any more.
     pub volume_ids_left: u64,
     /// "ok", "warning", "critical" or "full" (see `[engine] space_warn`).
     pub space_state: String,

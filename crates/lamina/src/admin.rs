@@ -568,7 +568,7 @@ fn resize_volume(rt: &Runtime, name: &str, target: NewSize, force: bool) -> Resu
 /// any, unless `force` (which disconnects them).
 fn rollback_volume(rt: &Runtime, name: &str, snapshot: &str, force: bool) -> Result<Value, String> {
     if let Some(v) = rt.shared.volume(name) {
-        let n = rt.clients.count(v.id);
+        let n = rt.clients.count(&v);
         if n > 0 && !force {
             return Err(format!(
                 "volume {name:?} is in use by {n} client connection(s); disconnect them \
@@ -576,7 +576,7 @@ fn rollback_volume(rt: &Runtime, name: &str, snapshot: &str, force: bool) -> Res
             ));
         }
         if n > 0 {
-            let closed = rt.clients.disconnect(v.id);
+            let closed = rt.clients.disconnect(&v);
             tracing::warn!("volume {name:?}: disconnected {closed} client(s) to roll it back");
         }
     }
@@ -590,7 +590,7 @@ fn rollback_volume(rt: &Runtime, name: &str, snapshot: &str, force: bool) -> Res
 
 fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String> {
     let vol = rt.shared.volume(name);
-    let n = vol.as_ref().map_or(0, |v| rt.clients.count(v.id));
+    let n = vol.as_ref().map_or(0, |v| rt.clients.count(v));
     if n > 0 && !force {
         return Err(format!(
             "volume {name:?} is in use by {n} client connection(s); disconnect them \
@@ -618,7 +618,7 @@ fn delete_volume(rt: &Runtime, name: &str, force: bool) -> Result<Value, String>
             ));
         }
         if let Some(v) = &vol {
-            let closed = rt.clients.disconnect(v.id);
+            let closed = rt.clients.disconnect(v);
             tracing::warn!("volume {name:?}: disconnected {closed} client(s) to delete it");
         }
     }

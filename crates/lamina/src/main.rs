@@ -216,8 +216,8 @@ and per volume. Asks the running server through its admin socket; for a stopped
 array it recovers the state read-only from the devices.
 
 With --json the keys are a stable interface: capacity_bytes, usable_bytes,
-live_bytes, volume_ids_left (ids every new volume, snapshot, clone and rollback
-takes one of; they are not reused), segment_count, used_segments, free_segments,
+live_bytes, volume_ids_left (ids left of 65535: every volume, snapshot, clone and
+rollback holds one until it is deleted), segment_count, used_segments, free_segments,
 user_bytes_written, media_bytes_written, gc_bytes_relocated, metadata_bytes_written,
 write_amplification, gc_floor_waits (times user writes waited at the user floor
 for garbage collection to free a segment), gc_pace_waits (times they waited for GC

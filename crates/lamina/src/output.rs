@@ -570,7 +570,7 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
     let help = "The volumes' sizes together (above usable_bytes: overcommitted).";
     e.one("promised_bytes", "gauge", help, s.promised_bytes as f64);
     let help = "Volume ids the array can still give out (each volume, snapshot, clone \
-                and rollback takes one; they are not reused).";
+                and rollback holds one until it is deleted and unreferenced).";
     e.one("volume_ids_left", "gauge", help, s.volume_ids_left as f64);
     let help = "Fullness against the usable capacity: 0 ok, 1 above the warning \
                 threshold, 2 above the critical one, 3 full.";
@@ -842,7 +842,7 @@ fn space_line(s: &StatusReport) -> String {
     };
     let ids = if s.volume_ids_left < 1000 {
         format!(
-            "\n  volume ids: {} left (volumes, snapshots, clones and rollbacks each take one; not reused)",
+            "\n  volume ids: {} left (volumes, snapshots, clones and rollbacks each hold one until deleted)",
             s.volume_ids_left
         )
     } else {

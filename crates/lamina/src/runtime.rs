@@ -38,7 +38,9 @@ use std::time::{Duration, Instant};
 
 /// Where a reply goes.
 pub enum ReplyTo {
-    Nbd(Arc<ReplySink>, u64),
+    /// A connection's request: its sink, the client's handle, and the creation
+    /// version of the volume it serves (see `Engine::submit_to`).
+    Nbd(Arc<ReplySink>, u64, u64),
     Admin(Sender<Result<Option<Box<StatusReport>>, EngineError>>),
 }
 
@@ -108,7 +110,7 @@ impl Owner for Core {
 /// Answers a message that arrives after the engine stopped.
 fn refuse(m: Msg) {
     match m {
-        Msg::Req(_, ReplyTo::Nbd(sink, handle)) => sink.complete(&mut vec![Completion {
+        Msg::Req(_, ReplyTo::Nbd(sink, handle, _)) => sink.complete(&mut vec![Completion {
             handle,
             error: lamina_nbd::proto::ESHUTDOWN,
             buf: None,
@@ -143,8 +145,18 @@ impl Core {
         }
         match m {
             Msg::Req(req, to) => {
-                let handle = self.route(Some(to));
-                self.engine.submit(Token { conn: 0, handle }, req);
+                let created = match &to {
+                    ReplyTo::Nbd(_, _, created) => Some(*created),
+                    ReplyTo::Admin(_) => None,
+                };
+                let token = Token {
+                    conn: 0,
+                    handle: self.route(Some(to)),
+                };
+                match created {
+                    Some(c) => self.engine.submit_to(token, req, c),
+                    None => self.engine.submit(token, req),
+                }
             }
             Msg::Io(c) => self.engine.io_completed(c),
             Msg::Shutdown(done) => {
@@ -197,7 +209,7 @@ impl Core {
             };
             self.free_routes.push(slot);
             match to {
-                ReplyTo::Nbd(sink, handle) => {
+                ReplyTo::Nbd(sink, handle, _) => {
                     let error = r.result.as_ref().err().map_or(0, |e| e.errno());
                     if let Err(e) = &r.result {
                         tracing::debug!("request failed: {e}");
@@ -230,8 +242,15 @@ impl Core {
 }
 
 type Disconnect = Box<dyn Fn() + Send + Sync>;
-/// Per volume: (connection id, how to disconnect it once it has one).
-type VolumeClients = HashMap<u16, Vec<(u64, Option<Disconnect>)>>;
+/// Per volume, by id and creation version (the id of a deleted volume is given
+/// again, and its clients are not the new volume's): (connection id, how to
+/// disconnect it once it has one).
+type VolumeClients = HashMap<(u16, u64), Vec<(u64, Option<Disconnect>)>>;
+
+/// The key of volume `v` among [`Clients`].
+fn key(v: &VolumeShared) -> (u16, u64) {
+    (v.id.0, v.created_version())
+}
 
 /// The NBD connections open on each volume, so that a busy volume is not deleted
 /// without `--force`, and a forced delete first disconnects them. Touched when a
@@ -252,7 +271,7 @@ impl Clients {
         self.by_volume
             .lock()
             .unwrap()
-            .entry(vol.id.0)
+            .entry(key(&vol))
             .or_default()
             .push((id, None));
         ExportHandle {
@@ -263,20 +282,20 @@ impl Clients {
         }
     }
 
-    /// Connections open on volume `id`.
-    pub fn count(&self, id: lamina_core::VolumeId) -> usize {
+    /// Connections open on volume `vol`.
+    pub fn count(&self, vol: &VolumeShared) -> usize {
         self.by_volume
             .lock()
             .unwrap()
-            .get(&id.0)
+            .get(&key(vol))
             .map_or(0, |v| v.len())
     }
 
-    /// Closes every connection on volume `id` (their sockets are shut down: clients
-    /// see the server hang up, as at a server shutdown); returns how many.
-    pub fn disconnect(&self, id: lamina_core::VolumeId) -> usize {
+    /// Closes every connection on volume `vol` (their sockets are shut down:
+    /// clients see the server hang up, as at a server shutdown); returns how many.
+    pub fn disconnect(&self, vol: &VolumeShared) -> usize {
         let by = self.by_volume.lock().unwrap();
-        let conns = by.get(&id.0).map_or(&[][..], |v| &v[..]);
+        let conns = by.get(&key(vol)).map_or(&[][..], |v| &v[..]);
         for d in conns.iter().filter_map(|(_, d)| d.as_ref()) {
             d();
         }
@@ -297,10 +316,11 @@ pub struct ExportHandle {
 impl Drop for ExportHandle {
     fn drop(&mut self) {
         let mut by = self.clients.by_volume.lock().unwrap();
-        if let Some(v) = by.get_mut(&self.vol.id.0) {
+        let k = key(&self.vol);
+        if let Some(v) = by.get_mut(&k) {
             v.retain(|(id, _)| *id != self.id);
             if v.is_empty() {
-                by.remove(&self.vol.id.0);
+                by.remove(&k);
             }
         }
     }
@@ -459,7 +479,8 @@ impl LaminaBackend {
             },
             Command::Flush => Request::Flush,
         };
-        Msg::Req(req, ReplyTo::Nbd(reply.clone(), handle))
+        let created = export.vol.created_version();
+        Msg::Req(req, ReplyTo::Nbd(reply.clone(), handle, created))
     }
 }
 
@@ -493,7 +514,7 @@ impl Backend for LaminaBackend {
     fn attach(&self, export: &Self::Export, disconnect: Disconnect) {
         let mut by = self.rt.clients.by_volume.lock().unwrap();
         if let Some(e) = by
-            .get_mut(&export.vol.id.0)
+            .get_mut(&key(&export.vol))
             .and_then(|v| v.iter_mut().find(|(id, _)| *id == export.id))
         {
             e.1 = Some(disconnect);

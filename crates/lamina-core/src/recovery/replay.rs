@@ -111,13 +111,24 @@ pub(super) fn replay(
         }
     }
     events.sort_by_key(|(v, _)| *v);
-    let by_id: HashMap<u16, &VolumeShared> =
-        ckpt.volumes.iter().map(|(v, _)| (v.id.0, &**v)).collect();
-    let vol_of = |id: u16| by_id.get(&id).copied();
-    for (_, ev) in &events {
+    let by_id: HashMap<u16, (&VolumeShared, u64)> = ckpt
+        .volumes
+        .iter()
+        .map(|(v, r)| (v.id.0, (&**v, r.created_version)))
+        .collect();
+    // A record older than the volume is another's: ids of deleted volumes are
+    // given out again (`Engine::next_volume_id`). (None reaches replay: the old
+    // volume's records all precede the checkpoint that names the new one.)
+    let vol_of = |id: u16, version: u64| {
+        by_id
+            .get(&id)
+            .filter(|&&(_, created)| version > created)
+            .map(|&(v, _)| v)
+    };
+    for &(version, ref ev) in &events {
         match *ev {
             Ev::Data { volume, lba, pba } => {
-                if let Some(v) = vol_of(volume) {
+                if let Some(v) = vol_of(volume, version) {
                     if lba < v.map.len() {
                         v.map.store(Lba(lba), encode_device(crate::types::Pba(pba)));
                     }
@@ -128,7 +139,7 @@ pub(super) fn replay(
                 start,
                 count,
             } => {
-                if let Some(v) = vol_of(volume) {
+                if let Some(v) = vol_of(volume, version) {
                     // Run by run, as the engine trims: a trim of a thin volume's
                     // unwritten petabytes costs its pages, not its blocks.
                     let end = start.saturating_add(count).min(v.map.len());
