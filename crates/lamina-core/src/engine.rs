@@ -344,8 +344,8 @@ pub struct Counters {
     pub syncs: u64,
     pub checkpoints: u64,
     pub corrupt_blocks: u64,
-    /// Id the next volume gets. Ids are never reused, so no record of a deleted
-    /// volume can ever be replayed into a new one.
+    /// The lowest id never given out yet (new ids come first; then those of
+    /// deleted volumes nothing refers to: see `Engine::next_volume_id`).
     pub next_volume_id: u64,
     /// Dead zero blocks written to pad units to whole stripe rows.
     pub pad_blocks: u64,

@@ -93,6 +93,10 @@ pub(crate) struct LogState {
     pub stale_open: Vec<u32>,
     /// User blocks written at the last sweep for idle open segments.
     pub last_idle_sweep: u64,
+    /// Slots of deleted volumes' streams, closed, for new volumes' streams: the
+    /// flush, the tick, the checkpoint and recovery's walk each go through every
+    /// stream, and volumes come and go for as long as the array runs.
+    pub retired: Vec<usize>,
 }
 
 impl LogState {
@@ -104,7 +108,30 @@ impl LogState {
             bufs: UnitBuffers::new(buffers),
             stale_open: Vec::new(),
             last_idle_sweep: 0,
+            retired: Vec::new(),
         }
+    }
+
+    /// Adds `st`, in the slot of a retired stream that holds nothing any more
+    /// where there is one; returns its index.
+    pub(crate) fn add_stream(&mut self, st: Stream) -> usize {
+        while let Some(s) = self.retired.pop() {
+            let old = &self.streams[s];
+            if old.seg.is_none()
+                && old.next_seg.is_none()
+                && old.unit.is_none()
+                && old.extras.is_empty()
+                && old.kind != StreamKind::Meta
+            {
+                self.streams[s] = st;
+                return s;
+            }
+            // Not closed yet (it cannot happen: a deleted volume's streams are
+            // closed as its deletion commits); left out for good.
+            debug_assert!(false, "retired stream {s} still holds something");
+        }
+        self.streams.push(st);
+        self.streams.len() - 1
     }
 }
 

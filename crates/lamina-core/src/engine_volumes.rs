@@ -193,8 +193,7 @@ impl Engine {
             } else {
                 StreamKind::Gc
             };
-            self.log.streams.push(Stream::new(kind, c, id.0));
-            streams.push(self.log.streams.len() - 1);
+            streams.push(self.log.add_stream(Stream::new(kind, c, id.0)));
         }
         // Extra streams take the class numbers after the classifier's.
         // The extra streams have fixed class numbers after the classifier's (the
@@ -203,8 +202,7 @@ impl Engine {
         let extra = |engine: &mut Self, kind: StreamKind, class: u8, f: fn(&mut Stream)| {
             let mut st = Stream::new(kind, class, id.0);
             f(&mut st);
-            engine.log.streams.push(st);
-            engine.log.streams.len() - 1
+            engine.log.add_stream(st)
         };
         let read_hot_stream = self
             .geometry_aware
@@ -597,9 +595,10 @@ impl Engine {
             }
             if v.deleting.is_some_and(|d| d <= gen) {
                 let (streams, map) = (v.streams.clone(), v.shared.clone());
-                for s in streams {
+                for &s in &streams {
                     self.close_segment(s);
                 }
+                self.log.retired.extend(streams);
                 // Only the pages that were made: a thin volume of petabytes with
                 // a few blocks written is a few pages, not a loop over its size.
                 let id = map.id;
@@ -657,14 +656,24 @@ mod tests {
     use lamina_device::{mem::MemDevice, BlockDevice};
     use std::sync::Arc;
 
-    /// Ids come new while the 16-bit space has them; then the ids of deleted
-    /// volumes are given out again, but only once nothing refers to them: not a
-    /// snapshot family that still shares a deleted member's blocks, not a
-    /// segment still releasing them. A client still connected to the deleted
-    /// volume (it names the volume by id and creation version) cannot write
-    /// into the one that got its id, and a restart finds each volume's own data.
-    #[test]
-    fn ids_of_deleted_volumes_are_given_again_once_nothing_refers_to_them() {
+    /// `devs` opened again, as after a crash.
+    fn reopen(devs: Vec<Arc<dyn BlockDevice>>) -> crate::Engine {
+        let cfg = crate::EngineConfig::default();
+        crate::open(devs, cfg, crate::OpenMode::ReadWrite)
+            .unwrap()
+            .0
+    }
+
+    /// The first byte of volume `name`.
+    fn first_byte(e: &crate::Engine, name: &str) -> u8 {
+        let v = e.shared().volume(name).unwrap();
+        let mut b = vec![0u8; 4096];
+        e.shared().read(&v, 0, &mut b).unwrap();
+        b[0]
+    }
+
+    /// A fresh array of 40 small segments on a memory device, open.
+    fn engine() -> (crate::Engine, Vec<Arc<dyn BlockDevice>>) {
         let devs: Vec<Arc<dyn BlockDevice>> =
             vec![Arc::new(MemDevice::new("m", (1 << 20) + (40 << 18)))];
         let params = crate::FormatParams {
@@ -673,8 +682,20 @@ mod tests {
             ..Default::default()
         };
         crate::format(&devs, &params, [7; 16], &[[1; 16]], 0).unwrap();
-        let cfg = crate::EngineConfig::default;
-        let (mut e, _) = crate::open(devs.clone(), cfg(), crate::OpenMode::ReadWrite).unwrap();
+        let cfg = crate::EngineConfig::default();
+        let (e, _) = crate::open(devs.clone(), cfg, crate::OpenMode::ReadWrite).unwrap();
+        (e, devs)
+    }
+
+    /// Ids come new while the 16-bit space has them; then the ids of deleted
+    /// volumes are given out again, but only once nothing refers to them: not a
+    /// snapshot family that still shares a deleted member's blocks, not a
+    /// segment still releasing them. A client still connected to the deleted
+    /// volume (it names the volume by id and creation version) cannot write
+    /// into the one that got its id, and a restart finds each volume's own data.
+    #[test]
+    fn ids_of_deleted_volumes_are_given_again_once_nothing_refers_to_them() {
+        let (mut e, devs) = engine();
         let t = Token { conn: 9, handle: 1 };
         let call = |e: &mut crate::Engine, req| call_inline(e, t, req, 100_000).unwrap().result;
         let create = |name: &str| Request::CreateVolume {
@@ -771,17 +792,58 @@ mod tests {
         e.drain_replies(&mut replies);
         replies.pop().unwrap().result.unwrap();
         call(&mut e, Request::Flush).unwrap();
-        let read = |e: &crate::Engine, name: &str| {
-            let v = e.shared().volume(name).unwrap();
-            let mut b = vec![0u8; 4096];
-            e.shared().read(&v, 0, &mut b).unwrap();
-            b[0]
-        };
+        let read = first_byte;
         assert_eq!((read(&e, "c"), read(&e, "d")), (0, 2));
         drop(e);
-        let (e, _) = crate::open(devs, cfg(), crate::OpenMode::ReadWrite).unwrap();
+        let e = reopen(devs);
         assert_eq!((read(&e, "c"), read(&e, "d")), (0, 2));
         assert_eq!(id(&e, "d"), d);
         assert!(e.shared().volume("a").is_none() && e.shared().volume("s").is_none());
+    }
+
+    /// A deleted volume's streams are given to the volumes created after it:
+    /// volumes that come and go for as long as the array runs do not make every
+    /// flush, tick, checkpoint and recovery walk go through more streams.
+    #[test]
+    fn deleted_volumes_streams_are_given_to_new_volumes() {
+        let (mut e, devs) = engine();
+        let t = Token { conn: 9, handle: 1 };
+        let call = |e: &mut crate::Engine, req| call_inline(e, t, req, 100_000).unwrap().result;
+        let mut streams = 0;
+        for round in 0..20u8 {
+            let name = format!("v{round}");
+            call(
+                &mut e,
+                Request::CreateVolume {
+                    name: name.clone(),
+                    size_bytes: 1 << 20,
+                },
+            )
+            .unwrap();
+            let v = e.shared().volume(&name).unwrap();
+            call(
+                &mut e,
+                Request::Write {
+                    volume: v.id,
+                    offset: 0,
+                    data: vec![round; 64 << 10],
+                    fua: false,
+                },
+            )
+            .unwrap();
+            call(&mut e, Request::Flush).unwrap();
+            if round == 0 {
+                streams = e.log.streams.len();
+            }
+            assert_eq!(e.log.streams.len(), streams, "round {round}");
+            if round < 19 {
+                call(&mut e, Request::DeleteVolume { name }).unwrap();
+                call(&mut e, Request::Checkpoint).unwrap();
+            }
+        }
+        drop(e);
+        let e = reopen(devs);
+        assert_eq!(first_byte(&e, "v19"), 19);
+        assert_eq!(e.log.streams.len(), streams);
     }
 }

@@ -139,13 +139,13 @@ impl Lineage {
         self.rebuild_members();
     }
 
-    /// `vol` is gone (its deletion committed).
     /// Every volume id a family still names (deleted members included: their
     /// blocks may still be shared).
     pub(crate) fn ids(&self) -> impl Iterator<Item = u16> + '_ {
         self.records.keys().copied()
     }
 
+    /// `vol` is gone (its deletion committed).
     pub(crate) fn deleted(&mut self, vol: VolumeId) {
         if let Some(r) = self.records.get_mut(&vol.0) {
             r.flags |= LINEAGE_DELETED;

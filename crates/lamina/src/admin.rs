@@ -551,7 +551,7 @@ fn resize_volume(rt: &Runtime, name: &str, target: NewSize, force: bool) -> Resu
     })?;
     lamina_core::check_volume_size(size).map_err(|e| e.to_string())?;
     if force && size < old {
-        rt.call(lamina_core::trim_tail(v.id, size, old))
+        rt.call_to(lamina_core::trim_tail(v.id, size, old), &v)
             .map_err(|e| format!("trimming beyond {size} bytes: {e}"))?;
     }
     rt.call(Request::ResizeVolume {

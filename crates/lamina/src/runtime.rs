@@ -38,14 +38,15 @@ use std::time::{Duration, Instant};
 
 /// Where a reply goes.
 pub enum ReplyTo {
-    /// A connection's request: its sink, the client's handle, and the creation
-    /// version of the volume it serves (see `Engine::submit_to`).
-    Nbd(Arc<ReplySink>, u64, u64),
+    Nbd(Arc<ReplySink>, u64),
     Admin(Sender<Result<Option<Box<StatusReport>>, EngineError>>),
 }
 
 pub enum Msg {
-    Req(Request, ReplyTo),
+    /// A request, with the creation version of the volume it names when its
+    /// sender looked the volume up by name or holds it (see `Engine::submit_to`:
+    /// ids of deleted volumes are given out again).
+    Req(Request, ReplyTo, Option<u64>),
     Io(IoCompletion),
     /// Flush, checkpoint, then stop the engine.
     Shutdown(Sender<Result<(), EngineError>>),
@@ -110,12 +111,12 @@ impl Owner for Core {
 /// Answers a message that arrives after the engine stopped.
 fn refuse(m: Msg) {
     match m {
-        Msg::Req(_, ReplyTo::Nbd(sink, handle, _)) => sink.complete(&mut vec![Completion {
+        Msg::Req(_, ReplyTo::Nbd(sink, handle), _) => sink.complete(&mut vec![Completion {
             handle,
             error: lamina_nbd::proto::ESHUTDOWN,
             buf: None,
         }]),
-        Msg::Req(_, ReplyTo::Admin(tx)) => {
+        Msg::Req(_, ReplyTo::Admin(tx), _) => {
             let _ = tx.send(Err(EngineError::ShuttingDown));
         }
         Msg::Shutdown(done) => {
@@ -144,11 +145,7 @@ impl Core {
             return refuse(m);
         }
         match m {
-            Msg::Req(req, to) => {
-                let created = match &to {
-                    ReplyTo::Nbd(_, _, created) => Some(*created),
-                    ReplyTo::Admin(_) => None,
-                };
+            Msg::Req(req, to, created) => {
                 let token = Token {
                     conn: 0,
                     handle: self.route(Some(to)),
@@ -209,7 +206,7 @@ impl Core {
             };
             self.free_routes.push(slot);
             match to {
-                ReplyTo::Nbd(sink, handle, _) => {
+                ReplyTo::Nbd(sink, handle) => {
                     let error = r.result.as_ref().err().map_or(0, |e| e.errno());
                     if let Err(e) = &r.result {
                         tracing::debug!("request failed: {e}");
@@ -389,8 +386,26 @@ impl Runtime {
 
     /// Sends a request and waits for its reply (admin path).
     pub fn call(&self, req: Request) -> Result<Option<Box<StatusReport>>, EngineError> {
+        self.call_with(req, None)
+    }
+
+    /// [`Runtime::call`] for a write or trim of `vol`, as looked up: refused if
+    /// the volume was deleted meanwhile (its id may belong to another by then).
+    pub fn call_to(
+        &self,
+        req: Request,
+        vol: &VolumeShared,
+    ) -> Result<Option<Box<StatusReport>>, EngineError> {
+        self.call_with(req, Some(vol.created_version()))
+    }
+
+    fn call_with(
+        &self,
+        req: Request,
+        created: Option<u64>,
+    ) -> Result<Option<Box<StatusReport>>, EngineError> {
         let (tx, rx) = bounded(1);
-        self.host.post(Msg::Req(req, ReplyTo::Admin(tx)));
+        self.host.post(Msg::Req(req, ReplyTo::Admin(tx), created));
         rx.recv().map_err(|_| EngineError::ShuttingDown)?
     }
 
@@ -480,7 +495,7 @@ impl LaminaBackend {
             Command::Flush => Request::Flush,
         };
         let created = export.vol.created_version();
-        Msg::Req(req, ReplyTo::Nbd(reply.clone(), handle, created))
+        Msg::Req(req, ReplyTo::Nbd(reply.clone(), handle), Some(created))
     }
 }
 

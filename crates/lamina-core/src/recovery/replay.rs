@@ -44,25 +44,34 @@ pub(super) fn replay(
     let mut events: Vec<(u64, Ev)> = Vec::new();
     let mut counters = Counters::from_slice(&ckpt.meta.counters);
     let mut vol_media: HashMap<u16, (u64, u64, u64)> = HashMap::new();
+    // A unit older than the volume its id names now is another's: ids of
+    // deleted volumes are given out again (`Engine::next_volume_id`). (None
+    // reaches replay: the old volume's units all precede the checkpoint that
+    // names the new one.)
+    let created: HashMap<u16, u64> = ckpt
+        .volumes
+        .iter()
+        .map(|(v, r)| (v.id.0, r.created_version))
+        .collect();
+    let is_of = |volume: u16, version: u64| created.get(&volume).is_some_and(|&c| version > c);
     for f in walk.kept() {
         for u in &f.units {
             report.units_replayed += 1;
             let blocks = (u.header_blocks + u.data_blocks) as u64;
             counters.media_blocks += blocks;
-            match f.kind {
-                StreamKind::Meta => counters.meta_blocks += blocks,
-                StreamKind::User => {
-                    counters.user_blocks += u.data_blocks as u64;
-                    let e = vol_media.entry(f.volume).or_default();
-                    e.0 += u.data_blocks as u64;
-                    e.2 += blocks;
-                }
-                StreamKind::Gc => {
-                    counters.gc_blocks += u.data_blocks as u64;
-                    let e = vol_media.entry(f.volume).or_default();
-                    e.1 += u.data_blocks as u64;
-                    e.2 += blocks;
-                }
+            let data = u.data_blocks as u64;
+            let (user, gc) = match f.kind {
+                StreamKind::Meta => (0, 0),
+                StreamKind::User => (data, 0),
+                StreamKind::Gc => (0, data),
+            };
+            counters.user_blocks += user;
+            counters.gc_blocks += gc;
+            if f.kind == StreamKind::Meta {
+                counters.meta_blocks += blocks;
+            } else if is_of(f.volume, u.version) {
+                let e = vol_media.entry(f.volume).or_default();
+                *e = (e.0 + user, e.1 + gc, e.2 + blocks);
             }
             // Data block `i` of the unit, for the volume and LBA of record `r`
             // (its DATA record, or an ALIAS naming it), if it is whole.
@@ -111,20 +120,10 @@ pub(super) fn replay(
         }
     }
     events.sort_by_key(|(v, _)| *v);
-    let by_id: HashMap<u16, (&VolumeShared, u64)> = ckpt
-        .volumes
-        .iter()
-        .map(|(v, r)| (v.id.0, (&**v, r.created_version)))
-        .collect();
-    // A record older than the volume is another's: ids of deleted volumes are
-    // given out again (`Engine::next_volume_id`). (None reaches replay: the old
-    // volume's records all precede the checkpoint that names the new one.)
-    let vol_of = |id: u16, version: u64| {
-        by_id
-            .get(&id)
-            .filter(|&&(_, created)| version > created)
-            .map(|&(v, _)| v)
-    };
+    let by_id: HashMap<u16, &VolumeShared> =
+        ckpt.volumes.iter().map(|(v, _)| (v.id.0, &**v)).collect();
+    // Records older than the volume are another's, as above.
+    let vol_of = |id: u16, version: u64| by_id.get(&id).copied().filter(|_| is_of(id, version));
     for &(version, ref ev) in &events {
         match *ev {
             Ev::Data { volume, lba, pba } => {
@@ -407,8 +406,16 @@ impl VolumeClocks {
             .iter()
             .map(|(v, rec)| (v.id.0, (Vec::new(), rec.user_blocks_written)))
             .collect();
+        let created: HashMap<u16, u64> = volumes
+            .iter()
+            .map(|(v, rec)| (v.id.0, rec.created_version))
+            .collect();
         let mut recorded: HashMap<u16, u64> = HashMap::new();
         for (volume, kind, u) in units {
+            // Not a unit of a deleted volume whose id this one has (see `replay`).
+            if created.get(&volume).is_some_and(|&c| u.version <= c) {
+                continue;
+            }
             if let Some(c) = clocks.get_mut(&volume) {
                 if kind == StreamKind::User {
                     c.0.push((u.version, u.data_blocks as u64));
