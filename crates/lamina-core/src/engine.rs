@@ -406,8 +406,8 @@ pub(crate) enum Purpose {
     Discard {
         seg: u32,
         wait: bool,
-        /// The first unit header was kept ([`Extent::Tail`]).
-        tail: bool,
+        /// What the discard covers.
+        extent: Extent,
     },
     /// A zone finished at a segment's write pointer (zoned devices).
     ZoneFinish {
@@ -734,6 +734,12 @@ impl Engine {
     /// `SegmentTable::discardable`).
     pub fn segments_tail_discarded(&self) -> u64 {
         self.segments.tail_discards
+    }
+
+    /// Discards done since the array was opened of the first unit headers that
+    /// tail discards kept, once a later checkpoint was durable.
+    pub fn segments_head_discarded(&self) -> u64 {
+        self.segments.head_discards
     }
 
     /// Free segments discarded since they were last written.
@@ -1150,19 +1156,24 @@ impl Engine {
                 self.zones.done(seg);
                 self.segment_write_done(seg);
             }
-            Purpose::Discard { seg, wait, tail } => {
+            Purpose::Discard { seg, wait, extent } => {
                 if let Err(e) = &c.result {
                     tracing::debug!("discard of segment {seg}: {e}");
                 }
-                self.segments.tail_discards += (tail && c.result.is_ok()) as u64;
+                let ok = c.result.is_ok() as u64;
+                match extent {
+                    Extent::Tail => self.segments.tail_discards += ok,
+                    Extent::Head => self.segments.head_discards += ok,
+                    Extent::Whole => {}
+                }
                 if wait || self.cfg.metadata_only {
                     // Released (or, in a simulation, freed as it was discarded).
-                    self.segments.discarded += c.result.is_ok() as u64;
+                    self.segments.discarded += ok;
                     if wait {
-                        self.segments.discards.insert(seg, true);
+                        self.segments.discards.insert(seg, Some(extent));
                     }
                 } else {
-                    self.segments.discard_done(seg, c.result.is_ok());
+                    self.segments.discard_done(seg, ok == 1, extent);
                 }
             }
             Purpose::ZoneFinish { seg, ticket } => {
@@ -1289,14 +1300,15 @@ impl Engine {
     /// SSD, a hole in a file), a few at a time. Discarding a segment as soon as it
     /// is released would pay for it twice when it is soon reused: a file system
     /// allocates the hole's pages or blocks again, a drive maps the range again.
+    ///
+    /// With `discard_delay_ms = 0` released segments are discarded as they are
+    /// released, and this only discards the first headers their tail discards
+    /// kept, once a later checkpoint is durable.
     fn discard_idle(&mut self) {
-        if self.cfg.metadata_only
-            || self.cfg.discard_delay_ms == 0
-            || self.failed.is_some()
-            || self.shutting_down
-        {
+        if self.cfg.metadata_only || self.failed.is_some() || self.shutting_down {
             return;
         }
+        let heads_only = self.cfg.discard_delay_ms == 0;
         // The cache tier's free segments too: a flash cache takes every write.
         let tiers: &[Tier] = if self.geo.tiered() {
             &[Tier::Capacity, Tier::Cache]
@@ -1314,6 +1326,7 @@ impl Engine {
                     before,
                     1,
                     DISCARD_SCAN,
+                    heads_only,
                     |s| shared.segment_pinned(SegmentId(s)),
                 ) else {
                     break;
@@ -1798,18 +1811,16 @@ impl Engine {
 
     /// Queues the discard of segment `seg`'s `extent`.
     fn submit_discard(&mut self, seg: u32, wait: bool, extent: Extent) {
-        let from = match extent {
-            Extent::Whole => 0,
-            Extent::Tail => self.geo.header_blocks as u32,
+        let (h, end) = (self.geo.header_blocks as u32, self.geo.segment_blocks);
+        let (from, to) = match extent {
+            Extent::Whole => (0, end),
+            Extent::Tail => (h, end),
+            Extent::Head => (0, h),
         };
         let (dev, off) = self.geo.locate(SegmentId(seg), from);
-        let len = (self.geo.segment_blocks - from) as u64 * BLOCK_SIZE_U64;
+        let len = (to - from) as u64 * BLOCK_SIZE_U64;
         self.submit_io(
-            Purpose::Discard {
-                seg,
-                wait,
-                tail: extent == Extent::Tail,
-            },
+            Purpose::Discard { seg, wait, extent },
             dev,
             off,
             IoKind::Discard { len },
@@ -1937,7 +1948,7 @@ impl Engine {
                 if !self.segments.discards.contains_key(&s)
                     && !self.shared.segment_pinned(SegmentId(s))
                 {
-                    self.segments.discards.insert(s, false);
+                    self.segments.discards.insert(s, None);
                     self.submit_discard(s, true, extent);
                 }
             }

@@ -28,6 +28,9 @@ pub(crate) enum Extent {
     Whole,
     /// All but the first unit's header blocks.
     Tail,
+    /// The first unit's header blocks, which a tail discard kept, once the
+    /// segment's contents precede the durable checkpoint.
+    Head,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,6 +93,9 @@ pub(crate) struct Seg {
     pub discarding: bool,
     /// Free: its extent was discarded since it was last written.
     pub clean: bool,
+    /// Free and clean: the discard kept the first unit header ([`Extent::Tail`]);
+    /// it is discarded too once a later checkpoint is durable.
+    pub head_kept: bool,
 }
 
 /// Slots a GC segment is divided into for dating its blocks.
@@ -164,6 +170,7 @@ impl Seg {
             freed_ms: 0,
             discarding: false,
             clean: false,
+            head_kept: false,
         }
     }
 }
@@ -187,16 +194,19 @@ pub(crate) struct SegmentTable {
     /// Release record sealed, in sealing order, waiting for its flush to be synced.
     pub releasing: Vec<u32>,
     /// With `discard_delay_ms = 0`: released segments whose discard is under way
-    /// (false) or done (true); they join the free queue in release order once done.
-    pub discards: HashMap<u32, bool>,
+    /// (`None`) or done (what it covered); they join the free queue in release
+    /// order once done.
+    pub discards: HashMap<u32, Option<Extent>>,
     /// Discards of free segments under way.
     pub discarding: usize,
     /// Where the next look for free segments to discard starts (an index of `free`).
     /// Per tier (capacity, cache).
     discard_cursor: [usize; 2],
     pub discarded: u64,
-    /// Discards done that kept the first unit header ([`Extent::Tail`]).
+    /// Discards done that kept the first unit header ([`Extent::Tail`]), and
+    /// of such headers later ([`Extent::Head`]).
     pub tail_discards: u64,
+    pub head_discards: u64,
     /// Free segments set aside because their zone could not be reset.
     pub quarantined: u64,
     /// Segments that never join the free queue again: those of a member being
@@ -291,6 +301,7 @@ impl SegmentTable {
             discard_cursor: [0; 2],
             discarded: 0,
             tail_discards: 0,
+            head_discards: 0,
             quarantined: 0,
             withheld: Vec::new(),
         };
@@ -479,14 +490,15 @@ impl SegmentTable {
         if self.segs[s as usize].gen > synced {
             return None;
         }
-        let discarded = self.discards.get(&s) == Some(&true);
-        if self.discardable(s, release_discards).is_some() && !discarded {
+        let done = self.discards.get(&s).copied().flatten();
+        if self.discardable(s, release_discards).is_some() && done.is_none() {
             return None;
         }
         self.discards.remove(&s);
         self.releasing.remove(0);
         self.make_free(s, now_ms);
-        self.segs[s as usize].clean = discarded;
+        self.segs[s as usize].clean = done.is_some();
+        self.segs[s as usize].head_kept = done == Some(Extent::Tail);
         Some(s)
     }
 
@@ -643,9 +655,11 @@ impl SegmentTable {
     /// one that has been free for `delay_ms` at `now_ms`, was not discarded since
     /// it was last written, is [`discardable`](Self::discardable) with `before`,
     /// lies beyond the first `window` of the queue (what allocation takes next),
-    /// and is not `pinned` by a reader. Looks at no more than `scan` entries,
-    /// going on from where the last call stopped. Each tier's queue is looked at
-    /// on its own (`tier`).
+    /// and is not `pinned` by a reader; or the first header a tail discard kept,
+    /// once `before` is past what the segment held ([`Extent::Head`]), and only
+    /// those with `heads_only`. Looks at no more than `scan` entries, going on
+    /// from where the last call stopped. Each tier's queue is looked at on its
+    /// own (`tier`).
     #[allow(clippy::too_many_arguments)]
     pub fn next_to_discard(
         &mut self,
@@ -655,6 +669,7 @@ impl SegmentTable {
         before: Option<u64>,
         window: usize,
         mut scan: usize,
+        heads_only: bool,
         pinned: impl Fn(u32) -> bool,
     ) -> Option<(u32, Extent)> {
         let q = tier as usize;
@@ -678,10 +693,19 @@ impl SegmentTable {
             // A clock that went back (an engine first driven inline, then by the
             // runtime's clock from 0) restarts the wait instead of never ending it.
             s.freed_ms = s.freed_ms.min(now_ms);
-            if s.clean || s.discarding || now_ms - s.freed_ms < delay_ms {
+            if s.discarding || now_ms - s.freed_ms < delay_ms || (s.clean && !s.head_kept) {
                 continue;
             }
-            if let Some(extent) = self.discardable(seg, before).filter(|_| !pinned(seg)) {
+            let head = s.clean;
+            if heads_only && !head {
+                continue;
+            }
+            let extent = match self.discardable(seg, before) {
+                Some(Extent::Whole) if head => Some(Extent::Head),
+                _ if head => None,
+                e => e,
+            };
+            if let Some(extent) = extent.filter(|_| !pinned(seg)) {
                 self.segs[seg as usize].discarding = true;
                 self.discarding += 1;
                 return Some((seg, extent));
@@ -690,8 +714,8 @@ impl SegmentTable {
         None
     }
 
-    /// The discard of free segment `seg` ended (`ok`: it succeeded).
-    pub fn discard_done(&mut self, seg: u32, ok: bool) {
+    /// The discard of `extent` of free segment `seg` ended (`ok`: it succeeded).
+    pub fn discard_done(&mut self, seg: u32, ok: bool, extent: Extent) {
         let s = &mut self.segs[seg as usize];
         assert!(
             s.discarding && s.state == SegState::Free,
@@ -700,8 +724,10 @@ impl SegmentTable {
         s.discarding = false;
         // A failed discard is not retried: the segment is rewritten anyway when reused.
         s.clean = true;
+        s.head_kept = extent == Extent::Tail;
         self.discarding -= 1;
-        if ok {
+        // (A kept header discarded later is not another segment discarded.)
+        if ok && extent != Extent::Head {
             self.discarded += 1;
         }
     }
@@ -774,7 +800,7 @@ mod tests {
         }
         let pinned = |s: u32| s == 3;
         let next = |t: &mut SegmentTable, now| {
-            t.next_to_discard(Tier::Capacity, now, 35, Some(10), 2, 100, pinned)
+            t.next_to_discard(Tier::Capacity, now, 35, Some(10), 2, 100, false, pinned)
         };
         assert_eq!(
             next(&mut t, 70),
@@ -793,26 +819,54 @@ mod tests {
         assert_eq!(next(&mut t, 200), None);
         assert_eq!(t.discardable(1, None), None, "discards off");
         assert_eq!(
-            t.next_to_discard(Tier::Capacity, 200, 35, None, 2, 100, pinned),
+            t.next_to_discard(Tier::Capacity, 200, 35, None, 2, 100, false, pinned),
             None
         );
         // A clock that went back restarts the wait.
         t.segs[3].freed_ms = 500;
         assert_eq!(
-            t.next_to_discard(Tier::Capacity, 210, 35, Some(10), 2, 100, |_| false),
+            t.next_to_discard(Tier::Capacity, 210, 35, Some(10), 2, 100, false, |_| false),
             None
         );
         assert_eq!(t.segs[3].freed_ms, 210);
         assert_eq!(
-            t.next_to_discard(Tier::Capacity, 245, 35, Some(10), 2, 100, |_| false),
+            t.next_to_discard(Tier::Capacity, 245, 35, Some(10), 2, 100, false, |_| false),
             Some((3, Extent::Whole))
         );
-        t.discard_done(3, true);
-        t.discard_done(2, true);
-        t.discard_done(4, false);
+        t.discard_done(3, true, Extent::Whole);
+        t.discard_done(2, true, Extent::Whole);
+        t.discard_done(4, false, Extent::Whole);
         assert!(t.segs[2].clean && !t.segs[2].discarding && t.segs[4].clean);
         assert_eq!((t.discarding, t.discarded), (2, 2));
         assert_eq!(next(&mut t, 200), None, "discarded ones are not again");
+        // 6's tail is discarded; its first header goes once a checkpoint after
+        // what it held (version 12) is durable, then never again.
+        t.discard_done(6, true, Extent::Tail);
+        t.discard_done(7, true, Extent::Whole);
+        assert!(t.segs[6].clean && t.segs[6].head_kept);
+        assert_eq!(next(&mut t, 200), None, "the checkpoint is older than 6");
+        let later = |t: &mut SegmentTable, heads_only| {
+            t.next_to_discard(
+                Tier::Capacity,
+                300,
+                35,
+                Some(13),
+                2,
+                100,
+                heads_only,
+                pinned,
+            )
+        };
+        assert_eq!(later(&mut t, true), Some((6, Extent::Head)));
+        t.discard_done(6, true, Extent::Head);
+        assert!(t.segs[6].clean && !t.segs[6].head_kept);
+        assert_eq!(t.discarded, 4, "a header is not another segment");
+        assert_eq!(
+            later(&mut t, false),
+            Some((5, Extent::Whole)),
+            "the metadata segment, once the checkpoint is past it"
+        );
+        assert_eq!(later(&mut t, false), None, "nothing left to discard");
         // A segment reused and freed again is discarded again.
         let pos = t.free.iter().position(|&s| s == 2).unwrap();
         t.free.remove(pos);
@@ -846,10 +900,10 @@ mod tests {
         // Segment 2 is the metadata stream's: kept whole until a later checkpoint.
         t.segs[2].kind = StreamKind::Meta;
         assert_eq!(t.discardable(2, discard), None);
-        t.discards.insert(1, false);
+        t.discards.insert(1, None);
         assert!(t.free_next_released(2, discard, 0).is_none());
         assert!(t.free.is_empty(), "segment 2 must not overtake 1");
-        *t.discards.get_mut(&1).unwrap() = true;
+        *t.discards.get_mut(&1).unwrap() = Some(Extent::Whole);
         assert_eq!(t.free_next_released(2, discard, 0), Some(1));
         assert!(t.discards.is_empty());
         assert!(t.segs[1].clean, "not discarded again while free");

@@ -676,6 +676,23 @@ fn segments_opened_after_the_checkpoint_survive_release_until_reused() {
             (st.segments_discarded, st.segments_tail_discarded),
             (discarded, tails)
         );
+        assert_eq!(e.segments_head_discarded(), 0, "no checkpoint is past them");
+        let after_churn = e.segments_discarded();
+        // Once a checkpoint is past them, the kept headers go too (and count as
+        // no new segment discarded), then a crash.
+        call(&mut e, Request::Checkpoint).result.unwrap();
+        for i in 0..20 {
+            let t = e.now_ms() + 1000 + i;
+            e.tick(t);
+            lamina_core::run_inline(&mut e);
+        }
+        let heads = e.segments_head_discarded();
+        assert!(
+            heads > 20,
+            "{heads} kept headers discarded after a checkpoint"
+        );
+        assert!(e.segments_discarded() - after_churn < heads);
+        overwrite(&mut e, vol, &mut model, 40, 40, |i| i);
         drop(e);
         let e = open_rw(&devs, cfg());
         assert!(
