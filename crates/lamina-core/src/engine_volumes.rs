@@ -83,7 +83,7 @@ impl Engine {
     /// names it by id and creation version (`Engine::submit_to`), so its writes
     /// cannot reach the new one.
     pub(crate) fn next_volume_id(&self) -> Result<VolumeId, EngineError> {
-        let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
+        let next = self.ids_given();
         let held = self.volume_ids_held();
         let id = if next < u16::MAX as u64 {
             next as u16
@@ -106,8 +106,12 @@ impl Engine {
     /// Volume ids this array can still give out: new ones, and those of deleted
     /// volumes nothing refers to any more.
     pub(crate) fn volume_ids_left(&self) -> u64 {
-        let next = self.counters.next_volume_id.max(self.volumes.len() as u64);
-        count_left(&self.volume_ids_held(), next)
+        count_left(&self.volume_ids_held(), self.ids_given())
+    }
+
+    /// How many ids were given out new (`0..` this one).
+    fn ids_given(&self) -> u64 {
+        self.counters.next_volume_id.max(self.volumes.len() as u64)
     }
 
     /// Which of the ids given out so far something still refers to: a volume

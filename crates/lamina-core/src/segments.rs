@@ -145,6 +145,24 @@ impl Origins {
 }
 
 impl Seg {
+    /// What the segment holds: the version its contents were opened at, and
+    /// whether they are a data segment's. A free segment, or one reserved for
+    /// the metadata stream and not opened yet, holds what it held before.
+    fn contents(&self) -> (u64, bool) {
+        if self.state == SegState::Free || self.incarnation == 0 {
+            (self.retired, self.retired_data)
+        } else {
+            (self.incarnation, self.kind != StreamKind::Meta)
+        }
+    }
+
+    /// A discard of `extent` of the free segment ended (done or failed: either
+    /// way it is not tried again until the segment is written).
+    fn discarded(&mut self, extent: Extent) {
+        self.clean = true;
+        self.head_kept = extent == Extent::Tail;
+    }
+
     pub(crate) fn free(erase_count: u32) -> Self {
         Seg {
             state: SegState::Free,
@@ -459,14 +477,7 @@ impl SegmentTable {
     ///   metadata stream's segments hold the release records the walk follows,
     ///   so they keep everything.
     pub fn discardable(&self, seg: u32, before: Option<u64>) -> Option<Extent> {
-        let s = &self.segs[seg as usize];
-        // (A segment reserved for the metadata stream and not opened yet holds
-        // what it held while it was free.)
-        let (opened, data) = if s.state == SegState::Free || s.incarnation == 0 {
-            (s.retired, s.retired_data)
-        } else {
-            (s.incarnation, s.kind != StreamKind::Meta)
-        };
+        let (opened, data) = self.segs[seg as usize].contents();
         let before = before?;
         if opened < before {
             Some(Extent::Whole)
@@ -497,8 +508,9 @@ impl SegmentTable {
         self.discards.remove(&s);
         self.releasing.remove(0);
         self.make_free(s, now_ms);
-        self.segs[s as usize].clean = done.is_some();
-        self.segs[s as usize].head_kept = done == Some(Extent::Tail);
+        if let Some(extent) = done {
+            self.segs[s as usize].discarded(extent);
+        }
         Some(s)
     }
 
@@ -510,13 +522,7 @@ impl SegmentTable {
         self.victims.release(seg, old);
         // A simulation frees emptied segments at once, without draining them.
         self.proportion.leave(old);
-        // A segment reserved for the metadata stream and superseded before it was
-        // opened still holds what it held when it was free.
-        let (retired, retired_data) = if old.incarnation == 0 {
-            (old.retired, old.retired_data)
-        } else {
-            (old.incarnation, old.kind != StreamKind::Meta)
-        };
+        let (retired, retired_data) = old.contents();
         self.segs[seg as usize] = Seg {
             retired,
             retired_data,
@@ -723,8 +729,7 @@ impl SegmentTable {
         );
         s.discarding = false;
         // A failed discard is not retried: the segment is rewritten anyway when reused.
-        s.clean = true;
-        s.head_kept = extent == Extent::Tail;
+        s.discarded(extent);
         self.discarding -= 1;
         // (A kept header discarded later is not another segment discarded.)
         if ok && extent != Extent::Head {

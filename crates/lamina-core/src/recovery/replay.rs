@@ -44,16 +44,8 @@ pub(super) fn replay(
     let mut events: Vec<(u64, Ev)> = Vec::new();
     let mut counters = Counters::from_slice(&ckpt.meta.counters);
     let mut vol_media: HashMap<u16, (u64, u64, u64)> = HashMap::new();
-    // A unit older than the volume its id names now is another's: ids of
-    // deleted volumes are given out again (`Engine::next_volume_id`). (None
-    // reaches replay: the old volume's units all precede the checkpoint that
-    // names the new one.)
-    let created: HashMap<u16, u64> = ckpt
-        .volumes
-        .iter()
-        .map(|(v, r)| (v.id.0, r.created_version))
-        .collect();
-    let is_of = |volume: u16, version: u64| created.get(&volume).is_some_and(|&c| version > c);
+    let created = Created::new(&ckpt.volumes);
+    let is_of = |volume: u16, version: u64| created.owns(volume, version);
     for f in walk.kept() {
         for u in &f.units {
             report.units_replayed += 1;
@@ -397,6 +389,30 @@ pub(super) struct VolumeClocks {
     clocks: HashMap<u16, (Vec<(u64, u64)>, u64)>,
 }
 
+/// The creation version of each volume a checkpoint names. A unit or trim at or
+/// below it is not the volume's but another's that had its id: ids of deleted
+/// volumes are given out again (`Engine::next_volume_id`). (None reaches
+/// replay: the old volume's units all precede the checkpoint that names the
+/// new one.)
+struct Created(HashMap<u16, u64>);
+
+impl Created {
+    fn new(volumes: &[(Arc<VolumeShared>, VolumeRecord)]) -> Self {
+        Created(
+            volumes
+                .iter()
+                .map(|(v, r)| (v.id.0, r.created_version))
+                .collect(),
+        )
+    }
+
+    /// Whether something written at `version` under id `volume` is that
+    /// volume's (false for a volume the checkpoint does not name).
+    fn owns(&self, volume: u16, version: u64) -> bool {
+        self.0.get(&volume).is_some_and(|&c| version > c)
+    }
+}
+
 impl VolumeClocks {
     pub fn new<'a>(
         volumes: &[(Arc<VolumeShared>, VolumeRecord)],
@@ -406,14 +422,10 @@ impl VolumeClocks {
             .iter()
             .map(|(v, rec)| (v.id.0, (Vec::new(), rec.user_blocks_written)))
             .collect();
-        let created: HashMap<u16, u64> = volumes
-            .iter()
-            .map(|(v, rec)| (v.id.0, rec.created_version))
-            .collect();
+        let created = Created::new(volumes);
         let mut recorded: HashMap<u16, u64> = HashMap::new();
         for (volume, kind, u) in units {
-            // Not a unit of a deleted volume whose id this one has (see `replay`).
-            if created.get(&volume).is_some_and(|&c| u.version <= c) {
+            if !created.owns(volume, u.version) {
                 continue;
             }
             if let Some(c) = clocks.get_mut(&volume) {
