@@ -434,6 +434,5 @@ impl Engine {
             self.reply(t, Ok(()), None);
         }
         tracing::debug!(generation = w.gen, "checkpoint committed");
-        let _ = SegmentId(0);
     }
 }

@@ -22,6 +22,22 @@ fn count_left(held: &[bool], next: u64) -> u64 {
     free_below + (u16::MAX as u64 - next)
 }
 
+/// The id a new volume gets: the next new one while there are any, then the
+/// lowest one nothing holds (`held` from `Engine::volume_ids_held`).
+fn pick_id(held: &[bool], next: u64) -> Result<VolumeId, EngineError> {
+    if next < u16::MAX as u64 {
+        return Ok(VolumeId(next as u16));
+    }
+    (0..u16::MAX)
+        .find(|&i| !held[i as usize])
+        .map(VolumeId)
+        .ok_or_else(|| {
+            EngineError::Invalid(
+                "all 65535 volume ids of this array are held: by volumes, snapshots and clones, by deleted ones whose blocks a snapshot or clone still shares, and by deleted ones whose segments are still being released".into(),
+            )
+        })
+}
+
 impl Engine {
     pub(crate) fn create_volume(&mut self, name: &str, size_bytes: u64) -> Result<(), EngineError> {
         self.check_new_name(name)?;
@@ -85,22 +101,14 @@ impl Engine {
     pub(crate) fn next_volume_id(&self) -> Result<VolumeId, EngineError> {
         let next = self.ids_given();
         let held = self.volume_ids_held();
-        let id = if next < u16::MAX as u64 {
-            next as u16
-        } else {
-            (0..u16::MAX).find(|&i| !held[i as usize]).ok_or_else(|| {
-                EngineError::Invalid(
-                    "all 65535 volume ids of this array are held: by volumes, snapshots and clones, by deleted ones whose blocks a snapshot or clone still shares, and by deleted ones whose segments are still being released".into(),
-                )
-            })?
-        };
+        let id = pick_id(&held, next)?;
         let left = count_left(&held, next) - 1;
         if left < VOLUME_IDS_WARN {
             tracing::warn!(
                 "{left} volume ids left after this one: every volume, snapshot, clone and rollback holds one until it is deleted and its blocks are gone"
             );
         }
-        Ok(VolumeId(id))
+        Ok(id)
     }
 
     /// Volume ids this array can still give out: new ones, and those of deleted
@@ -599,8 +607,12 @@ impl Engine {
             }
             if v.deleting.is_some_and(|d| d <= gen) {
                 let (streams, map) = (v.streams.clone(), v.shared.clone());
-                for &s in &streams {
-                    self.close_segment(s);
+                // A failed array writes nothing more (its summaries included);
+                // the deletion is recorded in the checkpoint that committed.
+                if self.failed.is_none() {
+                    for &s in &streams {
+                        self.close_segment(s);
+                    }
                 }
                 self.log.retired.extend(streams);
                 // Only the pages that were made: a thin volume of petabytes with
@@ -803,6 +815,77 @@ mod tests {
         assert_eq!((read(&e, "c"), read(&e, "d")), (0, 2));
         assert_eq!(id(&e, "d"), d);
         assert!(e.shared().volume("a").is_none() && e.shared().volume("s").is_none());
+    }
+
+    /// Once every id is held, a new volume is refused with an error that says
+    /// why; before that, the lowest id nothing holds is given.
+    #[test]
+    fn a_new_volume_is_refused_when_every_id_is_held() {
+        let max = u16::MAX as usize;
+        let mut held = vec![true; max];
+        assert_eq!(super::pick_id(&held, 7).unwrap().0, 7, "new ids first");
+        let err = super::pick_id(&held, max as u64).unwrap_err().to_string();
+        assert!(err.contains("all 65535 volume ids"), "{err}");
+        assert_eq!(super::count_left(&held, max as u64), 0);
+        held[max - 1] = false;
+        held[40_000] = false;
+        assert_eq!(super::pick_id(&held, max as u64).unwrap().0, 40_000);
+        assert_eq!(super::count_left(&held, max as u64), 2);
+    }
+
+    /// `count_exclusive` runs after the report was taken, without the engine: a
+    /// volume that took the id of one in the report meanwhile is not counted as
+    /// that one.
+    #[test]
+    fn exclusive_bytes_are_not_taken_from_a_volume_that_reused_the_id() {
+        let (mut e, _devs) = engine();
+        let t = Token { conn: 9, handle: 1 };
+        let call = |e: &mut crate::Engine, req| call_inline(e, t, req, 100_000).unwrap().result;
+        let write = |volume, byte: u8| Request::Write {
+            volume,
+            offset: 0,
+            data: vec![byte; 64 << 10],
+            fua: false,
+        };
+        call(
+            &mut e,
+            Request::CreateVolume {
+                name: "a".into(),
+                size_bytes: 1 << 20,
+            },
+        )
+        .unwrap();
+        let a = e.shared().volume("a").unwrap().id;
+        call(&mut e, write(a, 1)).unwrap();
+        call(
+            &mut e,
+            Request::CreateSnapshot {
+                origin: "a".into(),
+                name: "s".into(),
+                writable: true,
+            },
+        )
+        .unwrap();
+        let snap = e.shared().volume("s").unwrap().id;
+        let mut report = e.status();
+        // Both are deleted, and the ids run out: s's id is given to x.
+        call(&mut e, Request::DeleteVolume { name: "s".into() }).unwrap();
+        call(&mut e, Request::DeleteVolume { name: "a".into() }).unwrap();
+        call(&mut e, Request::Checkpoint).unwrap();
+        e.counters.next_volume_id = u16::MAX as u64;
+        call(
+            &mut e,
+            Request::CreateVolume {
+                name: "x".into(),
+                size_bytes: 1 << 20,
+            },
+        )
+        .unwrap();
+        assert_eq!(e.shared().volume("x").unwrap().id, snap);
+        call(&mut e, write(snap, 2)).unwrap();
+        crate::status::count_exclusive(e.shared(), &mut report);
+        let s = report.volumes.iter().find(|v| v.name == "s").unwrap();
+        assert_eq!(s.exclusive_bytes, 0, "x's blocks counted as s's");
     }
 
     /// A deleted volume's streams are given to the volumes created after it:

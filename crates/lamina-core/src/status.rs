@@ -75,6 +75,10 @@ pub struct VolumeStatus {
     pub exclusive_bytes: u64,
     /// The snapshot family, if the volume shares blocks.
     pub family: Option<u16>,
+    /// The version the volume was created at: with `id`, names it for good (ids
+    /// are given again), so that [`count_exclusive`], which runs after the report
+    /// was taken, does not count a later volume that took a deleted one's id.
+    pub created_version: u64,
 }
 
 /// Fills in `exclusive_bytes` of the volumes that share blocks, by walking their
@@ -88,7 +92,11 @@ pub fn count_exclusive(shared: &crate::shared::Shared, report: &mut StatusReport
             .volumes
             .iter()
             .filter(|v| v.family == Some(f))
-            .filter_map(|v| shared.volume_by_id(crate::types::VolumeId(v.id)))
+            .filter_map(|v| {
+                shared
+                    .volume_by_id(crate::types::VolumeId(v.id))
+                    .filter(|s| s.created_version() == v.created_version)
+            })
             .collect()
     };
     let counts: Vec<Option<u64>> = report
@@ -316,6 +324,7 @@ impl Engine {
                     0
                 },
                 family,
+                created_version: v.shared.created_version(),
             });
         }
         let rs = &self.shared.read_stats;

@@ -480,6 +480,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                 snapshot: v["snapshot"].as_bool().unwrap_or(false),
                 origin: v["origin"].as_str().map(Into::into),
                 family: v["family"].as_u64().map(|f| f as u16),
+                created_version: v["created_version"].as_u64().unwrap_or(0),
                 classes_open: (
                     v["classes_open"]["user"].as_u64().unwrap_or(0) as u8,
                     v["classes_open"]["gc"].as_u64().unwrap_or(0) as u8,

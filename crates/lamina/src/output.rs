@@ -92,6 +92,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
             "snapshot": v.snapshot,
             "origin": v.origin,
             "family": v.family,
+            "created_version": v.created_version,
             "segments": v.segments,
             "user_bytes_written": v.user_bytes_written,
             "media_bytes_written": v.media_bytes_written,
