@@ -229,14 +229,14 @@ mod tests {
     fn a_sync_waits_for_the_writes_before_its_flush_and_not_for_later_ones() {
         let mut d = Durability::new();
         let (a, b) = (d.issue(), d.issue());
-        let gen = d.start_flush(7, 100);
+        let gen = d.start_flush(Version(7), 100);
         d.wait(gen, token(1), None);
         let late = d.issue();
         d.complete(b);
         assert!(d.send_sync(2).is_none(), "write {a} has not completed");
         d.complete(a);
         let t = d.send_sync(2).expect("every covered write completed");
-        assert_eq!((t.gen, t.version, t.ticket), (gen, 7, b));
+        assert_eq!((t.gen, t.version, t.ticket), (gen, Version(7), b));
         assert!(d.sync_inflight() && !d.sync_idle());
         assert!(d.sync_part_done().is_none(), "one device of two answered");
         let t = d.sync_part_done().unwrap();
@@ -250,13 +250,13 @@ mod tests {
     fn flushes_during_a_sync_share_the_next_one() {
         let mut d = Durability::new();
         let w = d.issue();
-        let g1 = d.start_flush(1, 0);
+        let g1 = d.start_flush(Version(1), 0);
         d.wait(g1, token(1), None);
         d.complete(w);
         let t1 = d.send_sync(1).unwrap();
         // Three flushes from three connections while the first sync is out.
         for h in 2..5 {
-            let g = d.start_flush(2, 0);
+            let g = d.start_flush(Version(2), 0);
             d.wait(g, token(h), Some(vec![h as u8]));
         }
         assert!(d.send_sync(1).is_none(), "one sync at a time");
@@ -284,7 +284,7 @@ mod tests {
     #[test]
     fn a_failed_array_hands_back_every_waiter() {
         let mut d = Durability::new();
-        let g = d.start_flush(1, 0);
+        let g = d.start_flush(Version(1), 0);
         d.wait(g, token(1), Some(vec![1]));
         d.wait(g + 1, token(2), None);
         assert_eq!(d.take_all().count(), 2);

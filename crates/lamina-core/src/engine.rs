@@ -279,7 +279,7 @@ pub(crate) struct Vol {
     pub classes: Vec<ClassCounters>,
     /// The classes kept open while the spare is short (see `classcap`).
     pub caps: crate::classcap::Caps,
-    pub created_version: u64,
+    pub created_version: Version,
     pub user_blocks: u64,
     pub gc_blocks: u64,
     pub media_blocks: u64,
@@ -481,7 +481,7 @@ pub struct Engine {
     pub(crate) geometry_aware: bool,
     /// Start version of the checkpoint the durable superblocks name (recovery
     /// would start from it now).
-    pub(crate) durable_ckpt_version: u64,
+    pub(crate) durable_ckpt_version: Version,
     pub(crate) cfg: EngineConfig,
     pub(crate) sb: Superblock,
     /// CRC-32C of a zero block (the pad blocks of striped layouts).
@@ -646,7 +646,10 @@ impl Engine {
                     })
                     .collect::<Vec<_>>(),
             ),
-            durable_ckpt_version: sb.checkpoint.as_ref().map_or(0, |c| c.version),
+            durable_ckpt_version: sb
+                .checkpoint
+                .as_ref()
+                .map_or(Version::ZERO, |c| Version(c.version)),
             shared,
             cfg,
             sb,
@@ -673,7 +676,7 @@ impl Engine {
             next_version,
             // Nothing of this run is durable yet; what earlier runs wrote is vouched
             // for by their own marks, not by ours (see `run_start`).
-            durable_version: next_version - 1,
+            durable_version: next_version.prev(),
             run_start: next_version,
             pending: VecDeque::new(),
             gc: Default::default(),
@@ -803,11 +806,11 @@ impl Engine {
     pub(crate) fn take_version(&mut self) -> Version {
         let v = self.next_version;
         assert!(
-            v < self.sb.version_reserved,
+            v.0 < self.sb.version_reserved,
             "version {v} beyond the persisted lease {}",
             self.sb.version_reserved
         );
-        self.next_version += 1;
+        self.next_version = v.next();
         v
     }
 
@@ -863,7 +866,7 @@ impl Engine {
     /// by its creation version as well as its id (an NBD connection: the ids of
     /// deleted volumes are given out again, and a connection to one that was
     /// deleted must not write into the volume that got its id).
-    pub fn submit_to(&mut self, token: Token, req: Request, created: u64) {
+    pub fn submit_to(&mut self, token: Token, req: Request, created: Version) {
         let volume = match &req {
             Request::Write { volume, .. } | Request::Zero { volume, .. } => *volume,
             _ => return self.submit(token, req),
@@ -1578,8 +1581,8 @@ impl Engine {
                     Entry::Unmapped | Entry::Bad => None,
                 };
                 let vol = self.vol_mut(volume);
-                vol.policy.user_write(lba.0);
-                *class.insert(vol.classifier.classify_user(lba.0, vol.user_blocks, prev))
+                vol.policy.user_write(lba);
+                *class.insert(vol.classifier.classify_user(lba, vol.user_blocks, prev))
             }
         };
         let vol = self.vol(volume);
@@ -1689,8 +1692,9 @@ impl Engine {
         };
         let bs = BLOCK_SIZE_U64;
         let (start, end) = (*offset, *offset + *length);
-        let full_first = start.div_ceil(bs);
-        let full_end = end / bs; // exclusive
+        // The whole blocks of the range (empty when it lies inside one block).
+        let full_first = Lba(start.div_ceil(bs));
+        let full_end = Lba(end / bs); // exclusive
         let vol_shared = self.vol(*volume).shared.clone();
         if *allocate && *stage == 0 {
             // Allocated zeroes take space like a write: refuse up front, as writes do.
@@ -1702,8 +1706,8 @@ impl Engine {
             [(start, end), (0, 0)]
         } else {
             [
-                (start, (full_first * bs).min(end)),
-                ((full_end * bs).max(start), end),
+                (start, (full_first.0 * bs).min(end)),
+                ((full_end.0 * bs).max(start), end),
             ]
         };
         while *stage < 2 {
@@ -1733,7 +1737,7 @@ impl Engine {
             // space. Resumable: `stage - 2` blocks are done.
             static ZERO: [u8; BLOCK_SIZE] = [0; BLOCK_SIZE];
             while full_first + (*stage - 2) < full_end {
-                let lba = Lba(full_first + (*stage - 2));
+                let lba = full_first + (*stage - 2);
                 let stream = self.user_stream_for(*volume, lba, waiting);
                 if self.ensure_unit(stream, 1, 0).is_err() {
                     return Ok(false);
@@ -1758,11 +1762,11 @@ impl Engine {
             // Run by run: trimming the unwritten part of a thin volume costs
             // nothing per block.
             for lba in vol_shared.map.mapped_runs(full_first, full_end).flatten() {
-                let old = vol_shared.map.load(Lba(lba));
+                let old = vol_shared.map.load(lba);
                 if old != UNMAPPED {
-                    vol_shared.map.store(Lba(lba), UNMAPPED);
-                    vol_shared.map.take_read(Lba(lba));
-                    if !self.shared_elsewhere(*volume, Lba(lba), old) {
+                    vol_shared.map.store(lba, UNMAPPED);
+                    vol_shared.map.take_read(lba);
+                    if !self.shared_elsewhere(*volume, lba, old) {
                         self.unref(old);
                         self.space.unmapped(1);
                     }
@@ -1776,8 +1780,8 @@ impl Engine {
                 let n = (full_end - lba).min(u32::MAX as u64);
                 let v = self.take_version();
                 let st = &mut self.log.streams[ms];
-                st.extras.push(RawRecord::trim(volume.0, lba, n as u32));
-                st.extras.push(RawRecord::version(v));
+                st.extras.push(RawRecord::trim(volume.0, lba.0, n as u32));
+                st.extras.push(RawRecord::version(v.0));
                 lba += n;
             }
             self.durability.unsynced_writes = true;
@@ -1797,14 +1801,14 @@ impl Engine {
     /// Free segments of `tier` whose contents were opened before this version
     /// may be discarded (see [`SegmentTable::discardable`]); `None` when discards
     /// are off there.
-    fn discard_before(&self, tier: Tier) -> Option<u64> {
+    fn discard_before(&self, tier: Tier) -> Option<Version> {
         self.discard_enabled(tier)
             .then_some(self.durable_ckpt_version)
     }
 
     /// Segment `seg`'s discard on release, when there is one (no delay): before
     /// which version it may be discarded.
-    fn release_discards(&self, seg: u32) -> Option<u64> {
+    fn release_discards(&self, seg: u32) -> Option<Version> {
         self.discard_before(self.geo.tier(seg))
             .filter(|_| self.cfg.discard_delay_ms == 0)
     }
@@ -1861,7 +1865,7 @@ impl Engine {
             self.seal_unit(s);
         }
         self.durability
-            .start_flush(self.next_version - 1, self.now_ms)
+            .start_flush(self.next_version.prev(), self.now_ms)
     }
 
     /// Puts release records for segments whose emptiness is durable into the
@@ -1878,7 +1882,7 @@ impl Engine {
             let inc = self.segments.segs[seg as usize].incarnation;
             self.log.streams[ms]
                 .extras
-                .push(RawRecord::release(seg, inc));
+                .push(RawRecord::release(seg, inc.0));
         }
     }
 

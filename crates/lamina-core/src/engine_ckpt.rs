@@ -14,7 +14,7 @@
 use crate::engine::{Engine, Reply, SegState, Token};
 use crate::error::EngineError;
 use crate::map::{decode, encode_device, Entry};
-use crate::types::{SegmentId, BLOCK_SIZE};
+use crate::types::{SegmentId, Version, BLOCK_SIZE};
 use lamina_format::checkpoint::{
     meta_crc, CheckpointHeader, CheckpointMeta, PlacementRecord, SegmentRecord, SegmentState,
     SegmentTimes, StreamRecord, VolumeRecord,
@@ -43,7 +43,7 @@ enum Phase {
 
 struct Writer {
     gen: u64,
-    start_version: u64,
+    start_version: Version,
     header: Box<[u8; BLOCK_SIZE]>,
     meta: Vec<u8>,
     /// The volumes of the snapshot: pages are read from these maps even if the
@@ -158,7 +158,7 @@ impl Engine {
                 id: v.shared.id.0,
                 name: v.shared.name().to_string(),
                 size_bytes: v.recorded_size(),
-                created_version: v.created_version,
+                created_version: v.created_version.0,
                 user_blocks_written: v.user_blocks,
                 gc_blocks_relocated: v.gc_blocks,
                 media_blocks_written: v.media_blocks,
@@ -203,8 +203,8 @@ impl Engine {
                 volume: s.volume,
                 write_ptr: s.write_ptr,
                 data_blocks: s.data_blocks,
-                incarnation: s.incarnation,
-                close_version: s.close_version,
+                incarnation: s.incarnation.0,
+                close_version: s.close_version.0,
                 erase_count: s.erase_count,
             })
             .collect();
@@ -261,7 +261,7 @@ impl Engine {
         let header = CheckpointHeader {
             array_id: self.geo.array_id,
             generation: gen,
-            start_version,
+            start_version: start_version.0,
             payload_blocks: 1
                 + (meta.len() as u64).div_ceil(BLOCK_SIZE as u64)
                 + pages.len() as u64,
@@ -353,7 +353,7 @@ impl Engine {
                     self.checkpoint_block(&w, w.next, &mut block);
                     if w.first.is_none() {
                         let seg = self.log.streams[ms].seg.unwrap();
-                        w.first = Some((seg, self.segments.segs[seg as usize].incarnation));
+                        w.first = Some((seg, self.segments.segs[seg as usize].incarnation.0));
                     }
                     self.append_checkpoint_block(w.gen, w.next, &block);
                     w.next += 1;
@@ -368,7 +368,7 @@ impl Engine {
                 if self.durability.synced_gen >= gen && !self.sbw.busy() {
                     let (seg, inc) = w.first.expect("checkpoint without blocks");
                     self.sb.checkpoint = Some(CheckpointRef {
-                        version: w.start_version,
+                        version: w.start_version.0,
                         generation: w.gen,
                         first_segment: seg,
                         first_incarnation: inc,

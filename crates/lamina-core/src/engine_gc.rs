@@ -32,7 +32,7 @@ use crate::gc::{Candidate, Scope};
 use crate::io::{IoCompletion, IoKind};
 use crate::map::encode_device;
 use crate::segments::Origins;
-use crate::types::{Pba, RecordAddr, SegmentId, VolumeId, BLOCK_SIZE};
+use crate::types::{Pba, RecordAddr, SegmentId, Version, VolumeId, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader};
 
@@ -78,14 +78,14 @@ enum Phase {
     /// Reading the victim's summary, or its unit header at `offset` when walking.
     Owners {
         seg: u32,
-        incarnation: u64,
+        incarnation: Version,
         walking: bool,
         offset: u32,
         live: Vec<(Pba, RawRecord)>,
     },
     Relocate {
         seg: u32,
-        incarnation: u64,
+        incarnation: Version,
         live: Vec<(Pba, RawRecord)>,
         next: usize,
         batch: Vec<Run>,
@@ -544,7 +544,7 @@ impl Engine {
             match parsed {
                 Some(h)
                     if h.segment == seg
-                        && h.incarnation == sg.incarnation
+                        && h.incarnation == sg.incarnation.0
                         && h.array_id == self.geo.array_id =>
                 {
                     let mut i = 0usize;
@@ -592,7 +592,7 @@ impl Engine {
         let fits = |h: &UnitHeader| {
             h.segment == seg
                 && h.offset == offset
-                && h.incarnation == sg.incarnation
+                && h.incarnation == sg.incarnation.0
                 && h.array_id == self.geo.array_id
         };
         let mut buf = buf;
@@ -829,12 +829,12 @@ impl Engine {
     }
 
     /// The victim is still the closed segment incarnation GC started on.
-    fn victim_unchanged(&self, seg: u32, incarnation: u64) -> bool {
+    fn victim_unchanged(&self, seg: u32, incarnation: Version) -> bool {
         let s = &self.segments.segs[seg as usize];
         s.state == SegState::Closed && s.incarnation == incarnation
     }
 
-    fn gc_start_relocation(&mut self, seg: u32, incarnation: u64, live: Vec<(Pba, RawRecord)>) {
+    fn gc_start_relocation(&mut self, seg: u32, incarnation: Version, live: Vec<(Pba, RawRecord)>) {
         if live.is_empty() && self.frees_user_room(seg) {
             self.earn_credit(self.geo.segment_blocks as f64);
         }
@@ -1048,7 +1048,7 @@ impl Engine {
                             .min(v.user_classes + v.classifier.gc_classes() - 1);
                         let class = v.caps.class(
                             v.user_classes,
-                            v.classifier.classify_gc(r.lba(), v.user_blocks, from),
+                            v.classifier.classify_gc(r.block(), v.user_blocks, from),
                         );
                         let mut gc_stream = v.streams[class as usize];
                         let mut class = class as usize;

@@ -13,7 +13,7 @@ use crate::geometry::Tier;
 use crate::io::IoKind;
 use crate::map::{decode, encode_buffer, encode_device, Entry, UNMAPPED};
 use crate::segments::{Seg, SegState};
-use crate::types::{Lba, Pba, RecordAddr, SegmentId, VolumeId, BLOCK_SIZE};
+use crate::types::{Lba, Pba, RecordAddr, SegmentId, Version, VolumeId, BLOCK_SIZE};
 use crate::unit_buffers::{BufState, UnitBuffers};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{
@@ -645,15 +645,15 @@ impl Engine {
             array_id: self.geo.array_id,
             segment: seg,
             offset: u.offset,
-            incarnation: self.segments.segs[seg as usize].incarnation,
-            version,
+            incarnation: self.segments.segs[seg as usize].incarnation.0,
+            version: version.0,
             data_blocks: u.data,
             stream_kind: st.kind,
             stream_class: st.class,
             volume: st.volume,
             next_segment: st.next_seg.unwrap_or(NO_SEGMENT),
-            durable_version: self.durable_version,
-            run_start: self.run_start,
+            durable_version: self.durable_version.0,
+            run_start: self.run_start.0,
             opened_time: u.volume_time,
             volume_time,
             origin,
@@ -754,7 +754,7 @@ impl Engine {
             return;
         }
         let records = std::mem::take(&mut st.summary);
-        let close_version = self.next_version - 1;
+        let close_version = self.next_version.prev();
         let sb_blocks = self.geo.summary_blocks;
         let mut buf = vec![0u8; sb_blocks as usize * BLOCK_SIZE];
         for (i, r) in records.iter().enumerate() {
@@ -767,8 +767,8 @@ impl Engine {
             array_id: self.geo.array_id,
             segment: seg,
             data_end: sg.write_ptr,
-            incarnation: sg.incarnation,
-            close_version,
+            incarnation: sg.incarnation.0,
+            close_version: close_version.0,
         }
         .seal_into(&mut buf);
         self.mark_closing(seg, true, close_version);
@@ -793,7 +793,7 @@ impl Engine {
     }
 
     /// Segment `seg` is closing: its last write (summary or zone finish) is queued.
-    fn mark_closing(&mut self, seg: u32, has_summary: bool, close_version: u64) {
+    fn mark_closing(&mut self, seg: u32, has_summary: bool, close_version: Version) {
         let closed = self.volume_time(self.segments.segs[seg as usize].volume);
         let sg = &mut self.segments.segs[seg as usize];
         sg.state = SegState::Closing;
@@ -831,7 +831,7 @@ impl Engine {
         }
         let ticket = self.issue_ticket();
         if !meta {
-            self.mark_closing(seg, false, self.next_version - 1);
+            self.mark_closing(seg, false, self.next_version.prev());
         }
         let (dev, off) = self.geo.locate(SegmentId(seg), wp);
         self.submit_io(

@@ -282,8 +282,8 @@ impl Engine {
 
     /// Renews the version lease when versions approach it.
     pub(crate) fn maybe_renew_lease(&mut self) {
-        if !self.sbw.busy() && self.next_version + VERSION_LEASE / 2 > self.sb.version_reserved {
-            self.sb.version_reserved = self.next_version + VERSION_LEASE;
+        if !self.sbw.busy() && self.next_version.0 + VERSION_LEASE / 2 > self.sb.version_reserved {
+            self.sb.version_reserved = self.next_version.0 + VERSION_LEASE;
             self.start_superblock_write();
         }
     }

@@ -7,7 +7,7 @@ use crate::error::EngineError;
 use crate::gc::{policy_by_name, VictimPolicy};
 use crate::map::UNMAPPED;
 use crate::shared::VolumeShared;
-use crate::types::{VolumeId, BLOCK_SIZE_U64};
+use crate::types::{Lba, Version, VolumeId, BLOCK_SIZE_U64};
 use lamina_format::unit::StreamKind;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -173,7 +173,7 @@ impl Engine {
     pub(crate) fn attach_volume(
         &mut self,
         shared: Arc<VolumeShared>,
-        created_version: u64,
+        created_version: Version,
         publish: bool,
         recorded: Option<&str>,
     ) -> &mut Vol {
@@ -185,12 +185,12 @@ impl Engine {
     pub(crate) fn attach_volume_with(
         &mut self,
         shared: Arc<VolumeShared>,
-        created_version: u64,
+        created_version: Version,
         publish: bool,
         (classifier, policy): (Box<dyn crate::placement::Classifier>, Box<dyn VictimPolicy>),
     ) -> &mut Vol {
         let id = shared.id;
-        shared.created.store(created_version, Ordering::Relaxed);
+        shared.created.store(created_version.0, Ordering::Relaxed);
         if publish {
             self.shared.set_volume(shared.clone());
         }
@@ -537,10 +537,10 @@ impl Engine {
                 )));
             }
             let map = &vol.shared.map;
-            if let Some(data) = map.mapped_runs(new_blocks, old_blocks).next() {
+            if let Some(data) = map.mapped_runs(Lba(new_blocks), Lba(old_blocks)).next() {
                 return Err(EngineError::Invalid(format!(
                     "volume {name:?} holds data beyond {size_bytes} bytes (at byte {}); --force discards it",
-                    data.start * BLOCK_SIZE_U64
+                    data.start.0 * BLOCK_SIZE_U64
                 )));
             }
             // Clients stop addressing the tail, then the map lets it go. Nothing

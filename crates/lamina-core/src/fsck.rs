@@ -209,7 +209,7 @@ fn check_summary(engine: &Engine, seg: SegmentId, report: &mut FsckReport) {
     let (dev, off) = geo.locate(seg, geo.data_end);
     let summary = shared.read_decoded(dev, off, &mut buf, |b| {
         SummaryHeader::decode(b).ok().filter(|h| {
-            h.segment == seg.0 && h.incarnation == incarnation && h.array_id == geo.array_id
+            h.segment == seg.0 && h.incarnation == incarnation.0 && h.array_id == geo.array_id
         })
     });
     let Ok(Some(h)) = summary else {
@@ -229,9 +229,9 @@ fn check_summary(engine: &Engine, seg: SegmentId, report: &mut FsckReport) {
         let (uoff, d) = (u.a as u32, u.b as usize);
         let (dev, off) = geo.locate(seg, uoff);
         let header = shared.read_decoded(dev, off, &mut hdr, |b| {
-            UnitHeader::decode(b)
-                .ok()
-                .filter(|x| x.segment == seg.0 && x.offset == uoff && x.incarnation == incarnation)
+            UnitHeader::decode(b).ok().filter(|x| {
+                x.segment == seg.0 && x.offset == uoff && x.incarnation == incarnation.0
+            })
         });
         match header {
             Ok(Some(x)) if x.data_blocks as usize == d => {

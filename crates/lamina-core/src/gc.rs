@@ -5,6 +5,7 @@
 //! tracks per segment (live blocks, capacity, ages, class, wear), so they are cheap.
 //! Ages are in the volume's time: user blocks written to it.
 
+use crate::types::Lba;
 use rand::{Rng, SeedableRng};
 
 /// What a policy knows about a candidate segment.
@@ -103,9 +104,9 @@ pub trait VictimPolicy: Send {
     /// or the array's if smaller) and the data blocks of a segment.
     fn configure(&mut self, _volume_blocks: u64, _segment_blocks: u64) {}
     /// Told of every block a user writes to the volume (before it is placed).
-    fn user_write(&mut self, _lba: u64) {}
+    fn user_write(&mut self, _lba: Lba) {}
     /// Told of every mapped block a trim unmaps.
-    fn trimmed(&mut self, _lba: u64) {}
+    fn trimmed(&mut self, _lba: Lba) {}
     /// What the policy has learnt, for the checkpoint (empty: nothing to keep).
     fn save(&self) -> Vec<u8> {
         Vec::new()
@@ -244,14 +245,14 @@ impl VictimPolicy for Auto {
     fn configure(&mut self, volume_blocks: u64, segment_blocks: u64) {
         self.shadow = Some(crate::shadow::Shadow::new(volume_blocks, segment_blocks));
     }
-    fn user_write(&mut self, lba: u64) {
+    fn user_write(&mut self, lba: Lba) {
         if let Some(s) = &mut self.shadow {
-            s.write(lba);
+            s.write(lba.0);
         }
     }
-    fn trimmed(&mut self, lba: u64) {
+    fn trimmed(&mut self, lba: Lba) {
         if let Some(s) = &mut self.shadow {
-            s.trim(lba);
+            s.trim(lba.0);
         }
     }
     fn scope(

@@ -53,4 +53,4 @@ pub use recovery::{
 pub use shared::{DeviceRead, ReadError, ReadStart, Shared, VolumeShared};
 pub use space::{check_overcommit, check_thresholds};
 pub use status::{CacheStatus, ClassStatus, MemberStatus, StatusReport, VolumeStatus};
-pub use types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};
+pub use types::{Lba, Pba, SegmentId, Version, VolumeId, BLOCK_SIZE};

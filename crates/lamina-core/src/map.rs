@@ -15,7 +15,7 @@
 //! updates it.
 
 use crate::sync::{fence, spin_wait, AtomicPtr, AtomicU64, Ordering};
-use crate::types::{Lba, Pba};
+use crate::types::{Lba, LbaRun, Pba};
 
 pub const UNMAPPED: u32 = 0;
 pub const BAD: u32 = u32::MAX;
@@ -532,11 +532,11 @@ impl Map {
     /// over whole, so a thin range costs one lookup per page, not per block. Any
     /// thread: like [`Map::load`], a store racing the walk may or may not be seen.
     /// Blocks beyond the map's end (a reader racing a shrink) are one unmapped run.
-    pub fn allocation_run(&self, lba: u64, end: u64) -> (bool, u64) {
+    pub fn allocation_run(&self, Lba(lba): Lba, Lba(end): Lba) -> (bool, Lba) {
         assert!(lba < end, "run {lba}..{end} is empty");
         let len = self.len();
         if lba >= len {
-            return (false, end);
+            return (false, Lba(end));
         }
         let end = end.min(len);
         let mapped = self.load(Lba(lba)) != UNMAPPED;
@@ -556,25 +556,21 @@ impl Map {
                 }
             }
         }
-        (mapped, at.min(end))
+        (mapped, Lba(at.min(end)))
     }
 
     /// The runs of mapped blocks in `from..to`, in LBA order, found with
     /// [`Map::allocation_run`] (pages never made are stepped over whole, so a thin
     /// range costs its pages, not its blocks). Each run is looked for after the
     /// caller is done with the one before, so the caller may unmap what it is given.
-    pub fn mapped_runs(
-        &self,
-        from: u64,
-        to: u64,
-    ) -> impl Iterator<Item = std::ops::Range<u64>> + '_ {
+    pub fn mapped_runs(&self, from: Lba, to: Lba) -> impl Iterator<Item = LbaRun> + '_ {
         let mut at = from;
         std::iter::from_fn(move || {
             while at < to {
                 let (mapped, end) = self.allocation_run(at, to);
                 let start = std::mem::replace(&mut at, end);
                 if mapped {
-                    return Some(start..end);
+                    return Some(LbaRun { start, end });
                 }
             }
             None
@@ -809,7 +805,7 @@ mod tests {
                 if start >= end {
                     continue;
                 }
-                let (state, run_end) = m.allocation_run(start, end);
+                let (state, Lba(run_end)) = m.allocation_run(Lba(start), Lba(end));
                 assert_eq!(state, is_mapped(start), "state at {start}");
                 assert!(run_end > start && run_end <= end);
                 assert!(
@@ -821,7 +817,11 @@ mod tests {
                     "run from {start} stops early at {run_end}"
                 );
                 // The mapped runs cover exactly the mapped blocks of the range.
-                let runs: Vec<u64> = m.mapped_runs(start, end).flatten().collect();
+                let runs: Vec<u64> = m
+                    .mapped_runs(Lba(start), Lba(end))
+                    .flatten()
+                    .map(|l| l.0)
+                    .collect();
                 let want: Vec<u64> = (start..end).filter(|&l| is_mapped(l)).collect();
                 assert_eq!(runs, want, "mapped runs of {start}..{end}");
             }
@@ -1052,8 +1052,8 @@ mod tests {
         }
         m.shrink(3000);
         assert_eq!(m.load(Lba(5000)), UNMAPPED, "beyond the end reads unmapped");
-        assert_eq!(m.allocation_run(2999, 9000), (true, 3000));
-        assert_eq!(m.allocation_run(4000, 9000), (false, 9000));
+        assert_eq!(m.allocation_run(Lba(2999), Lba(9000)), (true, Lba(3000)));
+        assert_eq!(m.allocation_run(Lba(4000), Lba(9000)), (false, Lba(9000)));
         // Growing after a shrink to a size a lower tree would do keeps the tree
         // as tall as it is (its nodes stay nodes) and finds every entry.
         for blocks in [1 << 20, 5 << 20, 5 << 30] {
@@ -1065,7 +1065,10 @@ mod tests {
                     "{l} at {blocks}"
                 );
             }
-            assert_eq!(m.allocation_run(3000, blocks), (false, blocks));
+            assert_eq!(
+                m.allocation_run(Lba(3000), Lba(blocks)),
+                (false, Lba(blocks))
+            );
             m.store(Lba(blocks - 1), encode_device(Pba(9)));
             assert_eq!(m.load(Lba(blocks - 1)), encode_device(Pba(9)));
             m.store(Lba(blocks - 1), UNMAPPED);

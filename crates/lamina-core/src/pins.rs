@@ -37,10 +37,10 @@ impl Pins {
     /// blocks may be read until [`Pins::unpin`]). Returns 0, unpinned, when even
     /// the first moved.
     #[inline]
-    pub fn pin_run(&self, place: u32, map: &Map, lba: u64, first: u32, n: u64) -> u64 {
+    pub fn pin_run(&self, place: u32, map: &Map, lba: Lba, first: u32, n: u64) -> u64 {
         self.pin(place);
         let mut valid = 0u64;
-        while valid < n && map.load(Lba(lba + valid)) == first + valid as u32 {
+        while valid < n && map.load(lba + valid) == first + valid as u32 {
             valid += 1;
         }
         if valid == 0 {

@@ -10,6 +10,7 @@
 //! Time is counted in user blocks written to the volume, the unit in which block
 //! lifespans are measured.
 
+use crate::types::Lba;
 use lamina_format::codec::{Reader, Writer};
 use lamina_format::FormatError;
 use std::sync::Arc;
@@ -22,10 +23,10 @@ pub trait Classifier: Send {
     fn gc_classes(&self) -> u8;
     /// Class of a user write of `lba` at time `now`; `prev` is where the block's
     /// current copy was written (`None`: the block holds no data).
-    fn classify_user(&mut self, lba: u64, now: u64, prev: Option<Written>) -> u8;
+    fn classify_user(&mut self, lba: Lba, now: u64, prev: Option<Written>) -> u8;
     /// Class of a block GC relocates; `from` is where its copy was written (the
     /// victim), `from.class` the victim's class.
-    fn classify_gc(&mut self, lba: u64, now: u64, from: Written) -> u8;
+    fn classify_gc(&mut self, lba: Lba, now: u64, from: Written) -> u8;
     /// A segment of class `class` was chosen as a GC victim; `created` is when it was
     /// opened (in the same time unit), `now` the current time.
     fn segment_collected(&mut self, _class: u8, _created: u64, _now: u64) {}
@@ -80,10 +81,10 @@ impl Classifier for NoClassifier {
     fn gc_classes(&self) -> u8 {
         1
     }
-    fn classify_user(&mut self, _lba: u64, _now: u64, _prev: Option<Written>) -> u8 {
+    fn classify_user(&mut self, _lba: Lba, _now: u64, _prev: Option<Written>) -> u8 {
         0
     }
-    fn classify_gc(&mut self, _lba: u64, _now: u64, _from: Written) -> u8 {
+    fn classify_gc(&mut self, _lba: Lba, _now: u64, _from: Written) -> u8 {
         1
     }
 }
@@ -200,13 +201,13 @@ impl Classifier for Frequency {
     fn gc_classes(&self) -> u8 {
         self.classes
     }
-    fn classify_user(&mut self, lba: u64, now: u64, _prev: Option<Written>) -> u8 {
+    fn classify_user(&mut self, Lba(lba): Lba, now: u64, _prev: Option<Written>) -> u8 {
         let h = (self.decayed(lba, now) + 1).min(u16::MAX as u32);
         self.heat.set(lba, h as u16);
         self.last.set(lba, now);
         self.class_of(h)
     }
-    fn classify_gc(&mut self, lba: u64, now: u64, _from: Written) -> u8 {
+    fn classify_gc(&mut self, Lba(lba): Lba, now: u64, _from: Written) -> u8 {
         self.classes + self.class_of(self.decayed(lba, now))
     }
     fn bytes_per_block(&self) -> usize {
@@ -336,7 +337,7 @@ impl Classifier for SepBit {
     fn gc_classes(&self) -> u8 {
         4
     }
-    fn classify_user(&mut self, lba: u64, now: u64, prev: Option<Written>) -> u8 {
+    fn classify_user(&mut self, Lba(lba): Lba, now: u64, prev: Option<Written>) -> u8 {
         let class = match prev {
             Some(w) if self.lifespan(now, w) < self.l => 0,
             _ => 1,
@@ -344,7 +345,7 @@ impl Classifier for SepBit {
         self.tally(lba, now, prev, class);
         class
     }
-    fn classify_gc(&mut self, _lba: u64, now: u64, from: Written) -> u8 {
+    fn classify_gc(&mut self, _lba: Lba, now: u64, from: Written) -> u8 {
         if from.class == 0 {
             return 2;
         }
@@ -474,7 +475,7 @@ impl Classifier for Oracle {
     fn gc_classes(&self) -> u8 {
         self.classes
     }
-    fn classify_user(&mut self, lba: u64, now: u64, _prev: Option<Written>) -> u8 {
+    fn classify_user(&mut self, Lba(lba): Lba, now: u64, _prev: Option<Written>) -> u8 {
         let next = self
             .next_write
             .get(now as usize)
@@ -488,7 +489,7 @@ impl Classifier for Oracle {
         };
         self.class_of(rem)
     }
-    fn classify_gc(&mut self, lba: u64, now: u64, _from: Written) -> u8 {
+    fn classify_gc(&mut self, Lba(lba): Lba, now: u64, _from: Written) -> u8 {
         let due = self.due.get(lba);
         let rem = if due == u64::MAX {
             u64::MAX
@@ -663,7 +664,7 @@ impl Classifier for Lamina {
     fn gc_classes(&self) -> u8 {
         self.classes
     }
-    fn classify_user(&mut self, lba: u64, now: u64, _prev: Option<Written>) -> u8 {
+    fn classify_user(&mut self, Lba(lba): Lba, now: u64, _prev: Option<Written>) -> u8 {
         let old = self.est.get(lba);
         let old_bin = self.bin(old);
         if let Some(b) = old_bin {
@@ -694,7 +695,7 @@ impl Classifier for Lamina {
         }
         self.class_of(self.predict(e, b))
     }
-    fn classify_gc(&mut self, lba: u64, now: u64, _from: Written) -> u8 {
+    fn classify_gc(&mut self, Lba(lba): Lba, now: u64, _from: Written) -> u8 {
         let e = self.est.get(lba);
         let age = (now + 1).saturating_sub(e.last) as f64;
         let p = self.predict(e, self.bin(e));
@@ -791,7 +792,7 @@ mod tests {
                     rng.gen_range(0..blocks)
                 };
                 let prev = last.insert(lba, now).map(|at| user_write(at, 0));
-                s.classify_user(lba, now, prev);
+                s.classify_user(Lba(lba), now, prev);
             }
             s.active_classes()
         };
@@ -807,17 +808,17 @@ mod tests {
         let blocks = 1u64 << 32;
         let far = blocks - 1;
         let mut f = Frequency::new(blocks / 4, 6);
-        f.classify_user(far, 0, None);
-        f.classify_user(far, 1, None);
+        f.classify_user(Lba(far), 0, None);
+        f.classify_user(Lba(far), 1, None);
         assert_eq!((f.heat.pages.len(), f.last.pages.len()), (1, 1));
         assert_eq!(f.heat.get(far), 2);
         let mut s = SepBit::default();
-        s.classify_user(far, 0, None);
-        s.classify_user(7, 1, None);
+        s.classify_user(Lba(far), 0, None);
+        s.classify_user(Lba(7), 1, None);
         assert_eq!(s.given.pages.len(), 2);
         let mut l = Lamina::new(blocks, 6, 1.0, 0.25);
         for t in 0..3 {
-            l.classify_user(far, t * 10, None);
+            l.classify_user(Lba(far), t * 10, None);
         }
         assert_eq!(l.est.pages.len(), 1);
         assert_eq!({ l.est.get(far).interval }, 10.0);
@@ -849,7 +850,7 @@ mod tests {
         let mut x = 0x2545f4914f6cdd1d;
         let mut h = vec![0u64; c.user_classes() as usize];
         for t in 0..n {
-            let k = c.classify_user(pick(&mut x), t, None);
+            let k = c.classify_user(Lba(pick(&mut x)), t, None);
             if t >= n / 2 {
                 h[k as usize] += 1;
             }
@@ -884,10 +885,10 @@ mod tests {
         let mut flat = Lamina::new(blocks, 6, 1.0, 0.25);
         let mut x = 0x1234_5678u64;
         for t in 0..blocks * 12 {
-            flat.classify_user(rng(&mut x) % blocks, t, None);
+            flat.classify_user(Lba(rng(&mut x) % blocks), t, None);
         }
         assert!(flat.flat, "uniform traffic is flat");
-        let young = flat.classify_gc(1, blocks * 12, user_write(0, 0));
+        let young = flat.classify_gc(Lba(1), blocks * 12, user_write(0, 0));
         // Old or young, a GC'd block lands in the same class.
         let mut oldest = 0;
         let mut when = u64::MAX;
@@ -899,7 +900,7 @@ mod tests {
             }
         }
         assert_eq!(
-            flat.classify_gc(oldest, blocks * 12, user_write(0, 0)),
+            flat.classify_gc(Lba(oldest), blocks * 12, user_write(0, 0)),
             young
         );
         let mut skew = Lamina::new(blocks, 6, 1.0, 0.25);
@@ -909,7 +910,7 @@ mod tests {
             } else {
                 rng(&mut x) % blocks
             };
-            skew.classify_user(lba, t, None);
+            skew.classify_user(Lba(lba), t, None);
         }
         assert!(!skew.flat, "90/10 traffic is not flat");
     }
@@ -955,7 +956,7 @@ mod tests {
         let mut x = 7u64;
         let (mut hot_classes, mut cold_classes) = (vec![0u64; 8], vec![0u64; 8]);
         for t in 0..blocks {
-            c.classify_user(t, t, None);
+            c.classify_user(Lba(t), t, None);
         }
         for t in blocks..6 * blocks {
             let r = rng(&mut x);
@@ -964,7 +965,7 @@ mod tests {
             } else {
                 hot + (r >> 8) % (blocks - hot)
             };
-            let k = c.classify_user(lba, t, None) as usize;
+            let k = c.classify_user(Lba(lba), t, None) as usize;
             if t > 3 * blocks {
                 if lba < hot {
                     hot_classes[k] += 1
@@ -983,7 +984,8 @@ mod tests {
         let (mh, mc) = (mean(&hot_classes), mean(&cold_classes));
         assert!(mc - mh >= 1.5, "hot {hot_classes:?} cold {cold_classes:?}");
         // GC places a long-surviving block colder than its user class.
-        let age_cold = c.classify_gc(hot + 1, 100 * blocks, user_write(0, 0)) - c.user_classes();
+        let age_cold =
+            c.classify_gc(Lba(hot + 1), 100 * blocks, user_write(0, 0)) - c.user_classes();
         assert_eq!(age_cold, c.user_classes() - 1);
     }
 
@@ -992,21 +994,21 @@ mod tests {
         let mut s = SepBit::default();
         // Before any class-0 segment was collected, l is infinite: overwrites are
         // short-lived, first writes are long-lived.
-        assert_eq!(s.classify_user(1, 0, None), 1);
-        assert_eq!(s.classify_user(1, 10, Some(user_write(0, 1))), 0);
+        assert_eq!(s.classify_user(Lba(1), 0, None), 1);
+        assert_eq!(s.classify_user(Lba(1), 10, Some(user_write(0, 1))), 0);
         s.segment_collected(0, 0, 100);
         assert_eq!(s.l, 100.0);
-        assert_eq!(s.classify_user(1, 50, Some(user_write(10, 0))), 0); // 40 < 100
-        assert_eq!(s.classify_user(1, 500, Some(user_write(50, 0))), 1); // 450 >= 100
-        assert_eq!(s.classify_gc(1, 600, user_write(500, 0)), 2);
-        assert_eq!(s.classify_gc(1, 600, user_write(500, 1)), 3); // age 100 < 400
-        assert_eq!(s.classify_gc(1, 1300, user_write(500, 1)), 4); // age 800 < 1600
-        assert_eq!(s.classify_gc(1, 5000, user_write(500, 1)), 5);
+        assert_eq!(s.classify_user(Lba(1), 50, Some(user_write(10, 0))), 0); // 40 < 100
+        assert_eq!(s.classify_user(Lba(1), 500, Some(user_write(50, 0))), 1); // 450 >= 100
+        assert_eq!(s.classify_gc(Lba(1), 600, user_write(500, 0)), 2);
+        assert_eq!(s.classify_gc(Lba(1), 600, user_write(500, 1)), 3); // age 100 < 400
+        assert_eq!(s.classify_gc(Lba(1), 1300, user_write(500, 1)), 4); // age 800 < 1600
+        assert_eq!(s.classify_gc(Lba(1), 5000, user_write(500, 1)), 5);
         // A block GC moved (here into classes 2 and 4) is dated by the user write
         // before the move, as any other.
-        assert_eq!(s.classify_user(1, 600, Some(user_write(550, 2))), 0);
-        assert_eq!(s.classify_user(1, 600, Some(user_write(450, 2))), 1);
-        assert_eq!(s.classify_gc(1, 600, user_write(100, 4)), 4);
+        assert_eq!(s.classify_user(Lba(1), 600, Some(user_write(550, 2))), 0);
+        assert_eq!(s.classify_user(Lba(1), 600, Some(user_write(450, 2))), 1);
+        assert_eq!(s.classify_gc(Lba(1), 600, user_write(100, 4)), 4);
         for _ in 0..16 {
             s.segment_collected(0, 0, 20);
         }
@@ -1019,15 +1021,15 @@ mod tests {
     #[test]
     fn sepbit_tallies_only_what_it_has_seen_written() {
         let mut s = SepBit::default();
-        s.classify_user(5, 1000, Some(user_write(10, 0)));
+        s.classify_user(Lba(5), 1000, Some(user_write(10, 0)));
         assert_eq!(s.deaths, 0, "written before SepBIT started");
-        s.classify_user(5, 1200, Some(user_write(1000, 0)));
+        s.classify_user(Lba(5), 1200, Some(user_write(1000, 0)));
         assert_eq!(s.deaths, 1);
         let mut r = SepBit::default();
         r.restore(&s.save()).unwrap();
-        r.classify_user(6, 1300, Some(user_write(1100, 0)));
+        r.classify_user(Lba(6), 1300, Some(user_write(1100, 0)));
         assert_eq!(r.deaths, 1, "written before the restart");
-        r.classify_user(6, 1400, Some(user_write(1300, 0)));
+        r.classify_user(Lba(6), 1400, Some(user_write(1300, 0)));
         assert_eq!(r.deaths, 2);
     }
 
@@ -1066,10 +1068,10 @@ mod tests {
     #[test]
     fn frequency_heats_and_cools() {
         let mut f = Frequency::new(100, 4);
-        let cold = f.classify_user(7, 0, None);
+        let cold = f.classify_user(Lba(7), 0, None);
         let mut hot = cold;
         for t in 1..10 {
-            hot = f.classify_user(7, t, None);
+            hot = f.classify_user(Lba(7), t, None);
         }
         assert!(
             hot < cold,
@@ -1077,10 +1079,14 @@ mod tests {
         );
         // Much later, after many half-lives, it is cold again.
         assert_eq!(
-            f.classify_gc(7, 100_000, user_write(0, 0)),
+            f.classify_gc(Lba(7), 100_000, user_write(0, 0)),
             f.gc_classes() + 3
         );
-        assert_eq!(f.classify_user(8, 0, None), 3, "first writes are coldest");
+        assert_eq!(
+            f.classify_user(Lba(8), 0, None),
+            3,
+            "first writes are coldest"
+        );
     }
 
     #[test]
@@ -1088,10 +1094,10 @@ mod tests {
         // Writes at t: block 0 at 0, 1, 2, 3 (short lives); block 1 at 4 and never again.
         let next = Arc::new(vec![1, 2, 3, u64::MAX, u64::MAX]);
         let mut o = Oracle::new(next, 8, 1000);
-        let short = o.classify_user(0, 0, None);
-        let never = o.classify_user(1, 4, None);
+        let short = o.classify_user(Lba(0), 0, None);
+        let never = o.classify_user(Lba(1), 4, None);
         assert!(short < never);
         assert_eq!(never, 7);
-        assert_eq!(o.classify_gc(1, 10, user_write(0, 0)), 8 + 7);
+        assert_eq!(o.classify_gc(Lba(1), 10, user_write(0, 0)), 8 + 7);
     }
 }

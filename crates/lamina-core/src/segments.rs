@@ -18,6 +18,7 @@
 //! transition against the state it expects.
 
 use crate::geometry::Tier;
+use crate::types::Version;
 use crate::victims::VictimIndex;
 use lamina_format::unit::StreamKind;
 use std::collections::{HashMap, VecDeque};
@@ -61,8 +62,8 @@ pub(crate) struct Seg {
     pub valid: u32,
     pub write_ptr: u32,
     pub data_blocks: u32,
-    pub incarnation: u64,
-    pub close_version: u64,
+    pub incarnation: Version,
+    pub close_version: Version,
     pub erase_count: u32,
     pub has_summary: bool,
     pub writes_inflight: u32,
@@ -82,7 +83,7 @@ pub(crate) struct Seg {
     pub origins: Option<Box<Origins>>,
     /// Free: the version at which its last contents were opened (an upper bound
     /// for segments found free at start); see [`SegmentTable::discardable`].
-    pub retired: u64,
+    pub retired: Version,
     /// Free: its last contents are known to have been a data segment's (user or
     /// GC), whose units carry no record the walk needs (release records are the
     /// metadata stream's); not known for segments found free at start.
@@ -148,8 +149,8 @@ impl Seg {
     /// What the segment holds: the version its contents were opened at, and
     /// whether they are a data segment's. A free segment, or one reserved for
     /// the metadata stream and not opened yet, holds what it held before.
-    fn contents(&self) -> (u64, bool) {
-        if self.state == SegState::Free || self.incarnation == 0 {
+    fn contents(&self) -> (Version, bool) {
+        if self.state == SegState::Free || self.incarnation == Version::ZERO {
             (self.retired, self.retired_data)
         } else {
             (self.incarnation, self.kind != StreamKind::Meta)
@@ -172,8 +173,8 @@ impl Seg {
             valid: 0,
             write_ptr: 0,
             data_blocks: 0,
-            incarnation: 0,
-            close_version: 0,
+            incarnation: Version::ZERO,
+            close_version: Version::ZERO,
             erase_count,
             has_summary: false,
             writes_inflight: 0,
@@ -183,7 +184,7 @@ impl Seg {
             last_invalidated: 0,
             closed: 0,
             origins: None,
-            retired: u64::MAX,
+            retired: Version(u64::MAX),
             retired_data: false,
             freed_ms: 0,
             discarding: false,
@@ -292,7 +293,7 @@ impl SegmentTable {
     pub fn new(
         mut segs: Vec<Seg>,
         free: VecDeque<u32>,
-        opened_at: u64,
+        opened_at: Version,
         full: u32,
         cache_first: u32,
     ) -> Self {
@@ -300,7 +301,7 @@ impl SegmentTable {
             .iter()
             .all(|&s| segs[s as usize].state == SegState::Free));
         for &s in &free {
-            segs[s as usize].retired = opened_at.saturating_sub(1);
+            segs[s as usize].retired = opened_at.prev();
         }
         let (cache_free, free): (VecDeque<u32>, VecDeque<u32>) =
             free.into_iter().partition(|&s| s >= cache_first);
@@ -476,7 +477,7 @@ impl SegmentTable {
     ///   release record that retired it keeps its units out of replay. The
     ///   metadata stream's segments hold the release records the walk follows,
     ///   so they keep everything.
-    pub fn discardable(&self, seg: u32, before: Option<u64>) -> Option<Extent> {
+    pub fn discardable(&self, seg: u32, before: Option<Version>) -> Option<Extent> {
         let (opened, data) = self.segs[seg as usize].contents();
         let before = before?;
         if opened < before {
@@ -494,7 +495,7 @@ impl SegmentTable {
     pub fn free_next_released(
         &mut self,
         synced: u64,
-        release_discards: Option<u64>,
+        release_discards: Option<Version>,
         now_ms: u64,
     ) -> Option<u32> {
         let &s = self.releasing.first()?;
@@ -672,7 +673,7 @@ impl SegmentTable {
         tier: Tier,
         now_ms: u64,
         delay_ms: u64,
-        before: Option<u64>,
+        before: Option<Version>,
         window: usize,
         mut scan: usize,
         heads_only: bool,
@@ -748,7 +749,7 @@ mod tests {
             s.state = SegState::Closed;
             s.erase_count = 3;
         }
-        SegmentTable::new(segs, VecDeque::new(), 1, 100, n as u32)
+        SegmentTable::new(segs, VecDeque::new(), Version(1), 100, n as u32)
     }
 
     #[test]
@@ -792,7 +793,11 @@ mod tests {
         // Segments 0..8 released in order at times 0, 10, .., 70; 5 (metadata)
         // and 6 (data) were opened after the durable checkpoint (version 10).
         for seg in 0..8 {
-            t.segs[seg as usize].incarnation = if seg == 5 || seg == 6 { 12 } else { 5 };
+            t.segs[seg as usize].incarnation = if seg == 5 || seg == 6 {
+                Version(12)
+            } else {
+                Version(5)
+            };
             t.emptied(seg, 1);
         }
         t.segs[5].kind = StreamKind::Meta;
@@ -805,7 +810,16 @@ mod tests {
         }
         let pinned = |s: u32| s == 3;
         let next = |t: &mut SegmentTable, now| {
-            t.next_to_discard(Tier::Capacity, now, 35, Some(10), 2, 100, false, pinned)
+            t.next_to_discard(
+                Tier::Capacity,
+                now,
+                35,
+                Some(Version(10)),
+                2,
+                100,
+                false,
+                pinned,
+            )
         };
         assert_eq!(
             next(&mut t, 70),
@@ -830,12 +844,30 @@ mod tests {
         // A clock that went back restarts the wait.
         t.segs[3].freed_ms = 500;
         assert_eq!(
-            t.next_to_discard(Tier::Capacity, 210, 35, Some(10), 2, 100, false, |_| false),
+            t.next_to_discard(
+                Tier::Capacity,
+                210,
+                35,
+                Some(Version(10)),
+                2,
+                100,
+                false,
+                |_| false
+            ),
             None
         );
         assert_eq!(t.segs[3].freed_ms, 210);
         assert_eq!(
-            t.next_to_discard(Tier::Capacity, 245, 35, Some(10), 2, 100, false, |_| false),
+            t.next_to_discard(
+                Tier::Capacity,
+                245,
+                35,
+                Some(Version(10)),
+                2,
+                100,
+                false,
+                |_| false
+            ),
             Some((3, Extent::Whole))
         );
         t.discard_done(3, true, Extent::Whole);
@@ -855,7 +887,7 @@ mod tests {
                 Tier::Capacity,
                 300,
                 35,
-                Some(13),
+                Some(Version(13)),
                 2,
                 100,
                 heads_only,
@@ -876,12 +908,12 @@ mod tests {
         let pos = t.free.iter().position(|&s| s == 2).unwrap();
         t.free.remove(pos);
         t.segs[2].state = SegState::Closed;
-        t.segs[2].incarnation = 7;
+        t.segs[2].incarnation = Version(7);
         t.emptied(2, 3);
         t.synced(3);
         t.release_recorded(4);
         assert_eq!(t.free_next_released(4, None, 300), Some(2));
-        assert!(!t.segs[2].clean && t.segs[2].retired == 7);
+        assert!(!t.segs[2].clean && t.segs[2].retired == Version(7));
         assert_eq!(next(&mut t, 400), Some((2, Extent::Whole)));
     }
 
@@ -896,9 +928,9 @@ mod tests {
         t.release_recorded(2);
         t.release_recorded(2);
         // Segment 1 was opened before the durable checkpoint (version 10), 2 after.
-        t.segs[1].incarnation = 5;
-        t.segs[2].incarnation = 12;
-        let discard = Some(10);
+        t.segs[1].incarnation = Version(5);
+        t.segs[2].incarnation = Version(12);
+        let discard = Some(Version(10));
         assert_eq!(t.discardable(1, discard), Some(Extent::Whole));
         assert_eq!(t.discardable(2, discard), Some(Extent::Tail));
         assert_eq!(t.discardable(1, None), None, "discards off");
@@ -924,7 +956,7 @@ mod tests {
     #[test]
     fn a_reserved_metadata_segment_keeps_what_it_held() {
         let mut t = table(2);
-        t.segs[1].incarnation = 12;
+        t.segs[1].incarnation = Version(12);
         t.emptied(1, 1);
         t.synced(1);
         t.release_recorded(2);
@@ -933,11 +965,14 @@ mod tests {
         t.free.retain(|&s| s != 1);
         t.segs[1].state = SegState::Meta;
         t.superseded(1);
-        assert_eq!(t.discardable(1, Some(10)), Some(Extent::Tail));
+        assert_eq!(t.discardable(1, Some(Version(10))), Some(Extent::Tail));
         t.release_recorded(3);
         assert_eq!(t.free_next_released(3, None, 0), Some(1));
-        assert_eq!((t.segs[1].retired, t.segs[1].retired_data), (12, true));
-        assert_eq!(t.discardable(1, Some(10)), Some(Extent::Tail));
+        assert_eq!(
+            (t.segs[1].retired, t.segs[1].retired_data),
+            (Version(12), true)
+        );
+        assert_eq!(t.discardable(1, Some(Version(10))), Some(Extent::Tail));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::buffer::BufferPool;
 use crate::geometry::Geometry;
 use crate::map::{decode, Entry, Map};
 use crate::pins::Pins;
-use crate::types::{Lba, Pba, SegmentId, VolumeId, BLOCK_SIZE};
+use crate::types::{Lba, Pba, SegmentId, Version, VolumeId, BLOCK_SIZE};
 use lamina_device::BlockDevice;
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, UnitHeader};
@@ -67,8 +67,8 @@ impl VolumeShared {
     /// The version at which the volume was created: with the id, it names the
     /// volume for good (ids of deleted volumes are given out again).
     #[inline]
-    pub fn created_version(&self) -> u64 {
-        self.created.load(Ordering::Relaxed)
+    pub fn created_version(&self) -> Version {
+        Version(self.created.load(Ordering::Relaxed))
     }
 
     /// The volume's name (its export's).
@@ -116,8 +116,8 @@ impl VolumeShared {
         let mut pos = offset;
         let mut n = 0;
         while pos < end && n < max {
-            let (mapped, run_end) = self.map.allocation_run(pos / bs, end_block);
-            let len = (run_end * bs - pos).min(max_extent.max(1));
+            let (mapped, run_end) = self.map.allocation_run(Lba(pos / bs), Lba(end_block));
+            let len = (run_end.0 * bs - pos).min(max_extent.max(1));
             f(len, mapped);
             pos += len;
             n += 1;
@@ -160,7 +160,7 @@ pub struct DeviceRead {
     pub direct: bool,
     pub seg: SegmentId,
     pub seg_off: u32,
-    pub first_lba: u64,
+    pub first_lba: Lba,
 }
 
 /// How [`Shared::read_start`] started a read.
@@ -362,7 +362,7 @@ impl Shared {
     /// Whether a unit record naming `owner` (`volume << 48 | lba`) names block
     /// `lba` of volume `vol`: the same volume, or a member of its family.
     #[inline]
-    fn owns(&self, vol: VolumeId, lba: u64, owner: u64) -> bool {
+    fn owns(&self, vol: VolumeId, Lba(lba): Lba, owner: u64) -> bool {
         let (v, l) = (
             (owner >> 48) as u16,
             owner & lamina_format::unit::MAX_RECORD_LBA,
@@ -474,10 +474,10 @@ impl Shared {
     }
 
     /// Prepares a segment for a new incarnation: clears its unit-start bits.
-    pub(crate) fn reset_segment(&self, seg: SegmentId, incarnation: u64) {
+    pub(crate) fn reset_segment(&self, seg: SegmentId, incarnation: Version) {
         // Before the incarnation: whoever sees the new one sees no old prefix.
         self.set_written_end(seg, 0);
-        self.seg_incarnation[seg.0 as usize].store(incarnation, Ordering::SeqCst);
+        self.seg_incarnation[seg.0 as usize].store(incarnation.0, Ordering::SeqCst);
         let first = seg.0 as usize * self.geo.segment_blocks as usize;
         let last = first + self.geo.segment_blocks as usize;
         for bit in first..last {
@@ -574,8 +574,8 @@ impl Shared {
     }
 
     /// Sets the incarnation readers use to key cached unit headers.
-    pub(crate) fn set_incarnation(&self, seg: SegmentId, incarnation: u64) {
-        self.seg_incarnation[seg.0 as usize].store(incarnation, Ordering::SeqCst);
+    pub(crate) fn set_incarnation(&self, seg: SegmentId, incarnation: Version) {
+        self.seg_incarnation[seg.0 as usize].store(incarnation.0, Ordering::SeqCst);
     }
 
     /// Offset within its segment of the unit that holds `pba`.
@@ -642,7 +642,7 @@ impl Shared {
         if !offset.is_multiple_of(bs) || !buf.len().is_multiple_of(BLOCK_SIZE) {
             return None;
         }
-        match self.read_blocks_inner(vol, offset / bs, buf, true) {
+        match self.read_blocks_inner(vol, Lba(offset / bs), buf, true) {
             Ok(true) => Some(Ok(())),
             Ok(false) => None,
             Err(e) => Some(Err(e)),
@@ -665,10 +665,10 @@ impl Shared {
             .div_ceil(bs)
             .min(vol.map.len());
         let mut hinted = 0;
-        for run in vol.map.mapped_runs(offset / bs, end) {
+        for run in vol.map.mapped_runs(Lba(offset / bs), Lba(end)) {
             let (mut lba, run_end) = (run.start, run.end);
             while lba < run_end {
-                let e = vol.map.load(Lba(lba));
+                let e = vol.map.load(lba);
                 let Entry::Device(pba) = decode(e) else {
                     lba += 1;
                     continue;
@@ -724,11 +724,11 @@ impl Shared {
         if n == 0 || n > MAX_READ_RUN {
             return None;
         }
-        let first = offset / bs;
-        if first + n > vol.map.len() {
+        let first = Lba(offset / bs);
+        if first.0 + n > vol.map.len() {
             return None; // the waiting path reports it
         }
-        let e = vol.map.load(Lba(first));
+        let e = vol.map.load(first);
         let Entry::Device(pba) = decode(e) else {
             return None;
         };
@@ -795,7 +795,7 @@ impl Shared {
                 .is_ok();
         self.seg_pins.unpin(seg.0);
         if !ok {
-            return self.read_blocks(vol, Lba(first_lba), buf);
+            return self.read_blocks(vol, first_lba, buf);
         }
         let mut tally = ReadTally::default();
         self.count_read(
@@ -815,11 +815,11 @@ impl Shared {
     /// How many blocks from `lba` (whose entry `e` names block `seg_off` of its
     /// segment), at most `max`, lie one after the other in that segment: the run
     /// one device read covers.
-    fn run_from(&self, vol: &VolumeShared, lba: u64, e: u32, seg_off: u32, max: u64) -> u64 {
+    fn run_from(&self, vol: &VolumeShared, lba: Lba, e: u32, seg_off: u32, max: u64) -> u64 {
         let mut n = 1u64;
         while n < max
             && seg_off as u64 + n < self.geo.segment_blocks as u64
-            && vol.map.load(Lba(lba + n)) == e + n as u32
+            && vol.map.load(lba + n) == e + n as u32
         {
             n += 1;
         }
@@ -832,7 +832,7 @@ impl Shared {
         &self,
         tally: &mut ReadTally,
         vol: &VolumeShared,
-        lba: u64,
+        lba: Lba,
         seg: SegmentId,
         n: u64,
     ) {
@@ -841,7 +841,7 @@ impl Shared {
             tally.cache += n;
         }
         if self.track_reads.load(Ordering::Relaxed) {
-            vol.map.mark_read(Lba(lba), n);
+            vol.map.mark_read(lba, n);
         }
     }
 
@@ -877,7 +877,7 @@ impl Shared {
         first: Lba,
         out: &mut [u8],
     ) -> Result<(), ReadError> {
-        self.read_blocks_inner(vol, first.0, out, false).map(|_| ())
+        self.read_blocks_inner(vol, first, out, false).map(|_| ())
     }
 
     /// [`Shared::read_blocks`]; with `nowait`, `Ok(false)` when a device read would
@@ -885,7 +885,7 @@ impl Shared {
     fn read_blocks_inner(
         &self,
         vol: &VolumeShared,
-        first: u64,
+        first: Lba,
         out: &mut [u8],
         nowait: bool,
     ) -> Result<bool, ReadError> {
@@ -902,7 +902,7 @@ impl Shared {
     fn read_blocks_tallied(
         &self,
         vol: &VolumeShared,
-        first: u64,
+        Lba(first): Lba,
         out: &mut [u8],
         nowait: bool,
         tally: &mut ReadTally,
@@ -919,9 +919,9 @@ impl Shared {
         }
         let mut i = 0u64;
         while i < nblocks {
-            let lba = first + i;
+            let lba = Lba(first + i);
             let dst_off = i as usize * BLOCK_SIZE;
-            let e = vol.map.load(Lba(lba));
+            let e = vol.map.load(lba);
             match decode(e) {
                 Entry::Unmapped => {
                     out[dst_off..dst_off + BLOCK_SIZE].fill(0);
@@ -930,7 +930,7 @@ impl Shared {
                 Entry::Bad => {
                     return Err(ReadError::Corrupt {
                         volume: vol.id.0,
-                        lba,
+                        lba: lba.0,
                         detail: "block was found damaged earlier and has no good copy".into(),
                     })
                 }
@@ -979,7 +979,7 @@ impl Shared {
     fn read_device_run_nowait(
         &self,
         vol: &VolumeShared,
-        first_lba: u64,
+        first_lba: Lba,
         seg: SegmentId,
         seg_off: u32,
         dst: &mut [u8],
@@ -1022,7 +1022,7 @@ impl Shared {
     fn read_device_run(
         &self,
         vol: &VolumeShared,
-        first_lba: u64,
+        first_lba: Lba,
         seg: SegmentId,
         seg_off: u32,
         dst: &mut [u8],
@@ -1057,7 +1057,7 @@ impl Shared {
                 {
                     tracing::warn!(
                         volume = vol.id.0,
-                        lba,
+                        lba = lba.0,
                         segment = seg.0,
                         "block failed verification on member {m}; served from parity"
                     );
@@ -1078,7 +1078,7 @@ impl Shared {
                 };
                 let e = e.map(|(_, e)| e).unwrap_or_else(|| ReadError::Corrupt {
                     volume: vol.id.0,
-                    lba,
+                    lba: lba.0,
                     detail: "no reading of the block passes its checksum".into(),
                 });
                 return Err(self.report_corrupt(vol, seg, e));
@@ -1107,19 +1107,14 @@ impl Shared {
     /// Whether the unit header before `pba` names it as block `lba` of `vol` (fsck:
     /// the map checked against the log without reading data). On layouts with
     /// parity a header damaged on one member is rebuilt, as reads do.
-    pub fn check_owner(
-        &self,
-        vol: &VolumeShared,
-        Lba(lba): Lba,
-        pba: Pba,
-    ) -> Result<(), ReadError> {
+    pub fn check_owner(&self, vol: &VolumeShared, lba: Lba, pba: Pba) -> Result<(), ReadError> {
         let (seg, seg_off) = self.geo.split(pba);
         if !self.starts_known[seg.0 as usize].load(Ordering::SeqCst) {
             self.load_unit_starts(seg)?;
         }
         let bad = |detail: String| ReadError::Corrupt {
             volume: vol.id.0,
-            lba,
+            lba: lba.0,
             detail,
         };
         let unit_start = self
@@ -1186,15 +1181,15 @@ impl Shared {
     fn verify_run(
         &self,
         vol: &VolumeShared,
-        first_lba: u64,
+        first_lba: Lba,
         seg: SegmentId,
         seg_off: u32,
         dst: &[u8],
         without: Option<usize>,
     ) -> Result<(), (usize, ReadError)> {
-        let corrupt = |lba: u64, detail: String| ReadError::Corrupt {
+        let corrupt = |lba: Lba, detail: String| ReadError::Corrupt {
             volume: vol.id.0,
-            lba,
+            lba: lba.0,
             detail,
         };
         let pba = self.geo.pba(seg, seg_off);

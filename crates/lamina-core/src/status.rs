@@ -95,7 +95,7 @@ pub fn count_exclusive(shared: &crate::shared::Shared, report: &mut StatusReport
             .filter_map(|v| {
                 shared
                     .volume_by_id(crate::types::VolumeId(v.id))
-                    .filter(|s| s.created_version() == v.created_version)
+                    .filter(|s| s.created_version().0 == v.created_version)
             })
             .collect()
     };
@@ -324,7 +324,7 @@ impl Engine {
                     0
                 },
                 family,
-                created_version: v.shared.created_version(),
+                created_version: v.shared.created_version().0,
             });
         }
         let rs = &self.shared.read_stats;
@@ -513,7 +513,7 @@ impl Engine {
             read_checksum_errors: rs.checksum_errors.load(Relaxed),
             reads_by_connection: rs.device_reads_async.load(Relaxed),
             blocks_read_from_devices: rs.blocks_read.load(Relaxed),
-            durable_version: self.durable_version,
+            durable_version: self.durable_version.0,
             failed: self.failed.clone(),
             volumes,
         }

@@ -216,7 +216,7 @@ impl VictimIndex {
         }
         if seg >= self.cache_first {
             self.state[seg as usize] = CACHED;
-            self.cached.insert((s.close_version, seg));
+            self.cached.insert((s.close_version.0, seg));
             return;
         }
         let b = self.bucket(s.valid);
@@ -236,7 +236,7 @@ impl VictimIndex {
         }
         self.state[seg as usize] = HELD;
         if b == CACHED {
-            let removed = self.cached.remove(&(s.close_version, seg));
+            let removed = self.cached.remove(&(s.close_version.0, seg));
             assert!(
                 removed,
                 "cache segment {seg} missing from the compaction queue"
@@ -462,7 +462,7 @@ impl VictimIndex {
                 let is = should_be(i as u32, s);
                 assert_eq!(st == CACHED, is, "cache segment {i} ({:?}) queued", s.state);
                 if is {
-                    assert!(self.cached.contains(&(s.close_version, i as u32)));
+                    assert!(self.cached.contains(&(s.close_version.0, i as u32)));
                     cands += 1;
                 }
                 continue;

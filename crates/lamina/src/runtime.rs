@@ -46,7 +46,7 @@ pub enum Msg {
     /// A request, with the creation version of the volume it names when its
     /// sender looked the volume up by name or holds it (see `Engine::submit_to`:
     /// ids of deleted volumes are given out again).
-    Req(Request, ReplyTo, Option<u64>),
+    Req(Request, ReplyTo, Option<lamina_core::Version>),
     Io(IoCompletion),
     /// Flush, checkpoint, then stop the engine.
     Shutdown(Sender<Result<(), EngineError>>),
@@ -242,10 +242,10 @@ type Disconnect = Box<dyn Fn() + Send + Sync>;
 /// Per volume, by id and creation version (the id of a deleted volume is given
 /// again, and its clients are not the new volume's): (connection id, how to
 /// disconnect it once it has one).
-type VolumeClients = HashMap<(u16, u64), Vec<(u64, Option<Disconnect>)>>;
+type VolumeClients = HashMap<(u16, lamina_core::Version), Vec<(u64, Option<Disconnect>)>>;
 
 /// The key of volume `v` among [`Clients`].
-fn key(v: &VolumeShared) -> (u16, u64) {
+fn key(v: &VolumeShared) -> (u16, lamina_core::Version) {
     (v.id.0, v.created_version())
 }
 
@@ -402,7 +402,7 @@ impl Runtime {
     fn call_with(
         &self,
         req: Request,
-        created: Option<u64>,
+        created: Option<lamina_core::Version>,
     ) -> Result<Option<Box<StatusReport>>, EngineError> {
         let (tx, rx) = bounded(1);
         self.host.post(Msg::Req(req, ReplyTo::Admin(tx), created));
@@ -584,7 +584,7 @@ impl Backend for LaminaBackend {
                 } else {
                     0
                 },
-                tag: [(d.seg.0 as u64) << 32 | d.seg_off as u64, d.first_lba],
+                tag: [(d.seg.0 as u64) << 32 | d.seg_off as u64, d.first_lba.0],
             }),
             lamina_core::ReadStart::Wait => ReadStart::Wait,
         }
@@ -604,9 +604,9 @@ impl Backend for LaminaBackend {
             direct: read.align > 0,
             seg: lamina_core::SegmentId((read.tag[0] >> 32) as u32),
             seg_off: read.tag[0] as u32,
-            first_lba: read.tag[1],
+            first_lba: lamina_core::Lba(read.tag[1]),
         };
-        let offset = d.first_lba * lamina_core::BLOCK_SIZE as u64;
+        let offset = d.first_lba.0 * lamina_core::BLOCK_SIZE as u64;
         self.rt
             .shared
             .read_finish(vol, d, buf, result)

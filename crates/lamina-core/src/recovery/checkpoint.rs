@@ -10,7 +10,7 @@ use crate::error::EngineError;
 use crate::map::{BAD, UNMAPPED};
 use crate::segments::Origins;
 use crate::shared::{Shared, VolumeShared};
-use crate::types::{Lba, SegmentId, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::types::{Lba, SegmentId, Version, VolumeId, BLOCK_SIZE, BLOCK_SIZE_U64};
 use lamina_format::checkpoint::{
     CheckpointHeader, CheckpointMeta, SegmentRecord, SegmentState, VolumeRecord,
     MAP_ENTRIES_PER_PAGE,
@@ -23,7 +23,7 @@ use std::sync::Arc;
 /// The state recorded by the checkpoint.
 pub(super) struct Checkpoint {
     /// `C`: the walk looks for what was written after it.
-    pub version: u64,
+    pub version: Version,
     pub generation: u64,
     pub meta: CheckpointMeta,
     /// Each volume with its map as of `C`, and its record.
@@ -35,7 +35,7 @@ impl Checkpoint {
     /// segment free, in index order.
     fn none(segment_count: u32) -> Self {
         Checkpoint {
-            version: 0,
+            version: Version::ZERO,
             generation: 0,
             meta: CheckpointMeta {
                 free_queue: (0..segment_count).collect(),
@@ -144,7 +144,7 @@ pub(super) fn load(
     report.checkpoint_version = cref.version;
     report.checkpoint_blocks = cref.payload_blocks;
     Ok(Checkpoint {
-        version: cref.version,
+        version: Version(cref.version),
         generation: cref.generation,
         meta,
         volumes,
@@ -176,10 +176,10 @@ pub(super) fn segment_table(meta: &CheckpointMeta, nsegs: usize) -> Vec<Seg> {
     for (i, r) in meta.segments.iter().enumerate() {
         let s = &mut segs[i];
         s.erase_count = r.erase_count;
-        s.incarnation = r.incarnation;
+        s.incarnation = Version(r.incarnation);
         s.write_ptr = r.write_ptr;
         s.data_blocks = r.data_blocks;
-        s.close_version = r.close_version;
+        s.close_version = Version(r.close_version);
         s.has_summary = r.has_summary != 0;
         s.volume = r.volume;
         s.class = r.stream_class;
@@ -359,7 +359,7 @@ mod tests {
             assemble::open_devices(devs.clone(), &config(), false, &mut report).unwrap();
         let cref = sb.checkpoint.expect("a checkpoint");
         let ckpt = load(&shared, Some(cref), &mut report).unwrap();
-        assert_eq!(ckpt.version, cref.version);
+        assert_eq!(ckpt.version, Version(cref.version));
         assert_eq!(ckpt.volumes.len(), 1);
         let (vs, rec) = &ckpt.volumes[0];
         assert_eq!(

@@ -278,7 +278,7 @@ pub fn open_unfinished(
         sb,
         segs,
         free,
-        next_version,
+        crate::types::Version(next_version),
         replayed.counters,
         ckpt.generation,
     )?;
@@ -289,7 +289,7 @@ pub fn open_unfinished(
         let recorded = placement.iter().find(|p| p.volume == rec.id);
         let vol = engine.attach_volume(
             vs,
-            rec.created_version,
+            crate::types::Version(rec.created_version),
             true,
             recorded.map(|p| p.classifier.as_str()),
         );

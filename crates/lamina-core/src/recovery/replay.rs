@@ -13,7 +13,7 @@ use crate::geometry::Geometry;
 use crate::map::{encode_device, BAD, UNMAPPED};
 use crate::segments::{Origins, ORIGIN_SLOTS};
 use crate::shared::{Shared, VolumeShared};
-use crate::types::{Lba, SegmentId};
+use crate::types::{Lba, SegmentId, Version};
 use lamina_format::checkpoint::{SegmentState, VolumeRecord};
 use lamina_format::unit::{kind, RawRecord, StreamKind};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -41,11 +41,11 @@ pub(super) fn replay(
         Data { volume: u16, lba: u64, pba: u32 },
         Trim { volume: u16, start: u64, count: u64 },
     }
-    let mut events: Vec<(u64, Ev)> = Vec::new();
+    let mut events: Vec<(Version, Ev)> = Vec::new();
     let mut counters = Counters::from_slice(&ckpt.meta.counters);
     let mut vol_media: HashMap<u16, (u64, u64, u64)> = HashMap::new();
     let created = Created::new(&ckpt.volumes);
-    let is_of = |volume: u16, version: u64| created.owns(volume, version);
+    let is_of = |volume: u16, version: Version| created.owns(volume, version);
     for f in walk.kept() {
         for u in &f.units {
             report.units_replayed += 1;
@@ -98,7 +98,7 @@ pub(super) fn replay(
                 if r.kind == kind::TRIM {
                     if let Some(v) = extras.get(i + 1).filter(|v| v.kind == kind::VERSION) {
                         events.push((
-                            v.a,
+                            Version(v.a),
                             Ev::Trim {
                                 volume: r.volume(),
                                 start: r.lba(),
@@ -115,7 +115,7 @@ pub(super) fn replay(
     let by_id: HashMap<u16, &VolumeShared> =
         ckpt.volumes.iter().map(|(v, _)| (v.id.0, &**v)).collect();
     // Records older than the volume are another's, as above.
-    let vol_of = |id: u16, version: u64| by_id.get(&id).copied().filter(|_| is_of(id, version));
+    let vol_of = |id: u16, version: Version| by_id.get(&id).copied().filter(|_| is_of(id, version));
     for &(version, ref ev) in &events {
         match *ev {
             Ev::Data { volume, lba, pba } => {
@@ -134,8 +134,8 @@ pub(super) fn replay(
                     // Run by run, as the engine trims: a trim of a thin volume's
                     // unwritten petabytes costs its pages, not its blocks.
                     let end = start.saturating_add(count).min(v.map.len());
-                    for lba in v.map.mapped_runs(start, end).flatten() {
-                        v.map.store(Lba(lba), UNMAPPED);
+                    for lba in v.map.mapped_runs(Lba(start), Lba(end)).flatten() {
+                        v.map.store(lba, UNMAPPED);
                     }
                 }
             }
@@ -386,7 +386,7 @@ pub(super) fn publish(shared: &Shared, segs: &[Seg], walk: &Walk) {
 pub(super) struct VolumeClocks {
     /// Per volume: (version, time before the unit) of each replayed user unit in
     /// version order, and the volume's time after everything replayed.
-    clocks: HashMap<u16, (Vec<(u64, u64)>, u64)>,
+    clocks: HashMap<u16, (Vec<(Version, u64)>, u64)>,
 }
 
 /// The creation version of each volume a checkpoint names. A unit or trim at or
@@ -408,8 +408,8 @@ impl Created {
 
     /// Whether something written at `version` under id `volume` is that
     /// volume's (false for a volume the checkpoint does not name).
-    fn owns(&self, volume: u16, version: u64) -> bool {
-        self.0.get(&volume).is_some_and(|&c| version > c)
+    fn owns(&self, volume: u16, version: Version) -> bool {
+        self.0.get(&volume).is_some_and(|&c| version.0 > c)
     }
 }
 
@@ -418,7 +418,7 @@ impl VolumeClocks {
         volumes: &[(Arc<VolumeShared>, VolumeRecord)],
         units: impl Iterator<Item = (u16, StreamKind, &'a FoundUnit)>,
     ) -> Self {
-        let mut clocks: HashMap<u16, (Vec<(u64, u64)>, u64)> = volumes
+        let mut clocks: HashMap<u16, (Vec<(Version, u64)>, u64)> = volumes
             .iter()
             .map(|(v, rec)| (v.id.0, (Vec::new(), rec.user_blocks_written)))
             .collect();
@@ -575,7 +575,7 @@ mod tests {
     fn seg(state: SegState, incarnation: u64, write_ptr: u32) -> Seg {
         let mut s = Seg::free(3);
         s.state = state;
-        s.incarnation = incarnation;
+        s.incarnation = Version(incarnation);
         s.write_ptr = write_ptr;
         s
     }
@@ -623,7 +623,7 @@ mod tests {
                 s.data_blocks,
                 s.close_version
             ),
-            (SegState::Closed, 11, 4, 12, 10, 12)
+            (SegState::Closed, Version(11), 4, 12, 10, Version(12))
         );
         assert_eq!(
             (s.born, s.closed),

@@ -6,7 +6,7 @@ use super::walk::{Found, FoundUnit, Walk};
 use super::{assemble, format, open, FormatParams, OpenMode, RecoveryReport};
 use crate::engine::{Engine, EngineConfig, Request, Token};
 use crate::shared::{Shared, VolumeShared};
-use crate::types::{Lba, VolumeId, BLOCK_SIZE};
+use crate::types::{Lba, Version, VolumeId, BLOCK_SIZE};
 use lamina_device::mem::MemDevice;
 use lamina_device::BlockDevice;
 use lamina_format::checkpoint::{CheckpointMeta, VolumeRecord};
@@ -116,9 +116,9 @@ pub fn unit(
         offset,
         header_blocks: 1,
         data_blocks,
-        version,
-        durable_version: durable,
-        run_start,
+        version: Version(version),
+        durable_version: Version(durable),
+        run_start: Version(run_start),
         opened_time: 0,
         volume_time: 0,
         origin: 0,
@@ -134,7 +134,7 @@ pub fn found(seg: u32, incarnation: u64, volume: u16, units: Vec<FoundUnit>) -> 
         .map_or(0, |u| u.offset + u.header_blocks + u.data_blocks);
     Found {
         seg,
-        incarnation,
+        incarnation: Version(incarnation),
         kind: StreamKind::User,
         class: 0,
         volume,
@@ -151,7 +151,7 @@ pub fn walk_of(found: Vec<Found>, released: &[(u32, u64)]) -> Walk {
         found,
         scanned_heads: Default::default(),
         walked_queue: Vec::new(),
-        released: released.iter().copied().collect(),
+        released: released.iter().map(|&(s, i)| (s, Version(i))).collect(),
     }
 }
 
@@ -175,7 +175,7 @@ pub fn checkpoint_with_volume(shared: &Shared, c: u64, blocks: u64) -> Checkpoin
         pages: Vec::new(),
     };
     Checkpoint {
-        version: c,
+        version: Version(c),
         generation: 1,
         meta: CheckpointMeta::default(),
         volumes: vec![(vs, rec)],

@@ -9,7 +9,7 @@ use super::walk::{FoundUnit, Walk};
 use super::{read_blocks, RecoveryReport};
 use crate::error::EngineError;
 use crate::shared::Shared;
-use crate::types::{SegmentId, BLOCK_SIZE};
+use crate::types::{SegmentId, Version, BLOCK_SIZE};
 use lamina_format::unit::kind;
 use std::collections::{HashMap, HashSet};
 
@@ -17,13 +17,13 @@ use std::collections::{HashMap, HashSet};
 /// started at), the highest version a unit of that run recorded as durable. A mark
 /// covers versions of its own run only (`run_start ..= durable_version`): a later
 /// run never synced what an earlier, crashed run left behind.
-pub(super) struct Marks(HashMap<u64, u64>);
+pub(super) struct Marks(HashMap<Version, Version>);
 
 impl Marks {
     pub fn new(walk: &Walk) -> Self {
-        let mut marks: HashMap<u64, u64> = HashMap::new();
+        let mut marks: HashMap<Version, Version> = HashMap::new();
         for u in walk.found.iter().flat_map(|f| f.units.iter()) {
-            let m = marks.entry(u.run_start).or_insert(0);
+            let m = marks.entry(u.run_start).or_insert(Version::ZERO);
             *m = (*m).max(u.durable_version);
         }
         Marks(marks)

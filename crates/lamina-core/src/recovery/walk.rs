@@ -13,7 +13,7 @@ use super::checkpoint::Checkpoint;
 use super::{read_blocks, RecoveryReport};
 use crate::engine::Seg;
 use crate::shared::Shared;
-use crate::types::{SegmentId, BLOCK_SIZE};
+use crate::types::{SegmentId, Version, BLOCK_SIZE};
 use lamina_format::summary::SummaryHeader;
 use lamina_format::unit::{kind, record_at, RawRecord, StreamKind, UnitHeader, NO_SEGMENT};
 use std::cmp::Reverse;
@@ -21,7 +21,9 @@ use std::collections::{BinaryHeap, HashSet};
 
 /// Release records found, lowest first by (unit version, record index), with the
 /// segment and incarnation each retires.
-type Releases = BinaryHeap<Reverse<(u64, usize, u32, u64)>>;
+/// Release records found: (version of the unit that holds the record, record
+/// index, segment, its incarnation), the oldest first.
+type Releases = BinaryHeap<Reverse<(Version, usize, u32, Version)>>;
 
 /// What the walk found.
 pub(super) struct Walk {
@@ -34,7 +36,7 @@ pub(super) struct Walk {
     pub walked_queue: Vec<u32>,
     /// (segment, incarnation) of every release record found: those incarnations
     /// hold nothing live any more.
-    pub released: HashSet<(u32, u64)>,
+    pub released: HashSet<(u32, Version)>,
 }
 
 impl Walk {
@@ -102,13 +104,13 @@ pub(super) fn walk(
     let tier = |seg: u32| shared.geo.tier(seg) as usize;
     let mut empties = [0usize; 2];
     let mut releases: [Releases; 2] = Default::default();
-    let mut released: HashSet<(u32, u64)> = HashSet::new();
-    let harvest = |f: &Found, heaps: &mut [Releases; 2], set: &mut HashSet<(u32, u64)>| {
+    let mut released: HashSet<(u32, Version)> = HashSet::new();
+    let harvest = |f: &Found, heaps: &mut [Releases; 2], set: &mut HashSet<(u32, Version)>| {
         for u in &f.units {
             for (i, r) in u.records.iter().enumerate().skip(u.data_blocks as usize) {
                 if r.kind == kind::RELEASE {
-                    heaps[tier(r.b)].push(Reverse((u.version, i, r.b, r.a)));
-                    set.insert((r.b, r.a));
+                    heaps[tier(r.b)].push(Reverse((u.version, i, r.b, Version(r.a))));
+                    set.insert((r.b, Version(r.a)));
                 }
             }
         }
@@ -118,7 +120,7 @@ pub(super) fn walk(
     }
     // Each incarnation found so far, to record it once (a set: the walk may meet
     // thousands of segments, and a scan of `found` each time was quadratic).
-    let mut seen: HashSet<(u32, u64)> = found.iter().map(|f| (f.seg, f.incarnation)).collect();
+    let mut seen: HashSet<(u32, Version)> = found.iter().map(|f| (f.seg, f.incarnation)).collect();
     let mut walked_queue = Vec::new();
     let part = |t: usize| {
         meta.free_queue
@@ -244,9 +246,9 @@ pub(super) struct FoundUnit {
     pub offset: u32,
     pub header_blocks: u32,
     pub data_blocks: u32,
-    pub version: u64,
-    pub durable_version: u64,
-    pub run_start: u64,
+    pub version: Version,
+    pub durable_version: Version,
+    pub run_start: Version,
     /// The volume's time at the unit's opening and seal and, for GC units, the
     /// mean origin of its blocks ([`UnitHeader::opened_time`],
     /// [`UnitHeader::volume_time`], [`UnitHeader::origin`]).
@@ -263,7 +265,7 @@ pub(super) struct FoundUnit {
 /// One segment incarnation found by the walk.
 pub(super) struct Found {
     pub seg: u32,
-    pub incarnation: u64,
+    pub incarnation: Version,
     pub kind: StreamKind,
     pub class: u8,
     pub volume: u16,
@@ -283,8 +285,8 @@ fn scan_segment(
     report: &mut RecoveryReport,
     seg: u32,
     start: u32,
-    expect: Option<(u64, (StreamKind, u8, u16))>,
-    min_version: u64,
+    expect: Option<(Version, (StreamKind, u8, u16))>,
+    min_version: Version,
 ) -> Option<Found> {
     let geo = &shared.geo;
     let h = geo.header_blocks as u32;
@@ -299,14 +301,14 @@ fn scan_segment(
     while offset + h <= geo.data_end {
         let expected = |u: &UnitHeader| {
             let inc_ok = match incarnation {
-                Some(i) => u.incarnation == i,
-                None => u.incarnation > min_version,
+                Some(i) => u.incarnation == i.0,
+                None => u.incarnation > min_version.0,
             };
             u.array_id == geo.array_id
                 && u.segment == seg
                 && u.offset == offset
                 && inc_ok
-                && u.version > prev
+                && u.version > prev.0
                 && u.header_blocks as u32 == h
                 && offset + u.total_blocks() <= geo.data_end
         };
@@ -314,7 +316,7 @@ fn scan_segment(
         else {
             break;
         };
-        incarnation = Some(u.incarnation);
+        incarnation = Some(Version(u.incarnation));
         meta = (u.stream_kind, u.stream_class, u.volume);
         let records = (0..u.record_count as usize)
             .map(|i| record_at(&buf, i))
@@ -323,16 +325,16 @@ fn scan_segment(
             offset,
             header_blocks: h,
             data_blocks: u.data_blocks,
-            version: u.version,
-            durable_version: u.durable_version,
-            run_start: u.run_start,
+            version: Version(u.version),
+            durable_version: Version(u.durable_version),
+            run_start: Version(u.run_start),
             opened_time: u.opened_time,
             volume_time: u.volume_time,
             origin: u.origin,
             rebuilt: rebuilt.map(|m| (m, buf.clone())),
             records,
         });
-        prev = u.version;
+        prev = Version(u.version);
         offset += u.total_blocks();
     }
     if units.is_empty() && start == 0 {
@@ -343,7 +345,7 @@ fn scan_segment(
     if offset + geo.round_to_row(h + 1) > geo.data_end && meta.0 != StreamKind::Meta {
         if let Ok(buf) = read_blocks(shared, report, seg, geo.data_end, geo.summary_blocks) {
             has_summary = SummaryHeader::decode(&buf).is_ok_and(|s| {
-                s.segment == seg && s.incarnation == incarnation && s.array_id == geo.array_id
+                s.segment == seg && s.incarnation == incarnation.0 && s.array_id == geo.array_id
             });
         }
     }
