@@ -212,6 +212,14 @@ pub fn rebuild(
             last_record = Instant::now();
         }
     }
+    // Free stripes were skipped, but recovery from the durable checkpoint still
+    // reads the segments released since it (the first header of each decides
+    // where its walk of the free queue ends), and on the new member those are
+    // blank. A checkpoint started now makes every segment that recovery walks
+    // one opened after the whole new member was current; only then is the
+    // member complete, so that losing another one loses nothing
+    // (`tiers::a_crash_after_a_rebuild_and_the_loss_of_the_other_copy_loses_nothing`).
+    call(Request::Checkpoint)?;
     record(None)?;
     report.elapsed = t0.elapsed();
     report.finished = true;

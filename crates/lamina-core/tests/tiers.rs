@@ -39,6 +39,44 @@ fn tiered_engine() -> (Vec<Arc<dyn BlockDevice>>, lamina_core::Engine) {
     (devs, e)
 }
 
+/// A capacity member and a cache of two copies (segments of each), formatted.
+fn mirrored(capacity: u64, cache: u64) -> Vec<Arc<dyn BlockDevice>> {
+    let mk = |n: &str, segs: u64| {
+        Arc::new(MemDevice::new(n, device_bytes(segs))) as Arc<dyn BlockDevice>
+    };
+    let devs = vec![
+        mk("capacity", capacity),
+        mk("copy0", cache),
+        mk("copy1", cache),
+    ];
+    let params = FormatParams {
+        cache_devices: 2,
+        ..tiered_params()
+    };
+    format_devices(&devs, &params);
+    devs
+}
+
+/// Fails member `index` and puts a new device of `segments` in its place
+/// (rebuilding from the cursor at 0); returns the new device.
+fn replace_copy(e: &mut lamina_core::Engine, index: usize, segments: u64) -> Arc<dyn BlockDevice> {
+    call(e, Request::FailMember { index })
+        .result
+        .expect("fail the copy");
+    let new = Arc::new(MemDevice::new("copy-new", device_bytes(segments))) as Arc<dyn BlockDevice>;
+    call(
+        e,
+        Request::ReplaceMember {
+            index,
+            device: lamina_core::NewDevice(new.clone()),
+            uuid: [0x77; 16],
+        },
+    )
+    .result
+    .expect("replace");
+    new
+}
+
 fn member_bytes(e: &lamina_core::Engine) -> (u64, u64) {
     let s = e.status();
     (s.members[0].bytes_written, s.members[1].bytes_written)
@@ -352,19 +390,7 @@ fn a_lost_cache_device_is_named_with_what_each_volume_lost() {
 /// stripes below its cursor only, and trusting it would drop what the others held.
 #[test]
 fn a_mirror_needs_one_complete_copy() {
-    let mk = |n: &str, segs: u64| {
-        Arc::new(MemDevice::new(n, device_bytes(segs))) as Arc<dyn BlockDevice>
-    };
-    let devs = vec![
-        mk("capacity", CAPACITY_SEGMENTS),
-        mk("copy0", CACHE_SEGMENTS),
-        mk("copy1", CACHE_SEGMENTS),
-    ];
-    let params = FormatParams {
-        cache_devices: 2,
-        ..tiered_params()
-    };
-    format_devices(&devs, &params);
+    let devs = mirrored(CAPACITY_SEGMENTS, CACHE_SEGMENTS);
     let mut e = open_rw(&devs, small_config());
     assert_eq!(e.status().cache.unwrap().copies, 2);
     let a = create_volume(&mut e, "a", 400 * BS as u64);
@@ -375,20 +401,7 @@ fn a_mirror_needs_one_complete_copy() {
     overwrite(&mut e, a, &mut model, 100, 50, |i| i);
     call(&mut e, Request::Flush).result.expect("flush");
     // Copy 1 out and replaced; its rebuild not run.
-    call(&mut e, Request::FailMember { index: 2 })
-        .result
-        .expect("fail copy 1");
-    let new = mk("copy1-new", CACHE_SEGMENTS);
-    call(
-        &mut e,
-        Request::ReplaceMember {
-            index: 2,
-            device: lamina_core::NewDevice(new.clone()),
-            uuid: [0x77; 16],
-        },
-    )
-    .result
-    .expect("replace");
+    let new = replace_copy(&mut e, 2, CACHE_SEGMENTS);
     assert_eq!(e.status().members[2].state, "rebuilding");
     // The complete copy cannot be failed now.
     let err = call(&mut e, Request::FailMember { index: 1 })
@@ -418,6 +431,44 @@ fn a_mirror_needs_one_complete_copy() {
             "{err}"
         );
     }
+}
+
+/// A rebuilt cache copy is a complete copy: once its rebuild is done, the other
+/// copy may be lost, and a crash after that loses nothing flushed. The rebuild
+/// copies only segments that hold data; cache segments released since the last
+/// checkpoint are still walked by recovery from it (their first headers decide
+/// where the walk of the free queue ends), and on the new copy they are blank.
+/// So the rebuild ends with a checkpoint, after which recovery walks only what
+/// was written with the new copy in place.
+#[test]
+fn a_crash_after_a_rebuild_and_the_loss_of_the_other_copy_loses_nothing() {
+    let devs = mirrored(200, 160);
+    // No checkpoint of its own during the run: recovery starts from the one below.
+    let cfg = || lamina_core::EngineConfig {
+        checkpoint_interval_blocks: u64::MAX / 2,
+        ..small_config()
+    };
+    let mut e = open_rw(&devs, cfg());
+    let blocks = 20 * 64;
+    let a = create_volume(&mut e, "a", blocks * BS as u64);
+    call(&mut e, Request::Checkpoint)
+        .result
+        .expect("checkpoint");
+    let ckpt = e.status().checkpoint_generation;
+    // Five passes over the volume: the first four passes' cache segments die
+    // whole and are released, one after another in the free queue's order.
+    let mut model = HashMap::new();
+    overwrite(&mut e, a, &mut model, 5 * blocks, 64, |i| i % blocks);
+    call(&mut e, Request::Flush).result.expect("flush");
+    assert_eq!(e.status().checkpoint_generation, ckpt, "no checkpoint yet");
+    let new = replace_copy(&mut e, 2, 160);
+    let r = rebuild_member(&mut e, 2, None);
+    assert!(r.finished);
+    assert_eq!(e.status().members[2].state, "ok");
+    // Copy 0 lost, then a crash: the new copy alone holds the cache.
+    drop(e);
+    let e = open_rw(&[devs[0].clone(), new], cfg());
+    verify_model(&e, a, &model);
 }
 
 /// One copy of a mirrored cache rots whole (junk over every segment, unit
