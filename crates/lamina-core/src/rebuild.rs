@@ -215,9 +215,11 @@ pub fn rebuild(
     // Free stripes were skipped, but recovery from the durable checkpoint still
     // reads the segments released since it (the first header of each decides
     // where its walk of the free queue ends), and on the new member those are
-    // blank. A checkpoint started now makes every segment that recovery walks
-    // one opened after the whole new member was current; only then is the
-    // member complete, so that losing another one loses nothing
+    // blank. After a checkpoint started now, every segment recovery reads was
+    // either rebuilt (it held data when the rebuild passed it) or taken from the
+    // free queue after the rebuild passed it (all of it written with the new
+    // member current); only then is the member complete, so that losing another
+    // one loses nothing
     // (`tiers::a_crash_after_a_rebuild_and_the_loss_of_the_other_copy_loses_nothing`).
     call(Request::Checkpoint)?;
     record(None)?;

@@ -43,6 +43,10 @@ pub struct MemberStatus {
     pub write_errors: u64,
     /// While rebuilding: the fraction of stripes done.
     pub rebuild_progress: Option<f64>,
+    /// While rebuilding: a rebuild is running (in the server: its thread holds
+    /// the member). False with a `rebuild_progress` means it stopped (the server
+    /// log says why; it resumes when the server starts again).
+    pub rebuild_running: bool,
     /// "capacity", or "cache" for a member of the cache tier.
     pub tier: String,
 }
@@ -365,6 +369,7 @@ impl Engine {
                             rebuild_progress: m
                                 .rebuild_cursor
                                 .map(|c| c as f64 / (*stripes).max(1) as f64),
+                            rebuild_running: m.rebuild_running,
                             tier: tier.into(),
                         }
                     }
@@ -383,6 +388,7 @@ impl Engine {
                         checksum_errors: 0,
                         write_errors: 0,
                         rebuild_progress: None,
+                        rebuild_running: false,
                         tier: tier.into(),
                     },
                 }

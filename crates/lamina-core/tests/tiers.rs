@@ -433,41 +433,80 @@ fn a_mirror_needs_one_complete_copy() {
     }
 }
 
-/// A rebuilt cache copy is a complete copy: once its rebuild is done, the other
-/// copy may be lost, and a crash after that loses nothing flushed. The rebuild
-/// copies only segments that hold data; cache segments released since the last
-/// checkpoint are still walked by recovery from it (their first headers decide
-/// where the walk of the free queue ends), and on the new copy they are blank.
-/// So the rebuild ends with a checkpoint, after which recovery walks only what
-/// was written with the new copy in place.
-#[test]
-fn a_crash_after_a_rebuild_and_the_loss_of_the_other_copy_loses_nothing() {
-    let devs = mirrored(200, 160);
-    // No checkpoint of its own during the run: recovery starts from the one below.
-    let cfg = || lamina_core::EngineConfig {
+/// Each block's generation, as the workload wrote it.
+type Model = HashMap<u64, u64>;
+
+/// The engine configuration of [`released_since_the_checkpoint`]: no checkpoint
+/// starts by itself.
+fn no_auto_checkpoints() -> lamina_core::EngineConfig {
+    lamina_core::EngineConfig {
         checkpoint_interval_blocks: u64::MAX / 2,
         ..small_config()
-    };
-    let mut e = open_rw(&devs, cfg());
+    }
+}
+
+/// A mirrored cache of 160 segments (capacity 200) where, since the durable
+/// checkpoint, a volume of 20 segments was written five times over: the first four
+/// passes' cache segments died whole and were released, one after another in the
+/// free queue's order, and recovery from that checkpoint walks them all (their
+/// first headers tell it where the allocations went on). Returns the devices, the
+/// engine, the volume and its model.
+fn released_since_the_checkpoint() -> (
+    Vec<Arc<dyn BlockDevice>>,
+    lamina_core::Engine,
+    VolumeId,
+    Model,
+) {
+    let devs = mirrored(200, 160);
+    let mut e = open_rw(&devs, no_auto_checkpoints());
     let blocks = 20 * 64;
     let a = create_volume(&mut e, "a", blocks * BS as u64);
     call(&mut e, Request::Checkpoint)
         .result
         .expect("checkpoint");
     let ckpt = e.status().checkpoint_generation;
-    // Five passes over the volume: the first four passes' cache segments die
-    // whole and are released, one after another in the free queue's order.
     let mut model = HashMap::new();
     overwrite(&mut e, a, &mut model, 5 * blocks, 64, |i| i % blocks);
     call(&mut e, Request::Flush).result.expect("flush");
     assert_eq!(e.status().checkpoint_generation, ckpt, "no checkpoint yet");
+    (devs, e, a, model)
+}
+
+/// A rebuilt cache copy is a complete copy: once its rebuild is done, the other
+/// copy may be lost, and a crash after that loses nothing flushed. The rebuild
+/// copies only segments that hold data, so the released segments recovery would
+/// walk are blank on the new copy. The rebuild therefore ends with a checkpoint,
+/// after which recovery walks only segments the rebuild copied or that were
+/// written after it passed them.
+#[test]
+fn a_crash_after_a_rebuild_and_the_loss_of_the_other_copy_loses_nothing() {
+    let (devs, mut e, a, model) = released_since_the_checkpoint();
     let new = replace_copy(&mut e, 2, 160);
     let r = rebuild_member(&mut e, 2, None);
     assert!(r.finished);
     assert_eq!(e.status().members[2].state, "ok");
     // Copy 0 lost, then a crash: the new copy alone holds the cache.
     drop(e);
-    let e = open_rw(&[devs[0].clone(), new], cfg());
+    let e = open_rw(&[devs[0].clone(), new], no_auto_checkpoints());
+    verify_model(&e, a, &model);
+}
+
+/// The same for a scrub: a copy that rotted whole is mended by a scrub in the
+/// segments that hold data, and the released ones recovery would walk keep their
+/// junk; the scrub ends with a checkpoint, so the mended copy alone is enough.
+#[test]
+fn a_crash_after_a_scrub_and_the_loss_of_the_good_copy_loses_nothing() {
+    let (devs, mut e, a, model) = released_since_the_checkpoint();
+    let data_offset = lamina_format::superblock::DEFAULT_DATA_OFFSET;
+    let junk = vec![0x5au8; devs[2].size_bytes() as usize - data_offset as usize];
+    devs[2].write_at(&junk, data_offset).unwrap();
+    let r = lamina_core::scrub::scrub_inline(&mut e, &mut |_, _| {}).unwrap();
+    assert!(
+        r.stats.blocks_repaired > 0 && r.stats.unrecoverable == 0,
+        "{r:?}"
+    );
+    drop(e);
+    let e = open_rw(&[devs[0].clone(), devs[2].clone()], no_auto_checkpoints());
     verify_model(&e, a, &model);
 }
 
@@ -505,7 +544,7 @@ fn a_scrub_rebuilds_a_rotten_cache_copy_from_the_other() {
     let data_offset = lamina_format::superblock::DEFAULT_DATA_OFFSET;
     let junk = vec![0x5au8; devs[2].size_bytes() as usize - data_offset as usize];
     devs[2].write_at(&junk, data_offset).unwrap();
-    let r = lamina_core::scrub::scrub(e.shared(), &mut |_, _| {}).unwrap();
+    let r = lamina_core::scrub::scrub_inline(&mut e, &mut |_, _| {}).unwrap();
     assert!(
         r.stats.blocks_repaired > 0
             && r.stats.parity_repaired > 0

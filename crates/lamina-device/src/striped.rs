@@ -123,6 +123,9 @@ pub struct MemberState {
     pub failed: bool,
     /// A rebuild under way: stripes below this are done.
     pub rebuild_cursor: Option<u64>,
+    /// A rebuild thread holds the slot (`claim_rebuild`): with a cursor and
+    /// none running, the rebuild stopped.
+    pub rebuild_running: bool,
     /// Reads of this member that failed and were rebuilt from parity.
     pub read_errors: u64,
     /// Blocks of this member that read back damaged (their checksum failed) and
@@ -827,6 +830,7 @@ impl Striped {
             .map(|i| MemberState {
                 name: self.member(i).describe(),
                 rebuild_cursor: self.rebuild_cursor(i),
+                rebuild_running: self.rebuild_claimed[i].load(Ordering::SeqCst),
                 failed: self.is_failed(i),
                 read_errors: self.read_errors[i].load(Ordering::Relaxed),
                 checksum_errors: self.checksum_errors[i].load(Ordering::Relaxed),

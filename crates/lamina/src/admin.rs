@@ -277,7 +277,8 @@ pub fn serve(listener: UnixListener, rt: Runtime, io: IoOptions) {
                     let mut w = &conn;
                     tracing::info!("admin: scrub started");
                     let t0 = std::time::Instant::now();
-                    let r = lamina_core::scrub::scrub(&rt.shared, &mut |d, t| {
+                    let call = |req| rt.call(req).map(|_| ());
+                    let r = lamina_core::scrub::scrub(&rt.shared, &call, &mut |d, t| {
                         let _ = writeln!(w, "{}", json!({"progress": [d, t]}));
                     });
                     match r {
@@ -448,6 +449,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                         checksum_errors: m["checksum_errors"].as_u64().unwrap_or(0),
                         write_errors: m["write_errors"].as_u64().unwrap_or(0),
                         rebuild_progress: m["rebuild_progress"].as_f64(),
+                        rebuild_running: m["rebuild_running"].as_bool().unwrap_or(false),
                         tier: m["tier"].as_str().unwrap_or("capacity").into(),
                     })
                     .collect()

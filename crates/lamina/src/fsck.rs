@@ -64,14 +64,14 @@ fn fsck(dir: &Path, repair: bool, data: bool, json_out: bool) -> Result<i32> {
     // Repairs: a read-write open rewrites every superblock copy with its
     // checkpoint; a scrub mends blocks and parity from their rows.
     let repaired = (|| -> Result<()> {
-        let (engine, _) = open_array(&dir, OpenMode::ReadWrite)?;
+        let (mut engine, _) = open_array(&dir, OpenMode::ReadWrite)?;
         if engine
             .shared()
             .striped
             .as_ref()
             .is_some_and(|st| st.shape().parity > 0)
         {
-            lamina_core::scrub::scrub(engine.shared(), &mut |_, _| {})?;
+            lamina_core::scrub::scrub_inline(&mut engine, &mut |_, _| {})?;
         }
         Ok(())
     })();

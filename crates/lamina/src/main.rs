@@ -1007,9 +1007,25 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
             return Ok(());
         }
         let pb = bar(a.quiet);
+        // When no rebuild has held the member for this long, it stopped (a
+        // rebuild of an earlier device in the slot winds down within a stripe).
+        let mut idle_since: Option<std::time::Instant> = None;
         loop {
             let (s, running) = get_status(&dir)?;
             let m = &s.members[old];
+            let idle = m.state == "rebuilding" && !m.rebuild_running;
+            let since = if idle {
+                *idle_since.get_or_insert_with(std::time::Instant::now)
+            } else {
+                std::time::Instant::now()
+            };
+            idle_since = idle.then_some(since);
+            if since.elapsed() > std::time::Duration::from_secs(10) {
+                bail!(
+                    "the rebuild of member {old} stopped at {:.0}% (see the server log); it resumes when the server starts again",
+                    m.rebuild_progress.unwrap_or(0.0) * 100.0
+                );
+            }
             match (m.state.as_str(), m.rebuild_progress) {
                 ("rebuilding", Some(p)) => pb.set_position((p * 100.0) as u64),
                 ("ok", _) => break,
@@ -1085,8 +1101,8 @@ fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
     let v = match admin::request_with_progress(&admin_socket(&dir)?, &req, &mut progress)? {
         Some(v) => v["scrub"].clone(),
         None => {
-            let (engine, _) = open_array(&dir, OpenMode::ReadWrite)?;
-            let r = lamina_core::scrub::scrub(engine.shared(), &mut progress)?;
+            let (mut engine, _) = open_array(&dir, OpenMode::ReadWrite)?;
+            let r = lamina_core::scrub::scrub_inline(&mut engine, &mut progress)?;
             admin::scrub_json(&r)
         }
     };

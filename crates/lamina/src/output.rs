@@ -26,6 +26,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
                 "checksum_errors": m.checksum_errors,
                 "write_errors": m.write_errors,
                 "rebuild_progress": m.rebuild_progress,
+                "rebuild_running": m.rebuild_running,
                 "tier": m.tier,
             })).collect::<Vec<_>>(),
             "redundancy_left": s.redundancy_left,
