@@ -1551,6 +1551,12 @@ impl Engine {
         else {
             unreachable!()
         };
+        // Admission as for writes, when the simulation enforces it (with
+        // snapshots: what they keep can fill the array).
+        if *done == 0 && self.cfg.enforce_capacity {
+            let shared = self.vol(*volume).shared.clone();
+            self.check_space(&shared, lba.0..lba.0 + *count)?;
+        }
         while *done < *count {
             let b = Lba(lba.0 + *done);
             let stream = self.user_stream_for(*volume, b, class);

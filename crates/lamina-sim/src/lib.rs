@@ -62,7 +62,22 @@ pub struct SimConfig {
     /// least `MIN_CACHE_SEGMENTS`) in front of it: user writes land there and
     /// compaction moves them on. The emulated SSD, if any, is the capacity tier.
     pub cache: Option<f64>,
+    /// Rolling snapshots of every volume (as `zfs-auto-snapshot` or sanoid take
+    /// them): the blocks their volumes overwrite stay live, and GC moves them.
+    pub snapshots: Option<SnapshotPolicy>,
 }
+
+/// A snapshot of every volume each `every_blocks` user blocks written to the
+/// array, the newest `keep` of each kept (older ones deleted).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SnapshotPolicy {
+    pub every_blocks: u64,
+    pub keep: usize,
+}
+
+/// The most snapshots of one volume a policy may keep: a snapshot family holds at
+/// most 64 volumes (docs/design.md, "Snapshots and clones").
+pub const MAX_SNAPSHOTS_KEPT: usize = 62;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -82,6 +97,7 @@ impl Default for SimConfig {
             footprint_classes: None,
             flash: None,
             cache: None,
+            snapshots: None,
         }
     }
 }
@@ -101,7 +117,8 @@ pub struct VolumeSpec {
 pub enum SimError {
     #[error("invalid simulation: {0}")]
     Invalid(String),
-    #[error("engine: {0}")]
+    /// (Transparent: the engine's message once, not again as its source.)
+    #[error(transparent)]
     Engine(#[from] lamina_core::EngineError),
     #[error(transparent)]
     Trace(#[from] trace::TraceError),
@@ -133,6 +150,9 @@ pub struct SimReport {
     pub series: Vec<Sample>,
     pub elapsed_s: f64,
     pub workload: String,
+    /// Snapshots taken and deleted by the run's [`SnapshotPolicy`].
+    pub snapshots_taken: u64,
+    pub snapshots_deleted: u64,
     /// With an emulated SSD: its counters when the measured window started and at
     /// the end.
     pub flash: Option<(
@@ -164,6 +184,19 @@ impl SimReport {
         let u = self.end.user_blocks - self.start.user_blocks;
         (self.end.media_blocks - self.start.media_blocks) as f64 / u.max(1) as f64
     }
+    /// Live blocks at the end that only snapshots map: the array's live blocks
+    /// less what the volumes themselves map (volumes share blocks only with their
+    /// own snapshots).
+    pub fn snapshot_held_blocks(&self) -> u64 {
+        let own: u64 = self
+            .status
+            .volumes
+            .iter()
+            .filter(|v| !v.snapshot)
+            .map(|v| v.live_bytes / 4096)
+            .sum();
+        (self.status.live_bytes / 4096).saturating_sub(own)
+    }
     pub fn blocks_per_second(&self) -> f64 {
         (self.end.user_blocks - self.start.user_blocks + self.end.gc_blocks - self.start.gc_blocks)
             as f64
@@ -183,6 +216,7 @@ impl SimReport {
                 let g = v.gc_bytes_relocated / 4096 - wg;
                 json!({
                     "name": v.name,
+                    "snapshot": v.snapshot,
                     "blocks": v.size_bytes / 4096,
                     "live_blocks": v.live_bytes / 4096,
                     "user_blocks_written": v.user_bytes_written / 4096,
@@ -231,6 +265,13 @@ impl SimReport {
             "elapsed_s": self.elapsed_s,
             "blocks_per_second": self.blocks_per_second(),
             "flash": self.flash_json(),
+            "snapshots": c.snapshots.map(|p| json!({
+                "every_blocks": p.every_blocks,
+                "keep": p.keep,
+                "taken": self.snapshots_taken,
+                "deleted": self.snapshots_deleted,
+                "held_blocks": self.snapshot_held_blocks(),
+            })),
             "capacity_write_amplification": self.capacity_write_amplification(),
             "cache": self.status.cache.as_ref().map(|c| json!({
                 "segments": c.segment_count,
@@ -509,8 +550,30 @@ pub fn simulate(
     // come out of the spare, as they would on a real array.
     let reserve_classes = cfg.footprint_classes.unwrap_or(gc_classes);
     let reserve_start = cfg.gc_start_segments.max(reserve_classes + 3);
-    let with_spare =
-        |v: &VolumeSpec| ((v.working_set.max(1) as f64) * (1.0 + cfg.overprovision)).ceil() as u64;
+    if let Some(p) = cfg.snapshots {
+        if p.every_blocks == 0 || p.keep == 0 || p.keep > MAX_SNAPSHOTS_KEPT {
+            return Err(SimError::Invalid(format!(
+                "snapshots every {} blocks, {} kept: give a positive interval and keep 1 to {MAX_SNAPSHOTS_KEPT}",
+                p.every_blocks, p.keep
+            )));
+        }
+    }
+    // What the kept snapshots may hold besides the volumes' own data, at most: the
+    // old versions of the blocks overwritten in the last `keep` intervals (no more
+    // than `keep` copies of the working set), shared among the volumes by working
+    // set. The array's usable space holds it, as a real one must (admission
+    // control refuses writes beyond it), and the spare is over that.
+    let total_ws = volumes.iter().map(|v| v.working_set.max(1)).sum::<u64>();
+    let snapshot_room = |v: &VolumeSpec| {
+        cfg.snapshots.map_or(0, |p| {
+            let ws = v.working_set.max(1);
+            let share = (p.keep as u128 * p.every_blocks as u128 * ws as u128) / total_ws as u128;
+            (share.min(u64::MAX as u128) as u64).min(p.keep as u64 * ws)
+        })
+    };
+    let with_spare = |v: &VolumeSpec| {
+        ((v.working_set.max(1) + snapshot_room(v)) as f64 * (1.0 + cfg.overprovision)).ceil() as u64
+    };
     // The metadata stream holds two segments and GC keeps about `reserve_start`
     // free; the open segments of the streams are part of the placement's own cost
     // and are not compensated.
@@ -580,7 +643,9 @@ pub fn simulate(
         auto_sync_ms: u64::MAX,
         wear_window: cfg.wear_window,
         metadata_only: true,
-        enforce_capacity: false,
+        // Live data beyond the usable space is refused (ENOSPC) rather than left
+        // to a GC that frees a block per victim: only snapshots can get there.
+        enforce_capacity: cfg.snapshots.is_some(),
         gc_start_segments: Some(gc_start),
         user_floor_segments: Some(user_floor),
         gc_garbage_ratio: cfg.gc_garbage_ratio,
@@ -665,6 +730,12 @@ pub fn simulate(
     let mut next_sample = start.user_blocks + series_step;
     let mut next_progress = start.user_blocks + (1 << 20);
     let t0 = Instant::now();
+    let mut snaps = Snapshots {
+        next_at: start.user_blocks + cfg.snapshots.map_or(0, |p| p.every_blocks),
+        kept: vec![std::collections::VecDeque::new(); volumes.len()],
+        taken: 0,
+        deleted: 0,
+    };
     // Operations are read a few ahead, and each one's map entry is prefetched as
     // it is read: by the time the engine takes it, the memory wait is over
     // (lookups of scattered entries would otherwise wait one after another).
@@ -691,10 +762,21 @@ pub fn simulate(
         engine.drain_replies(&mut replies);
         for r in replies.drain(..) {
             if let Err(e) = r.result {
-                return Err(SimError::Engine(e));
+                return Err(match e {
+                    lamina_core::EngineError::NoSpace(why) if cfg.snapshots.is_some() => {
+                        SimError::Invalid(format!(
+                            "the snapshots keep more than the spare holds ({why}): raise --overprovision, or keep fewer"
+                        ))
+                    }
+                    e => SimError::Engine(e),
+                });
             }
         }
         let now = engine.counters().user_blocks;
+        if let Some(p) = cfg.snapshots.filter(|_| now >= snaps.next_at) {
+            snaps.next_at = now + p.every_blocks;
+            snaps.take(&mut engine, &mut driver, volumes, p.keep)?;
+        }
         if warm.is_none() && now - start.user_blocks >= cfg.warmup_blocks {
             warm = Some(counters(&engine, &driver));
             flash_warm = flash.as_ref().map(|f| f.stats());
@@ -731,8 +813,58 @@ pub fn simulate(
         series,
         elapsed_s,
         workload: label.to_string(),
+        snapshots_taken: snaps.taken,
+        snapshots_deleted: snaps.deleted,
         flash: flash.map(|f| (flash_warm.unwrap_or_default(), f.stats())),
     })
+}
+
+/// The snapshots a [`SnapshotPolicy`] keeps, per volume, oldest first.
+struct Snapshots {
+    next_at: u64,
+    kept: Vec<std::collections::VecDeque<String>>,
+    taken: u64,
+    deleted: u64,
+}
+
+impl Snapshots {
+    /// A snapshot of every volume now (one checkpoint records them all), then the
+    /// deletion of those beyond `keep`.
+    fn take(
+        &mut self,
+        engine: &mut Engine,
+        driver: &mut Driver,
+        volumes: &[VolumeSpec],
+        keep: usize,
+    ) -> Result<(), SimError> {
+        let token = Token { conn: 0, handle: 0 };
+        let n = self.taken / volumes.len().max(1) as u64;
+        for (i, (v, kept)) in volumes.iter().zip(&mut self.kept).enumerate() {
+            let name = format!("snap{i}.{n}");
+            engine.submit(
+                token,
+                Request::CreateSnapshot {
+                    origin: v.name.clone(),
+                    name: name.clone(),
+                    writable: false,
+                },
+            );
+            kept.push_back(name);
+            self.taken += 1;
+            while kept.len() > keep {
+                let old = kept.pop_front().unwrap();
+                engine.submit(token, Request::DeleteVolume { name: old });
+                self.deleted += 1;
+            }
+        }
+        driver.run(engine);
+        let mut replies = Vec::new();
+        engine.drain_replies(&mut replies);
+        for r in replies {
+            r.result?;
+        }
+        Ok(())
+    }
 }
 
 fn submit(engine: &mut Engine, volume: VolumeId, op: Op) {
@@ -807,6 +939,68 @@ mod tests {
     impl Workload for Ops {
         fn next_op(&mut self) -> Option<Op> {
             self.0.next()
+        }
+    }
+
+    /// Rolling snapshots: one of the volume each interval, the newest `keep` kept
+    /// and served from the same engine, what only they map counted, and policies
+    /// that cannot be kept refused with the reason.
+    #[test]
+    fn rolling_snapshots_are_taken_kept_and_deleted() {
+        let cfg = SimConfig {
+            segment_blocks: 256,
+            write_unit_blocks: 32,
+            snapshots: Some(SnapshotPolicy {
+                every_blocks: 2048,
+                keep: 4,
+            }),
+            ..Default::default()
+        };
+        let blocks = 8192;
+        let r = run_synthetic(
+            "uniform",
+            &Pattern::Uniform,
+            blocks,
+            4 * blocks,
+            1,
+            &cfg,
+            &mut |_| {},
+        )
+        .unwrap();
+        // The fill and the writes: 5 x 8192 user blocks, a snapshot every 2048.
+        assert_eq!(r.snapshots_taken, 5 * blocks / 2048);
+        assert_eq!(r.snapshots_deleted, r.snapshots_taken - 4);
+        let snaps: Vec<&str> = r
+            .status
+            .volumes
+            .iter()
+            .filter(|v| v.snapshot)
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(snaps, ["snap0.16", "snap0.17", "snap0.18", "snap0.19"]);
+        let held = r.snapshot_held_blocks();
+        assert!(held > 0 && held <= 4 * 2048, "{held}");
+        assert!(r.end.gc_blocks > r.start.gc_blocks, "GC ran");
+        for keep in [0, MAX_SNAPSHOTS_KEPT + 1] {
+            let cfg = SimConfig {
+                snapshots: Some(SnapshotPolicy {
+                    every_blocks: 2048,
+                    keep,
+                }),
+                ..cfg.clone()
+            };
+            let err = run_synthetic(
+                "uniform",
+                &Pattern::Uniform,
+                blocks,
+                blocks,
+                1,
+                &cfg,
+                &mut |_| {},
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("keep 1 to 62"), "{err}");
         }
     }
 

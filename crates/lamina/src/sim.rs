@@ -127,6 +127,19 @@ pub struct SimArgs {
     /// capacity tier.
     #[arg(long, value_name = "FRACTION")]
     cache: Option<f64>,
+    /// Take a read-only snapshot of every volume each SIZE of user writes to the
+    /// array (a rolling schedule, as zfs-auto-snapshot or sanoid keep one): the
+    /// blocks the volumes overwrite stay live in the snapshots, GC moves them, and
+    /// each snapshot's checkpoint writes its map. The array's usable space is
+    /// sized for the live data plus the most the kept snapshots can hold (N times
+    /// SIZE, at most N copies of the working set), and --overprovision is the
+    /// spare over that.
+    #[arg(long, value_name = "SIZE", requires = "snapshot_keep")]
+    snapshot_every: Option<String>,
+    /// With --snapshot-every: the newest N snapshots of each volume are kept, the
+    /// older ones deleted (1 to 62: a family holds 64 volumes at most).
+    #[arg(long, value_name = "N", requires = "snapshot_every")]
+    snapshot_keep: Option<usize>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -229,6 +242,13 @@ impl SimArgs {
                 .map(crate::bench::parse_flash_spec)
                 .transpose()?,
             cache: self.cache,
+            snapshots: match (&self.snapshot_every, self.snapshot_keep) {
+                (Some(every), Some(keep)) => Some(lamina_sim::SnapshotPolicy {
+                    every_blocks: blocks_of("--snapshot-every", every)?,
+                    keep,
+                }),
+                _ => None,
+            },
             ..Default::default()
         })
     }
@@ -338,6 +358,16 @@ fn print_report(r: &SimReport) {
             r.capacity_write_amplification(),
             c.compacted_bytes / 4096,
             c.compactions
+        );
+    }
+    if let Some(p) = r.config.snapshots {
+        println!(
+            "  snapshots: one of each volume every {} user blocks, {} kept; {} taken, {} deleted; at the end they alone hold {} blocks",
+            p.every_blocks,
+            p.keep,
+            r.snapshots_taken,
+            r.snapshots_deleted,
+            r.snapshot_held_blocks()
         );
     }
     if let Some(f) = r.flash_json() {
