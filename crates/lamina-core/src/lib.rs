@@ -51,6 +51,6 @@ pub use recovery::{
     RECOVERY_TOKEN,
 };
 pub use shared::{DeviceRead, ReadError, ReadStart, Shared, VolumeShared};
-pub use space::{check_overcommit, check_thresholds};
+pub use space::{check_overcommit, check_thresholds, usable_blocks_of};
 pub use status::{CacheStatus, ClassStatus, MemberStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, Version, VolumeId, BLOCK_SIZE};

@@ -31,6 +31,9 @@ pub struct ScrubReport {
     /// dropped (they hold nothing anyone reads any more).
     pub changed_while_read: u64,
     pub stats: ScrubStats,
+    /// The checkpoint that ends a scrub failed (see [`scrub`]): until one
+    /// commits, what the scrub did not read may still be needed after a crash.
+    pub checkpoint_error: Option<String>,
 }
 
 impl ScrubReport {
@@ -222,7 +225,12 @@ pub fn scrub(
     // stop the walk early. After a checkpoint, recovery reads only what this scrub
     // checked or what was written after it
     // (`tiers::a_crash_after_a_scrub_and_the_loss_of_the_good_copy_loses_nothing`).
-    call(Request::Checkpoint)?;
+    // Its failure (the array failed, the server is stopping) is reported with
+    // what the scrub found and mended, which is on the devices either way.
+    if let Err(e) = call(Request::Checkpoint) {
+        tracing::warn!("the checkpoint that ends the scrub failed: {e}");
+        report.checkpoint_error = Some(e.to_string());
+    }
     Ok(report)
 }
 

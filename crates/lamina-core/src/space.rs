@@ -178,17 +178,12 @@ impl Space {
     /// Blocks volumes may map on an array of this geometry: the data blocks of the
     /// segments left after the reserve, over (1 + over-provisioning).
     pub fn usable_blocks(geo: &Geometry, sb: &Superblock) -> u64 {
-        let per_seg = geo.data_blocks_per_segment();
         // Segments of removed members (`array evacuate`) hold nothing, ever.
-        let count = geo.usable_segments() as u64;
-        let total_blocks = count * per_seg;
-        // A checkpoint holds up to one map page per 1024 live blocks plus its table;
-        // two may coexist. Keep room for both, plus stream heads and the GC floor.
-        let ckpt_blocks = total_blocks / 1024 + count / 100 + 4;
-        let reserve = 2 * ckpt_blocks.div_ceil(per_seg) + USER_FLOOR_SEGMENTS as u64 + 4;
-        let segs = count.saturating_sub(reserve);
-        let op = sb.overprovision_ppm as f64 / 1e6;
-        ((segs * per_seg) as f64 / (1.0 + op)) as u64
+        usable_blocks_of(
+            geo.usable_segments() as u64,
+            geo.data_blocks_per_segment(),
+            sb.overprovision_ppm as f64 / 1e6,
+        )
     }
 
     /// ENOSPC unless `new_blocks` more mapped blocks fit (counted as refused).
@@ -253,6 +248,18 @@ impl Space {
             None => start + 1.max(self.segment_count / 100),
         }
     }
+}
+
+/// [`Space::usable_blocks`] of `count` segments of `per_seg` data blocks with
+/// over-provisioning `op` (the simulator sizes arrays with it).
+pub fn usable_blocks_of(count: u64, per_seg: u64, op: f64) -> u64 {
+    let total_blocks = count * per_seg;
+    // A checkpoint holds up to one map page per 1024 live blocks plus its table;
+    // two may coexist. Keep room for both, plus stream heads and the GC floor.
+    let ckpt_blocks = total_blocks / 1024 + count / 100 + 4;
+    let reserve = 2 * ckpt_blocks.div_ceil(per_seg) + USER_FLOOR_SEGMENTS as u64 + 4;
+    let segs = count.saturating_sub(reserve);
+    ((segs * per_seg) as f64 / (1.0 + op)) as u64
 }
 
 #[cfg(test)]

@@ -593,7 +593,23 @@ pub fn simulate(
             + 2 * (volumes.len() as u64 - 1)
             + overhead
     };
-    let segments = segments.max(lamina_core::recovery::MIN_SEGMENTS as u64);
+    let mut segments = segments.max(lamina_core::recovery::MIN_SEGMENTS as u64);
+    if let Some(p) = cfg.snapshots {
+        // Writes are admitted against the usable space (below), which keeps the
+        // engine's own reserve out: grow the array until the live data and what
+        // the snapshots may hold fit it, their checkpoints' maps included (each
+        // checkpoint writes every kept snapshot's map; two may coexist).
+        let need: u64 = volumes
+            .iter()
+            .map(|v| v.working_set.max(1) + snapshot_room(v))
+            .sum();
+        let maps = 2 * p.keep as u64 * total_ws.div_ceil(1024);
+        let extra = maps.div_ceil(per_seg);
+        while lamina_core::usable_blocks_of(segments, per_seg, cfg.overprovision) < need {
+            segments += 1;
+        }
+        segments += extra;
+    }
     if segments * cfg.segment_blocks as u64 >= lamina_core::map::PBA_LIMIT as u64 {
         return Err(SimError::Invalid(
             "the simulated array would exceed 16 TiB".into(),
@@ -730,7 +746,12 @@ pub fn simulate(
     let mut next_sample = start.user_blocks + series_step;
     let mut next_progress = start.user_blocks + (1 << 20);
     let t0 = Instant::now();
+    let mut prefix = String::from("snap");
+    while volumes.iter().any(|v| v.name.starts_with(&prefix)) {
+        prefix.push('x');
+    }
     let mut snaps = Snapshots {
+        prefix,
         next_at: start.user_blocks + cfg.snapshots.map_or(0, |p| p.every_blocks),
         kept: vec![std::collections::VecDeque::new(); volumes.len()],
         taken: 0,
@@ -762,20 +783,15 @@ pub fn simulate(
         engine.drain_replies(&mut replies);
         for r in replies.drain(..) {
             if let Err(e) = r.result {
-                return Err(match e {
-                    lamina_core::EngineError::NoSpace(why) if cfg.snapshots.is_some() => {
-                        SimError::Invalid(format!(
-                            "the snapshots keep more than the spare holds ({why}): raise --overprovision, or keep fewer"
-                        ))
-                    }
-                    e => SimError::Engine(e),
-                });
+                return Err(engine_error(e, cfg));
             }
         }
         let now = engine.counters().user_blocks;
         if let Some(p) = cfg.snapshots.filter(|_| now >= snaps.next_at) {
             snaps.next_at = now + p.every_blocks;
-            snaps.take(&mut engine, &mut driver, volumes, p.keep)?;
+            snaps
+                .take(&mut engine, &mut driver, volumes, p.keep)
+                .map_err(|e| engine_error(e, cfg))?;
         }
         if warm.is_none() && now - start.user_blocks >= cfg.warmup_blocks {
             warm = Some(counters(&engine, &driver));
@@ -819,8 +835,21 @@ pub fn simulate(
     })
 }
 
+/// An engine error of the run; running out of space with snapshots on says what
+/// to change.
+fn engine_error(e: lamina_core::EngineError, cfg: &SimConfig) -> SimError {
+    match e {
+        lamina_core::EngineError::NoSpace(why) if cfg.snapshots.is_some() => SimError::Invalid(
+            format!("the snapshots keep more than the array holds ({why}): raise --overprovision, or keep fewer"),
+        ),
+        e => SimError::Engine(e),
+    }
+}
+
 /// The snapshots a [`SnapshotPolicy`] keeps, per volume, oldest first.
 struct Snapshots {
+    /// Snapshot names start with it: no volume of the workload's does.
+    prefix: String,
     next_at: u64,
     kept: Vec<std::collections::VecDeque<String>>,
     taken: u64,
@@ -836,11 +865,11 @@ impl Snapshots {
         driver: &mut Driver,
         volumes: &[VolumeSpec],
         keep: usize,
-    ) -> Result<(), SimError> {
+    ) -> Result<(), lamina_core::EngineError> {
         let token = Token { conn: 0, handle: 0 };
         let n = self.taken / volumes.len().max(1) as u64;
         for (i, (v, kept)) in volumes.iter().zip(&mut self.kept).enumerate() {
-            let name = format!("snap{i}.{n}");
+            let name = format!("{}{i}.{n}", self.prefix);
             engine.submit(
                 token,
                 Request::CreateSnapshot {

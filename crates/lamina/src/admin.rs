@@ -320,6 +320,7 @@ pub fn scrub_json(r: &lamina_core::scrub::ScrubReport) -> Value {
         "damaged_unit_headers": r.damaged_headers,
         "unit_headers_rebuilt": r.headers_found_by_parity,
         "segments_changed_while_read": r.changed_while_read,
+        "checkpoint_error": r.checkpoint_error,
     })
 }
 
@@ -449,7 +450,8 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
                         checksum_errors: m["checksum_errors"].as_u64().unwrap_or(0),
                         write_errors: m["write_errors"].as_u64().unwrap_or(0),
                         rebuild_progress: m["rebuild_progress"].as_f64(),
-                        rebuild_running: m["rebuild_running"].as_bool().unwrap_or(false),
+                        // Missing (a server older than this command): taken as running.
+                        rebuild_running: m["rebuild_running"].as_bool().unwrap_or(true),
                         tier: m["tier"].as_str().unwrap_or("capacity").into(),
                     })
                     .collect()

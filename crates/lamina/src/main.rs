@@ -1007,8 +1007,9 @@ fn array_replace(a: ArrayReplaceArgs) -> Result<()> {
             return Ok(());
         }
         let pb = bar(a.quiet);
-        // When no rebuild has held the member for this long, it stopped (a
-        // rebuild of an earlier device in the slot winds down within a stripe).
+        // A rebuild thread holds the member from its start (one of an earlier
+        // device in the slot holds it until it stops, and the new one takes it
+        // within 50 ms): none for this long means the rebuild stopped.
         let mut idle_since: Option<std::time::Instant> = None;
         loop {
             let (s, running) = get_status(&dir)?;
@@ -1134,6 +1135,9 @@ fn array_scrub(dir: &Path, json_out: bool, quiet: bool) -> Result<()> {
                 "  {} segments emptied or reused while read: skipped (nothing in them is read any more)",
                 n("segments_changed_while_read")
             );
+        }
+        if let Some(e) = v["checkpoint_error"].as_str() {
+            println!("  the checkpoint that ends the scrub failed: {e}");
         }
     }
     if n("damage_left") > 0 {
