@@ -121,6 +121,12 @@ impl Engine {
         if writable {
             self.check_promise(name, size_bytes)?;
         }
+        // Every checkpoint writes the new map too: refused when the checkpoints
+        // would not fit beside the data (taking snapshots of a full array used
+        // to leave a checkpoint waiting for segments nothing would free).
+        // (The copy is of exactly the origin's pages in use.)
+        let from_pages = from.shared.map.used_pages().len() as u64;
+        self.space.admit_maps(from_pages)?;
         let id = self.next_volume_id()?;
         let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
         // A snapshot takes no writes, and GC moves the blocks it shares within the
@@ -138,6 +144,7 @@ impl Engine {
         let vol = self.add_member(from_id, id, name, !writable, placement);
         vol.publish_at = publish_at;
         let live = vol.live_blocks;
+        self.space.set_map_pages(self.space.map_pages + from_pages);
         self.update_class_caps();
         tracing::info!(
             "{} {name:?} of volume {origin:?} taken ({live} blocks shared)",

@@ -81,6 +81,16 @@ pub(crate) struct Space {
     /// Blocks the volumes may map in all, and blocks mapped now.
     pub usable: u64,
     pub live: u64,
+    /// Blocks the checkpoints take beyond the room `usable` leaves them: every
+    /// checkpoint writes every volume's map (snapshots and clones included), and
+    /// the one before stays until it commits. Counted as in use, so that writes
+    /// and new snapshots are refused before a checkpoint could find no room.
+    pub maps_extra: u64,
+    /// Map pages one checkpoint has room for without `maps_extra`.
+    ckpt_room: u64,
+    /// The pages the last checkpoint wrote, as changed since by new snapshots and
+    /// deletions.
+    pub map_pages: u64,
     /// Refuse writes beyond `usable` (off in simulations).
     enforce: bool,
     /// Configured user floor and GC start (free segments); `None`: the defaults.
@@ -110,6 +120,9 @@ impl Space {
         let mut s = Space {
             usable,
             live: 0,
+            maps_extra: 0,
+            ckpt_room: u64::MAX,
+            map_pages: 0,
             enforce,
             floor,
             start,
@@ -187,12 +200,58 @@ impl Space {
     }
 
     /// ENOSPC unless `new_blocks` more mapped blocks fit (counted as refused).
+    /// Overwrites (`new_blocks == 0`) are always admitted: they take no room.
     pub fn admit(&mut self, new_blocks: u64) -> Result<(), EngineError> {
-        if self.enforce && self.live + new_blocks > self.usable {
+        if self.enforce && new_blocks > 0 && self.live + self.maps_extra + new_blocks > self.usable
+        {
             self.refused += 1;
+            return Err(EngineError::NoSpace(self.in_use()));
+        }
+        Ok(())
+    }
+
+    fn in_use(&self) -> String {
+        let maps = if self.maps_extra > 0 {
+            format!(
+                " (of them {} by the maps of snapshots and clones in the checkpoints)",
+                self.maps_extra
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "{} of {} usable blocks are in use{maps}",
+            self.live + self.maps_extra,
+            self.usable
+        )
+    }
+
+    /// The room a checkpoint has for map pages, from the geometry.
+    pub fn set_checkpoint_room(&mut self, pages: u64) {
+        self.ckpt_room = pages;
+    }
+
+    /// What the checkpoints of maps of `pages` pages in all take beyond their room.
+    pub fn maps_extra_for(&self, pages: u64) -> u64 {
+        2 * pages.saturating_sub(self.ckpt_room)
+    }
+
+    /// The volumes' maps are `pages` pages now (see `maps_extra`).
+    pub fn set_map_pages(&mut self, pages: u64) {
+        self.map_pages = pages;
+        self.maps_extra = self.maps_extra_for(pages);
+    }
+
+    /// ENOSPC unless `more` map pages fit beside the mapped blocks (a new
+    /// snapshot or clone adds its map to every checkpoint). Not counted as a
+    /// refused write.
+    pub fn admit_maps(&mut self, more: u64) -> Result<(), EngineError> {
+        let extra = self.maps_extra_for(self.map_pages + more);
+        if self.enforce && self.live + extra > self.usable {
             return Err(EngineError::NoSpace(format!(
-                "{} of {} usable blocks are in use",
-                self.live, self.usable
+                "{}; the checkpoints would need {} more blocks for the new map",
+                self.in_use(),
+                extra.saturating_sub(self.maps_extra)
             )));
         }
         Ok(())
@@ -250,13 +309,19 @@ impl Space {
     }
 }
 
+/// The blocks [`usable_blocks_of`] keeps for each of two checkpoints on `count`
+/// segments of `per_seg` data blocks: one map page per 1024 blocks of the array
+/// (one map over all of it), the table and a little more.
+pub fn checkpoint_blocks_of(count: u64, per_seg: u64) -> u64 {
+    count * per_seg / 1024 + count / 100 + 4
+}
+
 /// [`Space::usable_blocks`] of `count` segments of `per_seg` data blocks with
 /// over-provisioning `op` (the simulator sizes arrays with it).
 pub fn usable_blocks_of(count: u64, per_seg: u64, op: f64) -> u64 {
-    let total_blocks = count * per_seg;
     // A checkpoint holds up to one map page per 1024 live blocks plus its table;
     // two may coexist. Keep room for both, plus stream heads and the GC floor.
-    let ckpt_blocks = total_blocks / 1024 + count / 100 + 4;
+    let ckpt_blocks = checkpoint_blocks_of(count, per_seg);
     let reserve = 2 * ckpt_blocks.div_ceil(per_seg) + USER_FLOOR_SEGMENTS as u64 + 4;
     let segs = count.saturating_sub(reserve);
     ((segs * per_seg) as f64 / (1.0 + op)) as u64
