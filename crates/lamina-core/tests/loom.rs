@@ -104,7 +104,7 @@ fn a_reader_never_copies_from_a_segment_gc_reuses() {
             while lba < 2 {
                 let e = map.load(Lba(lba));
                 let seg = (e - 1) / SEG_BLOCKS;
-                let valid = pins.pin_run(seg, &map, lba, e, 2 - lba);
+                let valid = pins.pin_run(seg, &map, Lba(lba), e, 2 - lba);
                 if valid == 0 {
                     continue; // moved meanwhile: look again
                 }
@@ -146,7 +146,7 @@ fn a_reader_never_copies_from_a_recycled_buffer() {
         let reader = move || loop {
             let e = map.load(Lba(5));
             if e == encode_buffer(3) {
-                if pins.pin_run(0, &map, 5, e, 1) == 0 {
+                if pins.pin_run(0, &map, Lba(5), e, 1) == 0 {
                     continue;
                 }
                 assert_eq!(buffer.read(0), DATA, "read a recycled buffer");
