@@ -596,9 +596,10 @@ impl Engine {
             })
             .map_err(EngineError::Invalid)?;
         space.set_thresholds(cfg.space_warn, cfg.space_critical);
-        space.set_checkpoint_room(
-            geo.usable_segments() as u64 * geo.data_blocks_per_segment() / 1024,
-        );
+        space.set_checkpoint_room(crate::space::map_room_of(
+            geo.usable_segments() as u64,
+            geo.data_blocks_per_segment(),
+        ));
         // A cache tier in front of zoned devices is conventional: the zone rules
         // are the capacity tier's, and every cache segment counts as lying in a
         // conventional zone (it holds none open and is never reset). Each cache

@@ -179,7 +179,7 @@ fn unit_crcs(
 
 /// Scrubs every segment in use; `progress(done, total)` after each segment.
 /// `call` sends a request to the engine and waits for its reply (a scrub ends with
-/// a checkpoint, below); `progress(done, total)` is called after each segment.
+/// a checkpoint, below).
 pub fn scrub(
     shared: &Shared,
     call: &dyn Fn(Request) -> Result<(), EngineError>,
@@ -240,18 +240,7 @@ pub fn scrub_inline(
     engine: &mut crate::Engine,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ScrubReport, EngineError> {
-    let shared = engine.shared().clone();
-    let cell = std::cell::RefCell::new(engine);
-    let call = |req: Request| {
-        let token = crate::Token {
-            conn: u32::MAX,
-            handle: 0,
-        };
-        crate::recovery::call_inline(&mut cell.borrow_mut(), token, req, 100_000)
-            .ok_or_else(|| EngineError::Io("the engine did not answer the scrub".into()))?
-            .result
-    };
-    scrub(&shared, &call, progress)
+    crate::recovery::with_inline_calls(engine, |shared, call| scrub(shared, call, progress))
 }
 
 /// Scrubs the blocks of one incarnation of a segment within its written prefix.

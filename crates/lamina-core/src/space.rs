@@ -309,11 +309,17 @@ impl Space {
     }
 }
 
+/// The map pages [`checkpoint_blocks_of`] has room for: one map over the whole
+/// array, a page per 1024 blocks (see `Space::maps_extra` for more maps).
+pub fn map_room_of(count: u64, per_seg: u64) -> u64 {
+    count * per_seg / 1024
+}
+
 /// The blocks [`usable_blocks_of`] keeps for each of two checkpoints on `count`
-/// segments of `per_seg` data blocks: one map page per 1024 blocks of the array
-/// (one map over all of it), the table and a little more.
+/// segments of `per_seg` data blocks: [`map_room_of`], the table and a little
+/// more.
 pub fn checkpoint_blocks_of(count: u64, per_seg: u64) -> u64 {
-    count * per_seg / 1024 + count / 100 + 4
+    map_room_of(count, per_seg) + count / 100 + 4
 }
 
 /// [`Space::usable_blocks`] of `count` segments of `per_seg` data blocks with

@@ -236,16 +236,7 @@ fn replace(e: &mut lamina_core::Engine, index: usize, size: u64) -> Arc<FaultDev
         format!("new{index}"),
         size,
     ))));
-    call(
-        e,
-        Request::ReplaceMember {
-            index,
-            device: lamina_core::NewDevice(dev.clone()),
-            uuid: [0x77; 16],
-        },
-    )
-    .result
-    .expect("replace");
+    replace_member(e, index, dev.clone());
     dev
 }
 

@@ -64,16 +64,7 @@ fn replace_copy(e: &mut lamina_core::Engine, index: usize, segments: u64) -> Arc
         .result
         .expect("fail the copy");
     let new = Arc::new(MemDevice::new("copy-new", device_bytes(segments))) as Arc<dyn BlockDevice>;
-    call(
-        e,
-        Request::ReplaceMember {
-            index,
-            device: lamina_core::NewDevice(new.clone()),
-            uuid: [0x77; 16],
-        },
-    )
-    .result
-    .expect("replace");
+    replace_member(e, index, new.clone());
     new
 }
 

@@ -508,16 +508,7 @@ fn zoned_member_is_replaced_and_rebuilt_under_writes() {
     );
     assert!(r.result.unwrap_err().to_string().contains("not zoned like"));
     let new = zoned(1, 40, ZONE, 8).remove(0);
-    call(
-        &mut e,
-        Request::ReplaceMember {
-            index: 1,
-            device: lamina_core::NewDevice(new.clone()),
-            uuid: [8; 16],
-        },
-    )
-    .result
-    .expect("replace");
+    replace_member(&mut e, 1, new.clone());
     let st = e.shared().striped.clone().unwrap();
     // Half the stripes, then more writes (into stripes on both sides of the
     // cursor, and the open ones), then the rest.

@@ -720,11 +720,7 @@ pub fn simulate(
             },
         );
     }
-    driver.run(&mut engine);
-    engine.drain_replies(&mut replies);
-    for r in replies.drain(..) {
-        r.result?;
-    }
+    settle(&mut engine, &mut driver, &mut replies)?;
     for v in volumes {
         let created = engine
             .shared()
@@ -779,19 +775,12 @@ pub fn simulate(
             continue;
         };
         submit(&mut engine, volume, op);
-        driver.run(&mut engine);
-        engine.drain_replies(&mut replies);
-        for r in replies.drain(..) {
-            if let Err(e) = r.result {
-                return Err(engine_error(e, cfg));
-            }
-        }
+        settle(&mut engine, &mut driver, &mut replies).map_err(|e| engine_error(e, cfg))?;
         let now = engine.counters().user_blocks;
         if let Some(p) = cfg.snapshots.filter(|_| now >= snaps.next_at) {
             snaps.next_at = now + p.every_blocks;
-            snaps
-                .take(&mut engine, &mut driver, volumes, p.keep)
-                .map_err(|e| engine_error(e, cfg))?;
+            snaps.take(&mut engine, volumes, p.keep);
+            settle(&mut engine, &mut driver, &mut replies).map_err(|e| engine_error(e, cfg))?;
         }
         if warm.is_none() && now - start.user_blocks >= cfg.warmup_blocks {
             warm = Some(counters(&engine, &driver));
@@ -857,15 +846,9 @@ struct Snapshots {
 }
 
 impl Snapshots {
-    /// A snapshot of every volume now (one checkpoint records them all), then the
-    /// deletion of those beyond `keep`.
-    fn take(
-        &mut self,
-        engine: &mut Engine,
-        driver: &mut Driver,
-        volumes: &[VolumeSpec],
-        keep: usize,
-    ) -> Result<(), lamina_core::EngineError> {
+    /// Submits a snapshot of every volume (one checkpoint records them all), then
+    /// the deletion of those beyond `keep`.
+    fn take(&mut self, engine: &mut Engine, volumes: &[VolumeSpec], keep: usize) {
         let token = Token { conn: 0, handle: 0 };
         let n = self.taken / volumes.len().max(1) as u64;
         for (i, (v, kept)) in volumes.iter().zip(&mut self.kept).enumerate() {
@@ -886,14 +869,19 @@ impl Snapshots {
                 self.deleted += 1;
             }
         }
-        driver.run(engine);
-        let mut replies = Vec::new();
-        engine.drain_replies(&mut replies);
-        for r in replies {
-            r.result?;
-        }
-        Ok(())
     }
+}
+
+/// Runs the engine's device operations until it asks for none, and takes its
+/// replies: the first error among them, if any.
+fn settle(
+    engine: &mut Engine,
+    driver: &mut Driver,
+    replies: &mut Vec<lamina_core::Reply>,
+) -> Result<(), lamina_core::EngineError> {
+    driver.run(engine);
+    engine.drain_replies(replies);
+    replies.drain(..).try_for_each(|r| r.result)
 }
 
 fn submit(engine: &mut Engine, volume: VolumeId, op: Op) {

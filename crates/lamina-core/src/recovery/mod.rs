@@ -526,6 +526,28 @@ pub fn call_inline(
     None
 }
 
+/// Runs `f` with the engine's shared state and a `call` that serves each request
+/// inline ([`call_inline`]): what a scrub or a rebuild sends to the engine when no
+/// server runs it (offline commands, tests).
+pub fn with_inline_calls<R>(
+    engine: &mut Engine,
+    f: impl FnOnce(&Shared, &dyn Fn(crate::engine::Request) -> Result<(), EngineError>) -> R,
+) -> R {
+    let shared = engine.shared().clone();
+    let cell = std::cell::RefCell::new(engine);
+    let call = |req| {
+        // Not RECOVERY_TOKEN: a reply to it may still be on its way.
+        let token = Token {
+            conn: u32::MAX - 1,
+            handle: 0,
+        };
+        call_inline(&mut cell.borrow_mut(), token, req, 100_000)
+            .ok_or_else(|| EngineError::Io("the engine did not answer".into()))?
+            .result
+    };
+    f(&shared, &call)
+}
+
 /// Executes the engine's device operations synchronously until none are left.
 pub fn run_inline(engine: &mut Engine) {
     let shared = engine.shared().clone();

@@ -132,15 +132,30 @@ pub fn rebuild_member(
     index: usize,
     max: Option<u64>,
 ) -> lamina_core::rebuild::RebuildReport {
-    let shared = e.shared().clone();
-    let cell = std::cell::RefCell::new(e);
-    let call = |r: Request| call(&mut cell.borrow_mut(), r).result;
     let opts = lamina_core::rebuild::RebuildOptions {
         record_every: std::time::Duration::ZERO,
         max_stripes: max,
         ..Default::default()
     };
-    lamina_core::rebuild::rebuild(&shared, index, &call, &opts, &mut |_, _| {}).expect("rebuild")
+    lamina_core::recovery::with_inline_calls(e, |shared, call| {
+        lamina_core::rebuild::rebuild(shared, index, call, &opts, &mut |_, _| {})
+    })
+    .expect("rebuild")
+}
+
+/// Puts `device` in the slot of failed member `index` (its rebuild starts at
+/// stripe 0).
+pub fn replace_member(e: &mut Engine, index: usize, device: Arc<dyn BlockDevice>) {
+    call(
+        e,
+        Request::ReplaceMember {
+            index,
+            device: lamina_core::NewDevice(device),
+            uuid: [0x77; 16],
+        },
+    )
+    .result
+    .expect("replace");
 }
 
 /// Every block of the model reads back with its generation.
