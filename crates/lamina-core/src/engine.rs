@@ -191,7 +191,9 @@ pub enum Request {
     RenameVolume { name: String, new_name: String },
     /// Give volume `name` the contents of its snapshot `snapshot` (replies once a
     /// checkpoint records it). Refused while requests of the volume are in
-    /// progress; its writes are refused until the reply.
+    /// progress; its writes are refused until the reply. When the checkpoint
+    /// needs more free segments than there are, GC frees them first (the
+    /// request waits, up to a minute; refused with ENOSPC if GC cannot).
     Rollback { name: String, snapshot: String },
     /// Make volume `name` from `origin` as it is now, sharing its blocks: a
     /// read-only snapshot, or (`writable`) a clone. Replies once a checkpoint
@@ -301,6 +303,9 @@ pub(crate) struct Vol {
     /// Rolled back to a snapshot, until the checkpoint that records it commits
     /// (see `Engine::rollback_until`).
     pub rolling_back: bool,
+    /// A rollback of this volume waits for GC to free space (see
+    /// `Engine::rollback_wait`): writes are refused as while rolling back.
+    pub rollback_waiting: bool,
 }
 
 impl Vol {
@@ -526,6 +531,8 @@ pub struct Engine {
     /// GC moves nothing (so a crash finds every block of the volume as it was) and
     /// the rolled-back volume takes no writes.
     pub(crate) rollback_until: Option<u64>,
+    /// A rollback waiting for GC to free the segments its checkpoint needs.
+    pub(crate) rollback_wait: Option<crate::engine_snap::RollbackWait>,
     pub(crate) classifier_factory: Option<ClassifierFactory>,
 }
 
@@ -694,6 +701,7 @@ impl Engine {
             shutting_down: false,
             hold_checkpoints: false,
             rollback_until: None,
+            rollback_wait: None,
             sbw: SbWriter::default(),
             classifier_factory: None,
             geo,
@@ -1002,10 +1010,7 @@ impl Engine {
                 Ok(()) => self.start_checkpoint(Some(token)),
                 Err(e) => self.reply(token, Err(e), None),
             },
-            Request::Rollback { name, snapshot } => match self.rollback(&name, &snapshot) {
-                Ok(()) => self.start_checkpoint(Some(token)),
-                Err(e) => self.reply(token, Err(e), None),
-            },
+            Request::Rollback { name, snapshot } => self.request_rollback(token, name, snapshot),
             Request::DeleteVolume { name } => match self.delete_volume(&name) {
                 Ok(()) => self.start_checkpoint(Some(token)),
                 Err(e) => self.reply(token, Err(e), None),
@@ -1117,7 +1122,7 @@ impl Engine {
             .ok_or_else(|| {
                 EngineError::Invalid(format!("no {volume} (or it is being created or deleted)"))
             })?;
-        if vol.rolling_back {
+        if vol.rolling_back || vol.rollback_waiting {
             return Err(EngineError::Invalid(format!(
                 "volume {:?} is being rolled back: try again in a moment",
                 vol.shared.name()
@@ -1253,7 +1258,7 @@ impl Engine {
             // Most ticks: nothing to say, and nothing to add up or format.
             return;
         }
-        let pct = 100.0 * self.space.live as f64 / self.space.usable.max(1) as f64;
+        let pct = 100.0 * self.space.in_use_blocks() as f64 / self.space.usable.max(1) as f64;
         let usable = self.space.usable * BLOCK_SIZE_U64;
         let promised = self.promised_bytes();
         let thin = if promised > usable {
@@ -1361,6 +1366,15 @@ impl Engine {
             self.reply(token, Err(EngineError::Failed(msg.clone())), buf);
         }
         self.ckpt.fail_waiters(self.out.replies(), &msg);
+        self.end_rollback_wait(Some(EngineError::Failed(msg)));
+    }
+
+    /// The server is shutting down: writes and rollbacks are refused from now on
+    /// (a rollback waiting for free space included), so that nothing starts
+    /// after the final checkpoint.
+    pub fn begin_shutdown(&mut self) {
+        self.shutting_down = true;
+        self.end_rollback_wait(Some(EngineError::ShuttingDown));
     }
 
     // ---------------------------------------------------------------- progress
@@ -1378,6 +1392,7 @@ impl Engine {
             self.progress_pending();
             self.close_stale_segments();
             self.progress_gc();
+            self.progress_rollback_wait();
             self.progress_checkpoint();
             self.progress_releases();
             self.progress_sync();
@@ -1446,16 +1461,27 @@ impl Engine {
         }
     }
 
-    /// True when user writes wait for a segment that nothing can free.
-    fn stuck_without_space(&mut self) -> bool {
-        let (free, floor, _) = self.user_room();
-        if free > floor
-            || self.rollback_until.is_some()
+    /// Whether something under way may still free segments: GC moving a victim,
+    /// segments on their way to the free list, a flush or writes in flight (or a
+    /// rollback's checkpoint, which GC waits for).
+    fn frees_under_way(&self) -> bool {
+        self.rollback_until.is_some()
             || !self.gc.is_idle()
             || self.segments.in_release() != 0
             || !self.durability.sync_idle()
             || self.out.in_flight() != 0
-        {
+    }
+
+    /// True when nothing under way frees a segment of the capacity tier (of the
+    /// array, without a cache tier) and GC has no victim left.
+    pub(crate) fn gc_cannot_free_more(&mut self) -> bool {
+        !self.frees_under_way() && self.pick_victim().is_none()
+    }
+
+    /// True when user writes wait for a segment that nothing can free.
+    fn stuck_without_space(&mut self) -> bool {
+        let (free, floor, _) = self.user_room();
+        if free > floor || self.frees_under_way() {
             return false;
         }
         if self.geo.tiered() {
@@ -1467,7 +1493,7 @@ impl Engine {
             let room = self.segments.free.len() > self.user_floor() || self.pick_victim().is_some();
             return !(victim && room);
         }
-        self.pick_victim().is_none()
+        self.gc_cannot_free_more()
     }
 
     // ---------------------------------------------------------------- writes

@@ -63,6 +63,11 @@ pub(crate) struct GcState {
     pub pace_waits: u64,
     /// The volumes that map the block being moved, reused for every block.
     refs: Vec<crate::types::VolumeId>,
+    /// A victim's live blocks, its batch of runs and their reads, kept from the
+    /// victim before (see [`Engine::gc_done_with_victim`]).
+    spare_live: Vec<(Pba, RawRecord)>,
+    spare_batch: Vec<Run>,
+    spare_reads: Vec<(usize, Pba, usize)>,
     /// Compaction (arrays with a cache tier) runs from the cache's start
     /// watermark until its stop watermark.
     compacting: bool,
@@ -486,7 +491,7 @@ impl Engine {
                     incarnation: self.segments.segs[seg as usize].incarnation,
                     walking: !has_summary,
                     offset: 0,
-                    live: Vec::new(),
+                    live: std::mem::take(&mut self.gc.spare_live),
                 };
                 self.gc_read_owners();
             }
@@ -513,12 +518,23 @@ impl Engine {
             (self.geo.data_end, self.geo.summary_blocks)
         };
         let (dev, off) = self.geo.locate(SegmentId(seg), start);
-        let buf = vec![0u8; blocks as usize * BLOCK_SIZE];
+        let mut buf = self.gc.spare.pop().unwrap_or_default();
+        buf.clear();
+        buf.resize(blocks as usize * BLOCK_SIZE, 0);
         self.submit_io(Purpose::GcMeta, dev, off, IoKind::Read { buf });
     }
 
-    /// The summary or a unit header of the victim arrived.
-    pub(crate) fn gc_meta_done(&mut self, c: IoCompletion) {
+    /// The summary or a unit header of the victim arrived. Its buffer goes back
+    /// to the spares once read, as every buffer of GC's does (GC allocates
+    /// nothing per victim once it has run for a while).
+    pub(crate) fn gc_meta_done(&mut self, mut c: IoCompletion) {
+        let mut buf = c.buf.take().unwrap_or_default();
+        self.gc_owners_arrived(c.result.is_ok(), &mut buf);
+        self.gc.spare.push(buf);
+    }
+
+    /// [`Engine::gc_meta_done`]: what `buf` holds (`ok`: read without error).
+    fn gc_owners_arrived(&mut self, ok: bool, buf: &mut Vec<u8>) {
         let Phase::Owners {
             seg,
             incarnation,
@@ -530,38 +546,42 @@ impl Engine {
             panic!("GC metadata completion outside the owners phase");
         };
         if !self.victim_unchanged(seg, incarnation) {
-            return; // emptied and released meanwhile: nothing left to do
+            // Emptied and released meanwhile: nothing left to do.
+            live.clear();
+            self.gc.spare_live = live;
+            return;
         }
-        let sg = self.segments.segs[seg as usize].clone();
-        let buf = c.buf.unwrap_or_default();
-        let ok = c.result.is_ok();
+        let (sg_incarnation, sg_write_ptr) = {
+            let s = &self.segments.segs[seg as usize];
+            (s.incarnation, s.write_ptr)
+        };
         if !walking {
             let parsed = if ok {
-                SummaryHeader::decode(&buf).ok()
+                SummaryHeader::decode(buf).ok()
             } else {
                 None
             };
             match parsed {
                 Some(h)
                     if h.segment == seg
-                        && h.incarnation == sg.incarnation.0
+                        && h.incarnation == sg_incarnation.0
                         && h.array_id == self.geo.array_id =>
                 {
                     let mut i = 0usize;
                     while i < h.record_count as usize {
-                        let u = record_at(&buf, i);
+                        let u = record_at(buf, i);
                         i += 1;
                         if u.kind != kind::UNIT {
                             continue;
                         }
                         let (uoff, d, hb) = (u.a as u32, u.b, u.c as u32);
                         let end = (i + d as usize).min(h.record_count as usize);
-                        self.prefetch_owners(&buf, i..end);
+                        self.prefetch_owners(buf, i..end);
                         for k in 0..d as usize {
                             if i + k >= h.record_count as usize {
                                 break;
                             }
-                            let r = record_at(&buf, i + k);
+                            let r = record_at(buf, i + k);
                             let pba = self.geo.pba(SegmentId(seg), uoff + hb + k as u32);
                             if self.is_live(pba, &r) {
                                 live.push((pba, r));
@@ -592,32 +612,29 @@ impl Engine {
         let fits = |h: &UnitHeader| {
             h.segment == seg
                 && h.offset == offset
-                && h.incarnation == sg.incarnation.0
+                && h.incarnation == sg_incarnation.0
                 && h.array_id == self.geo.array_id
         };
-        let mut buf = buf;
         let mut header = if ok {
-            UnitHeader::decode(&buf).ok().filter(fits)
+            UnitHeader::decode(buf).ok().filter(fits)
         } else {
             None
         };
-        if header.is_none() && offset < sg.write_ptr {
+        if header.is_none() && offset < sg_write_ptr {
             // Damaged on one member? Rebuilt from parity (a rare path, on this
             // thread): blocks described by a header GC cannot read stay behind.
             let (dev, off) = self.geo.locate(SegmentId(seg), offset);
             buf.resize(self.geo.header_blocks as usize * BLOCK_SIZE, 0);
             header = self
                 .shared
-                .read_decoded(dev, off, &mut buf, |b| {
-                    UnitHeader::decode(b).ok().filter(fits)
-                })
+                .read_decoded(dev, off, buf, |b| UnitHeader::decode(b).ok().filter(fits))
                 .ok()
                 .flatten();
         }
         let next = match header {
             Some(h) => {
                 for k in 0..h.data_blocks as usize {
-                    let r = record_at(&buf, k);
+                    let r = record_at(buf, k);
                     let pba = self
                         .geo
                         .pba(SegmentId(seg), offset + h.header_blocks as u32 + k as u32);
@@ -630,7 +647,7 @@ impl Engine {
             _ => None,
         };
         match next {
-            Some(n) if n < sg.write_ptr => {
+            Some(n) if n < sg_write_ptr => {
                 self.gc.phase = Phase::Owners {
                     seg,
                     incarnation,
@@ -828,6 +845,33 @@ impl Engine {
         self.gc.credit = (self.gc.credit + freed * scale).min(cap);
     }
 
+    /// GC is done with its victim (moved, or gone meanwhile): idle again, its
+    /// vectors kept for the next one, and the data buffers of runs not yet
+    /// relocated back with the spares.
+    fn gc_done_with_victim(&mut self) {
+        match std::mem::take(&mut self.gc.phase) {
+            Phase::Idle => {}
+            Phase::Owners { mut live, .. } => {
+                live.clear();
+                self.gc.spare_live = live;
+            }
+            Phase::Relocate {
+                mut live,
+                mut batch,
+                ..
+            } => {
+                live.clear();
+                self.gc.spare_live = live;
+                for run in batch.drain(..) {
+                    if let Some(d) = run.data {
+                        self.gc.spare.push(d);
+                    }
+                }
+                self.gc.spare_batch = batch;
+            }
+        }
+    }
+
     /// The victim is still the closed segment incarnation GC started on.
     fn victim_unchanged(&self, seg: u32, incarnation: Version) -> bool {
         let s = &self.segments.segs[seg as usize];
@@ -843,7 +887,7 @@ impl Engine {
             incarnation,
             live,
             next: 0,
-            batch: Vec::new(),
+            batch: std::mem::take(&mut self.gc.spare_batch),
             reads_pending: 0,
             run_pos: 0,
             block_pos: 0,
@@ -868,7 +912,7 @@ impl Engine {
             }
             if !self.victim_unchanged(s, inc) {
                 // Emptied (and perhaps reused) while GC waited: what it read is stale.
-                self.gc.phase = Phase::Idle;
+                self.gc_done_with_victim();
                 return;
             }
             let Phase::Relocate {
@@ -885,7 +929,7 @@ impl Engine {
             if batch.is_empty() {
                 if *next >= live.len() {
                     let seg = *seg;
-                    self.gc.phase = Phase::Idle;
+                    self.gc_done_with_victim();
                     let s = &self.segments.segs[seg as usize];
                     if s.state == SegState::Closed && s.valid > 0 {
                         // Blocks we could not move (damaged header) stay where they are.
@@ -931,13 +975,15 @@ impl Engine {
                     continue;
                 }
                 let seg = *seg;
-                let runs: Vec<(usize, Pba, usize)> = batch
-                    .iter()
-                    .enumerate()
-                    .map(|(k, r)| (k, live[r.first].0, r.span))
-                    .collect();
+                let mut runs = std::mem::take(&mut self.gc.spare_reads);
+                runs.extend(
+                    batch
+                        .iter()
+                        .enumerate()
+                        .map(|(k, r)| (k, live[r.first].0, r.span)),
+                );
                 *reads_pending = runs.len() as u32;
-                for (k, pba, count) in runs {
+                for &(k, pba, count) in &runs {
                     let (_, off_in_seg) = self.geo.split(pba);
                     let (dev, off) = self.geo.locate(SegmentId(seg), off_in_seg);
                     let mut buf = self.gc.spare.pop().unwrap_or_default();
@@ -951,6 +997,8 @@ impl Engine {
                         IoKind::Read { buf },
                     );
                 }
+                runs.clear();
+                self.gc.spare_reads = runs;
                 return;
             }
             if !self.gc_relocate_batch() {

@@ -7,12 +7,40 @@ use crate::engine::*;
 use crate::error::EngineError;
 use crate::map::{decode, Entry};
 use crate::shared::VolumeShared;
-use crate::types::{Lba, VolumeId, BLOCK_SIZE_U64};
+use crate::types::{Lba, Version, VolumeId, BLOCK_SIZE_U64};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Why a rollback was refused when it may be tried again at once.
 pub const ROLLBACK_BUSY: &str = "a checkpoint is being written: try the rollback again";
+
+/// How long a rollback waits for GC to free the segments its checkpoint needs
+/// (engine time) before it is refused: writes elsewhere may take them as fast.
+const ROLLBACK_WAIT_MS: u64 = 60_000;
+
+/// What every refusal of a rollback for space says (a test looks for it).
+const FREE_SPACE_FIRST: &str = "free space first (trim, or delete snapshots)";
+
+/// A rollback that waits for GC to free `need` segments (see
+/// [`Engine::request_rollback`]): of volume `vol` to snapshot `snap` (ids and
+/// creation versions), asked at engine time `since_ms`.
+pub(crate) struct RollbackWait {
+    token: Token,
+    name: String,
+    snapshot: String,
+    vol: (VolumeId, Version),
+    snap: (VolumeId, Version),
+    need: usize,
+    since_ms: u64,
+}
+
+/// What [`Engine::rollback`] did.
+pub(crate) enum Rolled {
+    /// Done: the checkpoint to make it durable is due.
+    Done,
+    /// Nothing yet: its checkpoint needs this many free segments.
+    NeedsSegments(usize),
+}
 
 /// The most volumes a family may have, whatever the geometry: beyond a few dozen,
 /// blocks that all of them share cost more header than data when GC moves them.
@@ -160,7 +188,7 @@ impl Engine {
     /// takes no writes: a crash before the checkpoint commits finds the volume
     /// exactly as it was (its old map in the previous checkpoint, every block of
     /// it where that map says).
-    pub(crate) fn rollback(&mut self, name: &str, snapshot: &str) -> Result<(), EngineError> {
+    pub(crate) fn rollback(&mut self, name: &str, snapshot: &str) -> Result<Rolled, EngineError> {
         let find = |n: &str| {
             self.volumes
                 .iter()
@@ -199,21 +227,11 @@ impl Engine {
         }
         // GC and user writes wait for the checkpoint: it must fit in what is free,
         // every map page written (the volume's pages become the snapshot's).
-        let pages: u64 = self
-            .volumes
-            .iter()
-            .flatten()
-            .filter(|v| v.deleting.is_none())
-            .map(|v| v.shared.map.used_pages().len() as u64)
-            .sum::<u64>()
-            + self.vol(snap).shared.map.used_pages().len() as u64;
+        let pages = self.used_map_pages() + self.vol(snap).shared.map.used_pages().len() as u64;
         let need =
             self.user_floor() as u64 + pages.div_ceil(self.geo.data_blocks_per_segment()) + 2;
         if (self.segments.free.len() as u64) < need {
-            return Err(EngineError::NoSpace(format!(
-                "a rollback needs {need} free segments, the array has {}: free space first",
-                self.segments.free.len()
-            )));
+            return Ok(Rolled::NeedsSegments(need as usize));
         }
         let ghost = self.next_volume_id()?;
         self.start_flush();
@@ -240,7 +258,135 @@ impl Engine {
         tracing::info!(
             "volume {name:?} rolled back to snapshot {snapshot:?} (durable at checkpoint {gen})"
         );
-        Ok(())
+        Ok(Rolled::Done)
+    }
+
+    /// [`Request::Rollback`]: done at once when the free segments allow, else
+    /// GC is asked to free what its checkpoint needs and the rollback waits (see
+    /// [`Engine::progress_rollback_wait`]); the volume refuses writes meanwhile,
+    /// as it does until the rollback is durable. One rollback waits at a time.
+    pub(crate) fn request_rollback(&mut self, token: Token, name: String, snapshot: String) {
+        let refused = if let Some(f) = &self.failed {
+            Some(EngineError::Failed(f.clone()))
+        } else if self.shutting_down {
+            Some(EngineError::ShuttingDown)
+        } else if self.rollback_wait.is_some() {
+            Some(EngineError::Invalid(
+                "another rollback is waiting for garbage collection to free space: try again in a moment".into(),
+            ))
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            return self.reply(token, Err(e), None);
+        }
+        match self.rollback(&name, &snapshot) {
+            Ok(Rolled::Done) => self.start_checkpoint(Some(token)),
+            Ok(Rolled::NeedsSegments(need)) => {
+                let free = self.segments.free.len();
+                // What GC could free at most: the dead blocks of closed segments.
+                let per_seg = self.geo.data_blocks_per_segment().max(1);
+                let reclaimable = (self.segments.reclaimable_blocks() / per_seg) as usize;
+                if free + reclaimable < need {
+                    let why = format!(
+                        "a rollback needs {need} free segments; {free} are free and garbage collection could free {reclaimable} more: {FREE_SPACE_FIRST}"
+                    );
+                    return self.reply(token, Err(EngineError::NoSpace(why)), None);
+                }
+                tracing::info!(
+                    "rollback of volume {name:?} to {snapshot:?} waits for garbage collection to free {need} segments ({free} free)"
+                );
+                let ids = |n: &str| {
+                    let v =
+                        self.volumes.iter().flatten().find(|v| {
+                            *v.shared.name() == *n && v.deleting.is_none() && v.published
+                        });
+                    let v = v.expect("rollback() found it");
+                    (v.shared.id, v.created_version)
+                };
+                let (vol, snap) = (ids(&name), ids(&snapshot));
+                self.vol_mut(vol.0).rollback_waiting = true;
+                self.space.set_reserve(need);
+                self.rollback_wait = Some(RollbackWait {
+                    token,
+                    name,
+                    snapshot,
+                    vol,
+                    snap,
+                    need,
+                    since_ms: self.now_ms,
+                });
+            }
+            Err(e) => self.reply(token, Err(e), None),
+        }
+    }
+
+    /// Runs the waiting rollback once GC has freed what it needs (and no
+    /// checkpoint is being written: asked before a due checkpoint starts, so
+    /// that checkpoints one after the other cannot keep it waiting). Refuses it
+    /// with ENOSPC when GC can free no more, or has not within
+    /// [`ROLLBACK_WAIT_MS`] (writes elsewhere took what it freed); when the
+    /// engine shuts down; when its volume or snapshot went meanwhile. (A failed
+    /// engine answers it in [`Engine::fail`].)
+    pub(crate) fn progress_rollback_wait(&mut self) {
+        let Some(w) = &self.rollback_wait else {
+            return;
+        };
+        if self.failed.is_some() {
+            return;
+        }
+        let (need, since_ms) = (w.need, w.since_ms);
+        let same = |(id, created): (VolumeId, Version), name: &str| {
+            self.volumes
+                .get(id.0 as usize)
+                .and_then(|v| v.as_ref())
+                .is_some_and(|v| {
+                    v.created_version == created
+                        && *v.shared.name() == *name
+                        && v.deleting.is_none()
+                })
+        };
+        let free = self.segments.free.len();
+        let refuse = if self.shutting_down {
+            Some(EngineError::ShuttingDown)
+        } else if !same(w.vol, &w.name) || !same(w.snap, &w.snapshot) {
+            Some(EngineError::Invalid(format!(
+                "volume {:?} or snapshot {:?} was deleted or renamed while the rollback waited for free space",
+                w.name, w.snapshot
+            )))
+        } else if free >= need {
+            if self.ckpt.in_progress() {
+                return;
+            }
+            None
+        } else if self.gc_cannot_free_more() {
+            Some(EngineError::NoSpace(format!(
+                "a rollback needs {need} free segments and garbage collection can free no more than {free}: {FREE_SPACE_FIRST}"
+            )))
+        } else if self.now_ms.saturating_sub(since_ms) >= ROLLBACK_WAIT_MS {
+            Some(EngineError::NoSpace(format!(
+                "a rollback needs {need} free segments and garbage collection got {free} in {} s while writes took the rest: {FREE_SPACE_FIRST}, or try again when writes are fewer",
+                ROLLBACK_WAIT_MS / 1000
+            )))
+        } else {
+            return;
+        };
+        self.end_rollback_wait(refuse);
+    }
+
+    /// Ends the waiting rollback: refused with `refuse`, or run now.
+    pub(crate) fn end_rollback_wait(&mut self, refuse: Option<EngineError>) {
+        let Some(w) = self.rollback_wait.take() else {
+            return;
+        };
+        self.space.set_reserve(0);
+        if let Some(Some(v)) = self.volumes.get_mut(w.vol.0 .0 as usize) {
+            v.rollback_waiting = false;
+        }
+        match refuse {
+            Some(e) => self.reply(w.token, Err(e), None),
+            None => self.request_rollback(w.token, w.name, w.snapshot),
+        }
     }
 
     /// Attaches volume `id` (unpublished), made from `from` as it is now: a copy

@@ -77,6 +77,17 @@ impl Engine {
         Ok(())
     }
 
+    /// Map pages in use in the maps of the volumes a checkpoint writes: what the
+    /// next one writes of them, exactly.
+    pub(crate) fn used_map_pages(&self) -> u64 {
+        self.volumes
+            .iter()
+            .flatten()
+            .filter(|v| v.deleting.is_none())
+            .map(|v| v.shared.map.used_pages().len() as u64)
+            .sum()
+    }
+
     /// Map pages the volumes hold, about (what a checkpoint writes of them).
     pub(crate) fn map_pages(&self) -> u64 {
         self.volumes
@@ -255,6 +266,7 @@ impl Engine {
             growing: None,
             deleting: None,
             rolling_back: false,
+            rollback_waiting: false,
         });
         self.refresh_gc_classes();
         self.volumes[i].as_mut().unwrap()

@@ -578,8 +578,15 @@ impl SegmentTable {
         if p.stored == 0 {
             0.0
         } else {
-            p.closed.saturating_sub(p.closed_live) as f64 / p.stored as f64
+            self.reclaimable_blocks() as f64 / p.stored as f64
         }
+    }
+
+    /// Dead blocks of closed data segments: what GC could reclaim at most.
+    pub fn reclaimable_blocks(&self) -> u64 {
+        self.proportion
+            .closed
+            .saturating_sub(self.proportion.closed_live)
     }
 
     /// Segment `seg`'s writes are all done: it is closed, a GC candidate unless

@@ -44,6 +44,11 @@ pub struct VolumeShared {
     pub deleted: AtomicBool,
     /// A snapshot: served read-only, and the engine refuses writes to it.
     pub read_only: AtomicBool,
+    /// New client connections are refused: a rollback of the volume is under
+    /// way (set by whoever asks for it, for as long as the request lasts; the
+    /// rollback may wait for GC to free space, and its map changes at once when
+    /// it runs).
+    pub closed_to_clients: AtomicBool,
     /// The version at which the volume was created (set by the engine as it
     /// attaches the volume): tells it from a later volume given the same id once
     /// this one is deleted (see `Engine::next_volume_id`).
@@ -60,6 +65,7 @@ impl VolumeShared {
             map,
             deleted: AtomicBool::new(false),
             read_only: AtomicBool::new(false),
+            closed_to_clients: AtomicBool::new(false),
             created: AtomicU64::new(0),
         }
     }
@@ -203,17 +209,21 @@ struct ReadTally {
     buffer: u64,
 }
 
-/// Decoded data records of one unit: the owner (`volume << 48 | lba`) and CRC of
-/// each data block, and whether the slot was stale when sealed.
-struct UnitCrcs {
-    owners: Box<[u64]>,
-    crcs: Box<[u32]>,
-    dead: Box<[bool]>,
+/// The decoded data record of one block of a unit: its owner (`volume << 48 |
+/// lba`) and CRC, and whether the slot was stale when sealed.
+struct UnitEntry {
+    owner: u64,
+    crc: u32,
+    dead: bool,
 }
+
+/// Decoded data records of one unit, a block each: one allocation per unit
+/// (it is made as each unit's write completes).
+type UnitCrcs = Arc<[UnitEntry]>;
 
 /// (segment, incarnation, unit offset) of a cached unit header.
 type UnitKey = (u32, u64, u32);
-type CrcShard = Mutex<HashMap<UnitKey, Arc<UnitCrcs>>>;
+type CrcShard = Mutex<HashMap<UnitKey, UnitCrcs>>;
 
 struct CrcCache {
     shards: Vec<CrcShard>,
@@ -222,10 +232,10 @@ struct CrcCache {
 
 impl CrcCache {
     /// Entries that fit in `bytes` for units of `unit_blocks` blocks: a unit costs
-    /// 13 bytes per block (owner, CRC, dead flag) and about 128 bytes of table,
-    /// box and count overhead.
+    /// 16 bytes per block (owner, CRC, dead flag, padding) and about 128 bytes of
+    /// table, box and count overhead.
     fn entries_for(bytes: u64, unit_blocks: u32) -> usize {
-        (bytes / (13 * unit_blocks as u64 + 128)) as usize
+        (bytes / (16 * unit_blocks as u64 + 128)) as usize
     }
 
     fn new(entries: usize) -> Self {
@@ -242,10 +252,10 @@ impl CrcCache {
             .wrapping_add(key.2 as u64);
         &self.shards[(h >> 32) as usize % CRC_CACHE_SHARDS]
     }
-    fn get(&self, key: &UnitKey) -> Option<Arc<UnitCrcs>> {
+    fn get(&self, key: &UnitKey) -> Option<UnitCrcs> {
         self.shard(key).lock().unwrap().get(key).cloned()
     }
-    fn insert(&self, key: UnitKey, v: Arc<UnitCrcs>) {
+    fn insert(&self, key: UnitKey, v: UnitCrcs) {
         let mut m = self.shard(&key).lock().unwrap();
         if m.len() >= self.per_shard {
             // Evict an arbitrary entry: hash order is as good as random here.
@@ -1001,7 +1011,7 @@ impl Shared {
             self.read_stats
                 .crc_cache_misses
                 .fetch_add(1, Ordering::Relaxed);
-            self.crc_cache.insert(key, Arc::new(c));
+            self.crc_cache.insert(key, c);
         }
         let (dev, byte_off) = self.geo.locate(seg, seg_off);
         if !self.devices[dev].try_read_at(dst, byte_off)? {
@@ -1137,7 +1147,10 @@ impl Shared {
         let idx = (seg_off - unit_start)
             .checked_sub(self.geo.header_blocks as u32)
             .map_or(usize::MAX, |i| i as usize);
-        if idx >= crcs.owners.len() || !self.owns(vol.id, lba, crcs.owners[idx]) || crcs.dead[idx] {
+        if crcs
+            .get(idx)
+            .is_none_or(|u| !self.owns(vol.id, lba, u.owner) || u.dead)
+        {
             return Err(bad(format!(
                 "the unit header at {seg} offset {unit_start} does not name this block"
             )));
@@ -1217,10 +1230,10 @@ impl Shared {
         for (k, block) in dst.chunks_exact(BLOCK_SIZE).enumerate() {
             let idx = first_index + k;
             let lba = first_lba + k as u64;
-            if idx >= crcs.owners.len()
-                || !self.owns(vol.id, lba, crcs.owners[idx])
-                || crcs.dead[idx]
-            {
+            let Some(u) = crcs
+                .get(idx)
+                .filter(|u| self.owns(vol.id, lba, u.owner) && !u.dead)
+            else {
                 return Err((
                     k,
                     corrupt(
@@ -1228,16 +1241,16 @@ impl Shared {
                         format!("unit header at {seg} offset {unit_start} names another owner for this block (misdirected write?)"),
                     ),
                 ));
-            }
+            };
             let crc = lamina_format::crc32c(block);
-            if crc != crcs.crcs[idx] {
+            if crc != u.crc {
                 return Err((
                     k,
                     corrupt(
                         lba,
                         format!(
                             "checksum mismatch (stored {:#010x}, computed {crc:#010x})",
-                            crcs.crcs[idx]
+                            u.crc
                         ),
                     ),
                 ));
@@ -1247,7 +1260,7 @@ impl Shared {
     }
 
     /// The data records of the unit at `unit_start` of `seg`, from cache or device.
-    fn unit_crcs(&self, seg: SegmentId, unit_start: u32) -> Result<Arc<UnitCrcs>, ReadError> {
+    fn unit_crcs(&self, seg: SegmentId, unit_start: u32) -> Result<UnitCrcs, ReadError> {
         let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
         let key = (seg.0, incarnation, unit_start);
         if let Some(c) = self.crc_cache.get(&key) {
@@ -1256,7 +1269,7 @@ impl Shared {
         self.read_stats
             .crc_cache_misses
             .fetch_add(1, Ordering::Relaxed);
-        let c = Arc::new(self.decode_unit_crcs(seg, unit_start, None)?);
+        let c = self.decode_unit_crcs(seg, unit_start, None)?;
         self.crc_cache.insert(key, c.clone());
         Ok(c)
     }
@@ -1268,16 +1281,12 @@ impl Shared {
         seg: SegmentId,
         unit_start: u32,
         without: usize,
-    ) -> Result<Arc<UnitCrcs>, ReadError> {
+    ) -> Result<UnitCrcs, ReadError> {
         // A header that decodes as it is needs no rebuilding.
         if let Ok(c) = self.unit_crcs(seg, unit_start) {
             return Ok(c);
         }
-        Ok(Arc::new(self.decode_unit_crcs(
-            seg,
-            unit_start,
-            Some(without),
-        )?))
+        self.decode_unit_crcs(seg, unit_start, Some(without))
     }
 
     fn decode_unit_crcs(
@@ -1302,8 +1311,7 @@ impl Shared {
     pub(crate) fn remember_unit(&self, seg: SegmentId, unit_start: u32, hdr: &[u8]) {
         let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
         if let Ok(c) = self.parse_unit_crcs(seg, unit_start, incarnation, hdr) {
-            self.crc_cache
-                .insert((seg.0, incarnation, unit_start), Arc::new(c));
+            self.crc_cache.insert((seg.0, incarnation, unit_start), c);
         }
     }
 
@@ -1332,21 +1340,17 @@ impl Shared {
                 uh.segment, uh.offset, uh.incarnation
             )));
         }
-        let d = uh.data_blocks as usize;
-        let mut owners = Vec::with_capacity(d);
-        let mut crcs = Vec::with_capacity(d);
-        let mut dead = Vec::with_capacity(d);
-        for i in 0..d {
-            let r = record_at(hdr, i);
-            owners.push(r.a);
-            crcs.push(r.b);
-            dead.push(r.kind != kind::DATA);
-        }
-        Ok(UnitCrcs {
-            owners: owners.into(),
-            crcs: crcs.into(),
-            dead: dead.into(),
-        })
+        // One allocation: a `Range` mapped is an iterator of known length.
+        Ok((0..uh.data_blocks as usize)
+            .map(|i| {
+                let r = record_at(hdr, i);
+                UnitEntry {
+                    owner: r.a,
+                    crc: r.b,
+                    dead: r.kind != kind::DATA,
+                }
+            })
+            .collect())
     }
 }
 

@@ -96,6 +96,8 @@ pub(crate) struct Space {
     /// Configured user floor and GC start (free segments); `None`: the defaults.
     floor: Option<usize>,
     start: Option<usize>,
+    /// Free segments GC makes while a rollback waits for them (0: none).
+    reserve: usize,
     segment_count: usize,
     /// Mapped blocks at which the array is at the warning and critical levels.
     warn_at: u64,
@@ -126,6 +128,7 @@ impl Space {
             enforce,
             floor,
             start,
+            reserve: 0,
             segment_count,
             warn_at: 0,
             critical_at: 0,
@@ -159,9 +162,16 @@ impl Space {
         }
     }
 
-    /// The fullness level now.
+    /// Blocks counted as in use against `usable`: the mapped ones and the maps'
+    /// extra room in the checkpoints.
+    pub fn in_use_blocks(&self) -> u64 {
+        self.live + self.maps_extra
+    }
+
+    /// The fullness level now (the maps' room counts: writes of new blocks are
+    /// refused when it is full).
     pub fn fullness(&self) -> Fullness {
-        self.level(self.live)
+        self.level(self.in_use_blocks())
     }
 
     /// What to log at engine time `now_ms`: the fullness level crossed since the
@@ -171,7 +181,7 @@ impl Space {
     pub fn report(&mut self, now_ms: u64) -> SpaceReport {
         let mut r = SpaceReport::default();
         let now = self.fullness();
-        let down = self.level(self.live + self.usable / 100);
+        let down = self.level(self.in_use_blocks() + self.usable / 100);
         if now > self.reported || down < self.reported {
             let to = now.max(down.min(self.reported));
             r.crossed = Some((self.reported, to));
@@ -202,8 +212,7 @@ impl Space {
     /// ENOSPC unless `new_blocks` more mapped blocks fit (counted as refused).
     /// Overwrites (`new_blocks == 0`) are always admitted: they take no room.
     pub fn admit(&mut self, new_blocks: u64) -> Result<(), EngineError> {
-        if self.enforce && new_blocks > 0 && self.live + self.maps_extra + new_blocks > self.usable
-        {
+        if self.enforce && new_blocks > 0 && self.in_use_blocks() + new_blocks > self.usable {
             self.refused += 1;
             return Err(EngineError::NoSpace(self.in_use()));
         }
@@ -221,7 +230,7 @@ impl Space {
         };
         format!(
             "{} of {} usable blocks are in use{maps}",
-            self.live + self.maps_extra,
+            self.in_use_blocks(),
             self.usable
         )
     }
@@ -270,7 +279,7 @@ impl Space {
     /// Segments beyond what the mapped blocks fill, the metadata stream's two and
     /// greedy's GC reserve: room for open segments and for GC to work in.
     pub fn spare_segments(&self, per_seg: u64) -> u64 {
-        let held = self.live.div_ceil(per_seg.max(1)) + 2 + self.gc_start(1) as u64;
+        let held = self.live.div_ceil(per_seg.max(1)) + 2 + self.gc_start_base(1) as u64;
         (self.segment_count as u64).saturating_sub(held)
     }
 
@@ -284,12 +293,24 @@ impl Space {
     }
 
     /// Free segments below which GC runs (always above the user floor): by default
-    /// the floor plus 2% of the segments (at least 2).
+    /// the floor plus 2% of the segments (at least 2); at least the reserve a
+    /// waiting rollback asked for.
     pub fn gc_start(&self, gc_classes: usize) -> usize {
+        self.gc_start_base(gc_classes).max(self.reserve)
+    }
+
+    /// The start watermark without a rollback's reserve.
+    fn gc_start_base(&self, gc_classes: usize) -> usize {
         let floor = self.user_floor(gc_classes);
         self.start
             .unwrap_or(floor + 2.max(self.segment_count / 50))
             .max(floor + 1)
+    }
+
+    /// Makes GC run until `segments` are free (0: as usual again): what a
+    /// rollback waits for.
+    pub fn set_reserve(&mut self, segments: usize) {
+        self.reserve = segments;
     }
 
     /// Moves GC's start watermark (`None`: the default); `array evacuate` raises
@@ -301,11 +322,13 @@ impl Space {
     /// Free segments at which GC stops (hysteresis: 1% of the segments above the
     /// start, or exactly one more when the start was configured).
     pub fn gc_stop(&self, gc_classes: usize) -> usize {
-        let start = self.gc_start(gc_classes);
-        match self.start {
+        let start = self.gc_start_base(gc_classes);
+        let stop = match self.start {
             Some(_) => start + 1,
             None => start + 1.max(self.segment_count / 100),
-        }
+        };
+        // A rollback's reserve: one more, for hysteresis.
+        stop.max(self.reserve + 1)
     }
 }
 

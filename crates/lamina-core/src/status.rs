@@ -156,6 +156,10 @@ pub struct StatusReport {
     /// Live data the array accepts before writes fail with ENOSPC.
     pub usable_bytes: u64,
     pub live_bytes: u64,
+    /// What the maps of snapshots and clones take in the checkpoints beyond the
+    /// room the usable capacity leaves them: in use as much as `live_bytes` (the
+    /// fullness level and ENOSPC count both).
+    pub maps_bytes: u64,
     /// The volumes' sizes together (above `usable_bytes`: thin, overcommitted).
     pub promised_bytes: u64,
     /// Volume ids this array can still give out (65535 at most): every volume,
@@ -456,6 +460,7 @@ impl Engine {
             capacity_bytes: self.geo.usable_segments() as u64 * self.geo.segment_blocks as u64 * bs,
             usable_bytes: self.space.usable * bs,
             live_bytes: self.space.live * bs,
+            maps_bytes: self.space.maps_extra * bs,
             promised_bytes: self.promised_bytes(),
             volume_ids_left: self.volume_ids_left(),
             space_state: self.space.fullness().name().into(),

@@ -389,6 +389,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         capacity_bytes: u("capacity_bytes"),
         usable_bytes: u("usable_bytes"),
         live_bytes: u("live_bytes"),
+        maps_bytes: u("maps_bytes"),
         promised_bytes: u("promised_bytes"),
         volume_ids_left: u("volume_ids_left"),
         space_state: s["space_state"].as_str().unwrap_or("").into(),
@@ -572,6 +573,23 @@ fn resize_volume(rt: &Runtime, name: &str, target: NewSize, force: bool) -> Resu
 /// A rollback changes what clients read under them: refused while the volume has
 /// any, unless `force` (which disconnects them).
 fn rollback_volume(rt: &Runtime, name: &str, snapshot: &str, force: bool) -> Result<Value, String> {
+    /// Keeps new clients off the volume while the request lasts (it may wait for
+    /// GC to free the space its checkpoint needs).
+    struct Closed(Option<std::sync::Arc<lamina_core::VolumeShared>>);
+    impl Drop for Closed {
+        fn drop(&mut self) {
+            if let Some(v) = &self.0 {
+                v.closed_to_clients
+                    .store(false, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+    let vol = rt.shared.volume(name);
+    if let Some(v) = &vol {
+        v.closed_to_clients
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    let _closed = Closed(vol);
     if let Some(v) = rt.shared.volume(name) {
         let n = rt.clients.count(&v);
         if n > 0 && !force {

@@ -18,10 +18,17 @@
 //! (and it takes the lock again, or someone else has): the store-buffer outcome,
 //! each missing the other's write, is what the two fences forbid.
 
-use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
+
+/// Messages the queue holds. Bounded, so that queueing allocates nothing (an
+/// unbounded channel allocates a block every 31 messages): a poster that finds
+/// it full runs the owner itself (or waits for whoever holds it; a thread that
+/// hands off rings the backstop instead) until there is room, which is safe
+/// because the owner never posts to its own queue.
+const QUEUE_CAPACITY: usize = 4096;
 
 /// What a [`Combiner`] runs.
 pub trait Owner: Send {
@@ -50,7 +57,7 @@ pub struct Combiner<O: Owner> {
 
 impl<O: Owner> Combiner<O> {
     pub fn new(owner: O, lent_rounds: usize) -> Self {
-        let (tx, inbox) = unbounded();
+        let (tx, inbox) = bounded(QUEUE_CAPACITY);
         let (doorbell, rung) = bounded(1);
         Combiner {
             tx,
@@ -73,18 +80,38 @@ impl<O: Owner> Combiner<O> {
     /// [`Combiner::post`] or [`Combiner::kick`], another poster, or at the latest
     /// the backstop's timer.
     pub fn queue(&self, m: O::Msg) {
-        if self.stopped.load(Ordering::SeqCst) {
-            O::refuse(m);
-            return;
+        self.enqueue(m, true);
+    }
+
+    /// Queues `m`; when the queue is full, drains it (`run_owner`) or rings the
+    /// backstop to, until there is room. Refused once the owner has stopped.
+    fn enqueue(&self, mut m: O::Msg, run_owner: bool) {
+        loop {
+            if self.stopped.load(Ordering::SeqCst) {
+                O::refuse(m);
+                return;
+            }
+            match self.tx.try_send(m) {
+                Ok(()) | Err(TrySendError::Disconnected(_)) => return,
+                Err(TrySendError::Full(back)) => {
+                    m = back;
+                    if run_owner {
+                        self.kick();
+                        std::thread::yield_now();
+                    } else {
+                        let _ = self.doorbell.try_send(());
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                }
+            }
         }
-        let _ = self.tx.send(m);
     }
 
     /// Queues a message for the backstop thread (or a poster that comes first),
     /// without ever running the owner on this thread: for threads of low priority,
     /// which holding the owner would make everybody wait for.
     pub fn hand_off(&self, m: O::Msg) {
-        self.queue(m);
+        self.enqueue(m, false);
         let _ = self.doorbell.try_send(());
     }
 
@@ -211,6 +238,46 @@ mod tests {
             assert_eq!(o.seen, n, "round {round}: messages left in the queue");
             assert_eq!(o.sum, n * (n - 1) / 2);
         }
+    }
+
+    /// A full queue: a poster that only queues (as deferred commands are) while
+    /// another thread holds the owner waits, then runs the owner itself once it
+    /// is free, and every message arrives.
+    #[test]
+    fn a_full_queue_is_drained_by_the_poster_that_finds_it_full() {
+        let c = Arc::new(Combiner::new(
+            Counter {
+                seen: 0,
+                sum: 0,
+                stop_at: None,
+            },
+            1,
+        ));
+        let n = QUEUE_CAPACITY as u64 + 1000;
+        let held = c.owner.lock().unwrap();
+        let poster = {
+            let c = c.clone();
+            std::thread::spawn(move || (0..n).for_each(|v| c.queue(v)))
+        };
+        while c.inbox.len() < QUEUE_CAPACITY {
+            std::thread::yield_now();
+        }
+        assert!(!poster.is_finished(), "queued beyond the capacity");
+        drop(held);
+        // Nobody else drains: the poster must (a blocking send would wait here
+        // for ever).
+        let t0 = std::time::Instant::now();
+        while !poster.is_finished() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(poster.is_finished(), "the poster waits on a full queue");
+        poster.join().unwrap();
+        c.kick();
+        while !c.inbox.is_empty() {
+            c.kick();
+        }
+        let o = c.owner.lock().unwrap();
+        assert_eq!((o.seen, o.sum), (n, n * (n - 1) / 2));
     }
 
     /// With lending bounded, what posters leave is run by the backstop; after the

@@ -40,6 +40,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "capacity_bytes": s.capacity_bytes,
         "usable_bytes": s.usable_bytes,
         "live_bytes": s.live_bytes,
+        "maps_bytes": s.maps_bytes,
         "promised_bytes": s.promised_bytes,
         "volume_ids_left": s.volume_ids_left,
         "space_state": s.space_state,
@@ -194,12 +195,19 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             s.wear_spread * 100.0
         );
     }
+    // The maps of snapshots and clones beyond the checkpoints' room count as in
+    // use (see `maps_bytes`): shown only when there is some.
+    let maps = if s.maps_bytes > 0 {
+        format!(" + snapshot maps {}", human(s.maps_bytes))
+    } else {
+        String::new()
+    };
     o += &format!(
-        "  capacity {}   usable {}   live {} ({:.1}%)\n",
+        "  capacity {}   usable {}   live {}{maps} ({:.1}%)\n",
         human(s.capacity_bytes),
         human(s.usable_bytes),
         human(s.live_bytes),
-        100.0 * s.live_bytes as f64 / s.usable_bytes.max(1) as f64
+        100.0 * (s.live_bytes + s.maps_bytes) as f64 / s.usable_bytes.max(1) as f64
     );
     o += &space_line(s);
     o += &format!(
@@ -569,6 +577,9 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
         s.usable_bytes as f64,
     );
     e.one("live_bytes", "gauge", "Live data.", s.live_bytes as f64);
+    let help = "What the maps of snapshots and clones take in the checkpoints beyond \
+                the room usable_bytes leaves them (in use, as live data is).";
+    e.one("maps_bytes", "gauge", help, s.maps_bytes as f64);
     let help = "The volumes' sizes together (above usable_bytes: overcommitted).";
     e.one("promised_bytes", "gauge", help, s.promised_bytes as f64);
     let help = "Volume ids the array can still give out (each volume, snapshot, clone \
@@ -755,6 +766,14 @@ fn server_metrics(e: &mut Exposition, snap: &lamina_nbd::stats::Snapshot) {
     use lamina_nbd::stats::{bucket_bound, OP_NAMES};
     let help = "NBD connections in the transmission phase.";
     e.one("nbd_connections", "gauge", help, snap.connections as f64);
+    let help =
+        "Heap allocations of the server process (the data path makes next to none per request).";
+    e.one(
+        "heap_allocations_total",
+        "counter",
+        help,
+        crate::heap::allocations() as f64,
+    );
     let per_op = |f: &dyn Fn(&lamina_nbd::stats::OpTotals) -> f64| -> Vec<Sample> {
         let mut v = Vec::new();
         for (volume, t) in &snap.exports {

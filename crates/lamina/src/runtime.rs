@@ -158,7 +158,9 @@ impl Core {
             Msg::Io(c) => self.engine.io_completed(c),
             Msg::Shutdown(done) => {
                 // A checkpoint flushes everything first, so after it the array is
-                // clean and the next start replays nothing.
+                // clean and the next start replays nothing; nothing new starts
+                // after it.
+                self.engine.begin_shutdown();
                 let handle = self.route(None);
                 self.engine
                     .submit(Token { conn: 0, handle }, Request::Checkpoint);
@@ -517,6 +519,12 @@ impl Backend for LaminaBackend {
 
     fn open_export(&self, name: &str) -> Option<(Self::Export, ExportInfo)> {
         let v = self.rt.shared.volume(name)?;
+        if v.closed_to_clients.load(Ordering::SeqCst) {
+            tracing::warn!(
+                "volume {name:?} is being rolled back: a new connection to it is refused"
+            );
+            return None;
+        }
         let info = ExportInfo {
             name: v.name().to_string(),
             description: format!("Lamina volume {}", v.name()),

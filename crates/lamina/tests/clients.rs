@@ -296,37 +296,12 @@ fn prometheus_metrics() {
         .unwrap()
         .to_string();
     // Find a free port, then hand it to the server.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
     let srv = Server::start_with(&dir, &[], &["--metrics", &metrics]);
     let sock = srv.sock.clone();
-    let scrape = || {
-        let mut body = String::new();
-        for _ in 0..100 {
-            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-                s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-                    .unwrap();
-                s.read_to_string(&mut body).unwrap();
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        assert!(body.starts_with("HTTP/1.1 200"), "{body}");
-        body
-    };
-    // The value of the sample `name{labels}` (labels after the array's).
-    let value = |body: &str, name: &str, labels: &str| -> f64 {
-        let key = format!("lamina_{name}{{array=\"{array}\"{labels}}} ");
-        let line = body
-            .lines()
-            .find(|l| l.starts_with(&key))
-            .unwrap_or_else(|| panic!("no {key} in\n{body}"));
-        line[key.len()..].parse().unwrap()
-    };
+    let scrape = || scrape(port);
+    let value = |body: &str, name: &str, labels: &str| sample(body, &array, name, labels);
     let mut c = lamina_nbd::client::Client::connect_unix(&sock, "v").unwrap();
     c.write(0, &[7u8; 8192], true).unwrap();
     for i in 0..5u64 {

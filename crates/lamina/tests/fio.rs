@@ -200,3 +200,88 @@ fn zipf_costs_less_write_amplification_than_uniform() {
         assert!(open("user") >= 1 && open("gc") >= 1, "{v}");
     }
 }
+
+/// The data path allocates nothing per request. fio's 4 KiB random writes, then
+/// reads, at iodepth 32 through the server, counted by the server's own
+/// allocator (`lamina_heap_allocations_total`): what a run of 40000 more
+/// requests costs beyond a run of 2000 (so that each connection's setup, its
+/// pools filling, cancels out), per request. Reads allocate nothing. Writes
+/// share what is allocated per unit written (its checksums for readers, 1 per
+/// unit of up to 64 blocks here), per segment (its summary) and by the victim
+/// index's B-tree as GC runs (the volume is at 80%): 0.12 per write when this
+/// was written, 0.32 before the unit's checksums took one allocation instead of
+/// four, GC reused its vectors and the engine's queue became bounded. One
+/// allocation per request anywhere would make it 1 or more.
+#[test]
+fn the_data_path_allocates_next_to_nothing_per_request() {
+    if !need(
+        "fio::the_data_path_allocates_next_to_nothing_per_request",
+        &["fio"],
+        false,
+    ) {
+        return;
+    }
+    let t = TempDir::new("fio-alloc");
+    let (dir, vol) = array_at_80_percent(&t);
+    let array = status_json(&dir)["array"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let port = free_port();
+    let s = Server::start_with(&dir, &[], &["--metrics", &format!("127.0.0.1:{port}")]);
+    let allocations = || sample(&scrape(port), &array, "heap_allocations_total", "");
+    // Waits until the server allocates nothing but what a scrape costs (GC,
+    // checkpoints and seals after the last run have finished), for up to 20 s.
+    let settle = || {
+        let mut last = (allocations(), f64::NAN);
+        for _ in 0..100 {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let now = allocations();
+            let d = now - last.0;
+            if (d - last.1).abs() <= 2.0 {
+                return;
+            }
+            last = (now, d);
+        }
+        panic!("the server kept allocating while idle");
+    };
+    let run = |rw: &str, ios: u64| {
+        let j = fio_json(&[
+            "--name=alloc",
+            "--ioengine=nbd",
+            &format!("--uri={}", s.uri("v")),
+            "--bs=4k",
+            "--iodepth=32",
+            &format!("--rw={rw}"),
+            &format!("--size={vol}"),
+            &format!("--number_ios={ios}"),
+            "--randrepeat=0",
+            "--output-format=json",
+        ]);
+        assert_eq!(j["jobs"][0]["error"], 0, "fio: {j}");
+    };
+    // Fill the volume once, so that reads find data and writes overwrite.
+    run("write", vol / 4096);
+    let mut per_request = Vec::new();
+    for rw in ["randwrite", "randread"] {
+        let cost = |ios| {
+            settle();
+            let before = allocations();
+            run(rw, ios);
+            allocations() - before
+        };
+        let (short, long) = (cost(2000), cost(42000));
+        let per = (long - short) / 40000.0;
+        eprintln!(
+            "{rw}: {short} allocations in 2000 requests, {long} in 42000: {per:.4} per request"
+        );
+        per_request.push((rw, per));
+    }
+    s.stop();
+    for (rw, per) in per_request {
+        let most = if rw == "randread" { 0.01 } else { 0.25 };
+        assert!(per < most, "{rw}: {per:.4} heap allocations per request");
+        // Below 0, the short run took allocations of work left from before.
+        assert!(per > -0.01, "{rw}: {per:.4} heap allocations per request");
+    }
+}

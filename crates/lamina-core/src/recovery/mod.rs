@@ -345,6 +345,9 @@ pub fn open_unfinished(
         }
         reconcile_zones(&engine)?;
     }
+    // What the maps take in the checkpoints (`Space::maps_extra`), as the next
+    // checkpoint will count it: a read-only open writes none.
+    engine.space.set_map_pages(engine.used_map_pages());
     if writable {
         // Persist the new version lease before any version from it is used.
         engine.write_superblock_sync()?;

@@ -623,3 +623,44 @@ pub fn kill9_after_flush(s: Server, name: &str, vol: u64) -> Server {
     assert!(r >= vol, "verified {r} of {vol} after kill -9");
     s
 }
+
+/// A free TCP port on 127.0.0.1, for a server's `--metrics`.
+#[allow(dead_code)]
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The metrics page of a server started with `--metrics 127.0.0.1:PORT` (tried
+/// for up to 5 s while the server starts).
+#[allow(dead_code)]
+pub fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut body = String::new();
+    for _ in 0..100 {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            s.read_to_string(&mut body).unwrap();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    body
+}
+
+/// The value of sample `lamina_NAME{array="ARRAY"LABELS}` on a metrics page
+/// (`labels`: those after the array's, each with its leading comma).
+#[allow(dead_code)]
+pub fn sample(body: &str, array: &str, name: &str, labels: &str) -> f64 {
+    let key = format!("lamina_{name}{{array=\"{array}\"{labels}}} ");
+    let line = body
+        .lines()
+        .find(|l| l.starts_with(&key))
+        .unwrap_or_else(|| panic!("no {key} in\n{body}"));
+    line[key.len()..].parse().unwrap()
+}
