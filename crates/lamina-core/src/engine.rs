@@ -461,6 +461,9 @@ pub(crate) enum Pending {
         stage: u64,
         /// Class of the whole block waiting for room (`allocate`).
         class: Option<u8>,
+        /// Admitted against the usable space (`allocate`), once: admission
+        /// counts the map pages it starts (see `Space::admit`).
+        checked_space: bool,
     },
     /// A metadata-only write (simulation).
     Blocks {
@@ -470,6 +473,8 @@ pub(crate) enum Pending {
         count: u64,
         done: u64,
         class: Option<u8>,
+        /// Admitted (simulations that enforce capacity), once.
+        checked_space: bool,
     },
 }
 
@@ -945,6 +950,7 @@ impl Engine {
                         allocate,
                         stage: 0,
                         class: None,
+                        checked_space: false,
                     });
                 }
             }
@@ -981,6 +987,7 @@ impl Engine {
                         count: count as u64,
                         done: 0,
                         class: None,
+                        checked_space: false,
                     });
                 }
             }
@@ -1576,6 +1583,7 @@ impl Engine {
             count,
             done,
             class,
+            checked_space,
             ..
         } = p
         else {
@@ -1583,9 +1591,10 @@ impl Engine {
         };
         // Admission as for writes, when the simulation enforces it (with
         // snapshots: what they keep can fill the array).
-        if *done == 0 && self.cfg.enforce_capacity {
+        if !*checked_space && self.cfg.enforce_capacity {
             let shared = self.vol(*volume).shared.clone();
             self.check_space(&shared, lba.0..lba.0 + *count)?;
+            *checked_space = true;
         }
         while *done < *count {
             let b = Lba(lba.0 + *done);
@@ -1697,19 +1706,30 @@ impl Engine {
     /// ENOSPC unless the array has room for the blocks of `lbas` not yet mapped,
     /// and for those a snapshot or clone shares: an overwrite keeps the shared
     /// block and takes another (thin provisioning: checked before a write or an
-    /// allocating zero starts).
+    /// allocating zero starts); and for the map pages the unmapped ones start,
+    /// which the checkpoints write.
     fn check_space(
         &mut self,
         vol: &VolumeShared,
         lbas: std::ops::Range<u64>,
     ) -> Result<(), EngineError> {
-        let new_blocks = lbas
-            .filter(|&l| {
-                let e = vol.map.load(Lba(l));
-                e == UNMAPPED || self.shared_elsewhere(vol.id, Lba(l), e)
-            })
-            .count() as u64;
-        self.space.admit(new_blocks)
+        let (mut new_blocks, mut new_pages) = (0, 0);
+        // The last page looked at, so that a run within one page counts it once.
+        let mut looked = u64::MAX;
+        for l in lbas {
+            let e = vol.map.load(Lba(l));
+            if e == UNMAPPED {
+                new_blocks += 1;
+                let page = l / crate::map::PAGE_ENTRIES as u64;
+                if page != looked {
+                    looked = page;
+                    new_pages += !vol.map.page_used(Lba(l)) as u64;
+                }
+            } else if self.shared_elsewhere(vol.id, Lba(l), e) {
+                new_blocks += 1;
+            }
+        }
+        self.space.admit(new_blocks, new_pages)
     }
 
     /// Applies a zero / trim request: unmaps whole blocks, zeroes partial edges.
@@ -1721,6 +1741,7 @@ impl Engine {
             stage,
             allocate,
             class: waiting,
+            checked_space,
             ..
         } = p
         else {
@@ -1732,9 +1753,10 @@ impl Engine {
         let full_first = Lba(start.div_ceil(bs));
         let full_end = Lba(end / bs); // exclusive
         let vol_shared = self.vol(*volume).shared.clone();
-        if *allocate && *stage == 0 {
+        if *allocate && !*checked_space {
             // Allocated zeroes take space like a write: refuse up front, as writes do.
             self.check_space(&vol_shared, start / bs..end.div_ceil(bs))?;
+            *checked_space = true;
         }
         // Partial edges first (they are writes of zeros merged into the old block).
         let edges: [(u64, u64); 2] = if full_first > full_end {

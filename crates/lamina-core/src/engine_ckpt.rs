@@ -179,9 +179,11 @@ impl Engine {
                 });
             }
         }
-        // What the maps take in the checkpoints, exactly: the pages this one
-        // writes (see `Space::maps_extra`).
-        self.space.set_map_pages(pages.len() as u64);
+        // What the maps take in the checkpoints: the pages this one writes (see
+        // `Space::maps_extra`), and those that requests admitted but not yet
+        // done will start.
+        self.space
+            .set_map_pages(pages.len() as u64 + self.admitted_unused_pages());
         // Segments whose release record is already sealed will join the free queue
         // when that record is synced, possibly after this checkpoint's version; a
         // walk from this checkpoint would not see their (older) release records. So

@@ -77,6 +77,55 @@ impl Engine {
         Ok(())
     }
 
+    /// Map pages not in use yet in the ranges of the requests that were admitted
+    /// against the usable space and wait to be done (a page each that their
+    /// writes may start; at most, as a request may be partly done).
+    pub(crate) fn admitted_unused_pages(&self) -> u64 {
+        let per = crate::map::PAGE_ENTRIES as u64;
+        self.pending
+            .iter()
+            .filter_map(|p| match p {
+                Pending::Write {
+                    volume,
+                    offset,
+                    data,
+                    checked_space: true,
+                    ..
+                } => Some((
+                    *volume,
+                    *offset / BLOCK_SIZE_U64,
+                    (*offset + data.len() as u64).div_ceil(BLOCK_SIZE_U64),
+                )),
+                Pending::Zero {
+                    volume,
+                    offset,
+                    length,
+                    checked_space: true,
+                    ..
+                } => Some((
+                    *volume,
+                    *offset / BLOCK_SIZE_U64,
+                    (*offset + *length).div_ceil(BLOCK_SIZE_U64),
+                )),
+                Pending::Blocks {
+                    volume,
+                    lba,
+                    count,
+                    checked_space: true,
+                    ..
+                } => Some((*volume, lba.0, lba.0 + *count)),
+                _ => None,
+            })
+            .filter_map(|(volume, start, end)| {
+                let map = &self.volumes.get(volume.0 as usize)?.as_ref()?.shared.map;
+                let pages = (start / per..end.div_ceil(per))
+                    .filter(|&page| !map.page_used(Lba(page * per)))
+                    .count();
+                Some(pages as u64)
+            })
+            .sum()
+    }
+
     /// Map pages in use in the maps of the volumes a checkpoint writes: what the
     /// next one writes of them, exactly.
     pub(crate) fn used_map_pages(&self) -> u64 {

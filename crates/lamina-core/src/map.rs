@@ -63,10 +63,12 @@ const FAN_BITS: u32 = 10;
 const FAN: usize = 1 << FAN_BITS;
 /// Largest root: up to this many children the tree grows no deeper.
 const ROOT_MAX: u64 = 4096;
-/// Words at the head of a page: the sequence counter, then the read bits.
+/// Words at the head of a page: the sequence counter, the read bits, then the
+/// number of mapped entries (the engine's own: see [`Map::used_page_count`]).
 const SEQ_WORD: usize = 0;
 const READ_WORDS: usize = PAGE_ENTRIES / 64;
-const HEAD_WORDS: usize = 1 + READ_WORDS;
+const COUNT_WORD: usize = 1 + READ_WORDS;
+const HEAD_WORDS: usize = 2 + READ_WORDS;
 /// Largest volume a map can describe: checkpoints name map pages by a `u32`.
 pub const MAX_BLOCKS: u64 = (u32::MAX as u64 + 1) * PAGE_ENTRIES as u64;
 
@@ -109,6 +111,9 @@ pub struct Map {
     /// Largest device code: the array's block count (codes 1..=pba_codes are PBA+1).
     pba_codes: u32,
     buffer_slots: u32,
+    /// Pages with a mapped entry: what a checkpoint writes of this map. Kept by
+    /// the one writer as entries change (each page counts its mapped entries).
+    used: AtomicU64,
 }
 
 /// The top of the page tree: its children, and the pointer levels from it to the
@@ -194,6 +199,7 @@ impl Map {
             mask: (1u64 << width) - 1,
             pba_codes: array_blocks,
             buffer_slots,
+            used: AtomicU64::new(0),
         }
     }
 
@@ -622,16 +628,48 @@ impl Map {
         let w = HEAD_WORDS + bit / 64;
         let o = (bit % 64) as u32;
         let word = page[w].load(Ordering::Relaxed);
+        let mut old = word >> o;
         page[w].store((word & !(self.mask << o)) | (code << o), Ordering::Relaxed);
         if o + self.width > 64 {
             let spill = o + self.width - 64;
             let hi_mask = (1u64 << spill) - 1;
             let word = page[w + 1].load(Ordering::Relaxed);
+            old |= word << (64 - o);
             page[w + 1].store((word & !hi_mask) | (code >> (64 - o)), Ordering::Relaxed);
         }
         // A reader that pins after this reads the new entry: the engine's pin
         // check puts a sequentially consistent fence after it (see `crate::pins`).
         seq.store(s.wrapping_add(2), Ordering::Release);
+        let (was, is) = (old & self.mask != 0, code != 0);
+        if was != is {
+            let count = &page[COUNT_WORD];
+            let n = count.load(Ordering::Relaxed);
+            let n = if is { n + 1 } else { n - 1 };
+            count.store(n, Ordering::Relaxed);
+            if n == is as u64 {
+                // The page's first mapped entry, or its last one gone.
+                self.set_used(is);
+            }
+        }
+    }
+
+    /// One more page holds a mapped entry (`more`), or one fewer.
+    fn set_used(&self, more: bool) {
+        let u = self.used.load(Ordering::Relaxed);
+        self.used
+            .store(if more { u + 1 } else { u - 1 }, Ordering::Relaxed);
+    }
+
+    /// Whether the page of `lba` holds a mapped entry (it is among `used_pages`).
+    pub fn page_used(&self, Lba(lba): Lba) -> bool {
+        self.page_of(lba)
+            .is_some_and(|p| p[COUNT_WORD].load(Ordering::Relaxed) > 0)
+    }
+
+    /// Pages that hold a mapped entry: [`Map::used_pages`]'s count, kept as
+    /// entries change (one load).
+    pub fn used_page_count(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
     }
 
     /// Entries of one 1024-entry page, for checkpoints (engine thread).
@@ -699,6 +737,14 @@ impl Map {
             let d = self.page_mut(first);
             for w in entries.clone() {
                 d[w].store(p[w].load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            let (was, is) = (
+                d[COUNT_WORD].load(Ordering::Relaxed),
+                p[COUNT_WORD].load(Ordering::Relaxed),
+            );
+            d[COUNT_WORD].store(is, Ordering::Relaxed);
+            if (was != 0) != (is != 0) {
+                self.set_used(is != 0);
             }
         });
     }
@@ -778,6 +824,40 @@ mod tests {
             assert_eq!(c.load(Lba(lba)), m.load(Lba(lba)), "lba {lba}");
         }
         assert_eq!(c.pages_made(), 3, "the empty page is not copied");
+        assert_eq!(c.used_page_count(), 3);
+        assert_eq!(m.used_page_count(), 3, "the emptied page is not used");
+    }
+
+    /// The count of used pages follows every store (entries of every width
+    /// position, straddling words included) and equals `used_pages`.
+    #[test]
+    fn the_used_page_count_follows_the_entries() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let n = 40 * PAGE_ENTRIES as u64;
+        // 2^20 + 64 codes: 21-bit entries, which straddle words.
+        let m = Map::new(n, 1 << 20, 64);
+        for i in 0..200_000 {
+            // Few LBAs per page, so that pages empty out and fill again.
+            let lba = rng.gen_range(0..40) * PAGE_ENTRIES as u64 + rng.gen_range(0..4) * 331;
+            let e = match rng.gen_range(0..4) {
+                0 => UNMAPPED,
+                1 => encode_buffer(rng.gen_range(0..64)),
+                _ => encode_device(Pba(rng.gen_range(0..1 << 20))),
+            };
+            m.store(Lba(lba), e);
+            if i % 1000 == 0 {
+                assert_eq!(
+                    m.used_page_count(),
+                    m.used_pages().len() as u64,
+                    "store {i}"
+                );
+            }
+        }
+        assert_eq!(m.used_page_count(), m.used_pages().len() as u64);
+        let c = Map::new(n, 1 << 20, 64);
+        c.copy_entries_from(&m);
+        assert_eq!(c.used_page_count(), m.used_page_count());
     }
 
     /// Runs follow the entries exactly, across made and never-made pages, and stop

@@ -88,8 +88,9 @@ pub(crate) struct Space {
     pub maps_extra: u64,
     /// Map pages one checkpoint has room for without `maps_extra`.
     ckpt_room: u64,
-    /// The pages the last checkpoint wrote, as changed since by new snapshots and
-    /// deletions.
+    /// The pages the last checkpoint wrote (and those requests admitted then
+    /// would start), as changed since by new snapshots and deletions and the
+    /// pages admitted writes start (see `admit`).
     pub map_pages: u64,
     /// Refuse writes beyond `usable` (off in simulations).
     enforce: bool,
@@ -209,12 +210,21 @@ impl Space {
         )
     }
 
-    /// ENOSPC unless `new_blocks` more mapped blocks fit (counted as refused).
-    /// Overwrites (`new_blocks == 0`) are always admitted: they take no room.
-    pub fn admit(&mut self, new_blocks: u64) -> Result<(), EngineError> {
-        if self.enforce && new_blocks > 0 && self.in_use_blocks() + new_blocks > self.usable {
+    /// ENOSPC unless `new_blocks` more mapped blocks fit, with the `new_pages`
+    /// map pages they start (counted as refused). Overwrites (`new_blocks == 0`)
+    /// are always admitted: they take no room. Admitted pages count at once (in
+    /// `map_pages`), not only from the next checkpoint: scattered writes to a
+    /// thin volume make a page each, which every checkpoint writes, and the
+    /// checkpoint after a run of them could otherwise find no room
+    /// (`scattered_writes_to_a_thin_volume_leave_room_for_their_checkpoint`).
+    pub fn admit(&mut self, new_blocks: u64, new_pages: u64) -> Result<(), EngineError> {
+        let extra = self.maps_extra_for(self.map_pages + new_pages);
+        if self.enforce && new_blocks > 0 && self.live + extra + new_blocks > self.usable {
             self.refused += 1;
             return Err(EngineError::NoSpace(self.in_use()));
+        }
+        if new_pages > 0 {
+            self.set_map_pages(self.map_pages + new_pages);
         }
         Ok(())
     }
@@ -222,7 +232,7 @@ impl Space {
     fn in_use(&self) -> String {
         let maps = if self.maps_extra > 0 {
             format!(
-                " (of them {} by the maps of snapshots and clones in the checkpoints)",
+                " (of them {} by the volumes' maps in the checkpoints: snapshots and clones, or writes scattered over a thin volume)",
                 self.maps_extra
             )
         } else {
@@ -392,13 +402,15 @@ mod tests {
     fn writes_beyond_the_usable_capacity_are_refused_unless_not_enforced() {
         let mut s = Space::new(100, true, None, None, 64);
         s.mapped(90);
-        assert!(s.admit(10).is_ok());
-        let e = s.admit(11).unwrap_err();
+        assert!(s.admit(10, 0).is_ok());
+        let e = s.admit(11, 0).unwrap_err();
         assert!(matches!(e, EngineError::NoSpace(_)), "{e}");
         assert!(e.to_string().contains("90 of 100"), "{e}");
         s.unmapped(50);
-        assert!(s.admit(60).is_ok());
-        assert!(Space::new(100, false, None, None, 64).admit(1000).is_ok());
+        assert!(s.admit(60, 0).is_ok());
+        assert!(Space::new(100, false, None, None, 64)
+            .admit(1000, 0)
+            .is_ok());
     }
 
     /// Crossing a threshold is reported once each way, downwards only 1% below
@@ -429,11 +441,11 @@ mod tests {
         assert_eq!(crossed(&mut s, 0), Some((Fullness::Critical, Fullness::Ok)));
         // Refused writes: the first at once, then at most every 10 s.
         s.mapped(520);
-        assert!(s.admit(1).is_err() && s.admit(2).is_err());
+        assert!(s.admit(1, 0).is_err() && s.admit(2, 0).is_err());
         assert_eq!(s.report(1_000).refused, Some(2));
-        assert!(s.admit(1).is_err());
+        assert!(s.admit(1, 0).is_err());
         assert_eq!(s.report(5_000).refused, None);
-        assert!(s.admit(1).is_err());
+        assert!(s.admit(1, 0).is_err());
         assert_eq!(s.report(11_000).refused, Some(2));
         assert_eq!(s.report(30_000).refused, None);
         s.set_thresholds(0.5, 0.6);

@@ -156,8 +156,9 @@ pub struct StatusReport {
     /// Live data the array accepts before writes fail with ENOSPC.
     pub usable_bytes: u64,
     pub live_bytes: u64,
-    /// What the maps of snapshots and clones take in the checkpoints beyond the
-    /// room the usable capacity leaves them: in use as much as `live_bytes` (the
+    /// What the volumes' maps take in the checkpoints beyond the room the usable
+    /// capacity leaves them (snapshots' and clones', or pages of writes
+    /// scattered over a thin volume): in use as much as `live_bytes` (the
     /// fullness level and ENOSPC count both).
     pub maps_bytes: u64,
     /// The volumes' sizes together (above `usable_bytes`: thin, overcommitted).

@@ -586,7 +586,7 @@ fn snapshots_of_a_full_array_are_refused_before_their_maps_fill_it() {
         }
     };
     assert!(
-        err.contains("no space") && err.contains("maps of snapshots"),
+        err.contains("no space") && err.contains("volumes' maps"),
         "{err}"
     );
     assert!((5..63).contains(&n), "{n} snapshots before the refusal");

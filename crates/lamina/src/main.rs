@@ -220,8 +220,9 @@ and per volume. Asks the running server through its admin socket; for a stopped
 array it recovers the state read-only from the devices.
 
 With --json the keys are a stable interface: capacity_bytes, usable_bytes,
-live_bytes, maps_bytes (what the maps of snapshots and clones take in the checkpoints
-beyond the room usable_bytes leaves them: in use as live data is), volume_ids_left (ids left of 65535: every volume, snapshot, clone and
+live_bytes, maps_bytes (what the volumes' maps take in the checkpoints beyond the room
+usable_bytes leaves them, from snapshots and clones or writes scattered over a thin
+volume: in use as live data is), volume_ids_left (ids left of 65535: every volume, snapshot, clone and
 rollback holds one until it is deleted), segment_count, used_segments, free_segments,
 user_bytes_written, media_bytes_written, gc_bytes_relocated, metadata_bytes_written,
 write_amplification, gc_floor_waits (times user writes waited at the user floor

@@ -195,10 +195,10 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
             s.wear_spread * 100.0
         );
     }
-    // The maps of snapshots and clones beyond the checkpoints' room count as in
-    // use (see `maps_bytes`): shown only when there is some.
+    // The volumes' maps beyond the checkpoints' room count as in use (see
+    // `maps_bytes`): shown only when there is some.
     let maps = if s.maps_bytes > 0 {
-        format!(" + snapshot maps {}", human(s.maps_bytes))
+        format!(" + maps {}", human(s.maps_bytes))
     } else {
         String::new()
     };
@@ -577,8 +577,9 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
         s.usable_bytes as f64,
     );
     e.one("live_bytes", "gauge", "Live data.", s.live_bytes as f64);
-    let help = "What the maps of snapshots and clones take in the checkpoints beyond \
-                the room usable_bytes leaves them (in use, as live data is).";
+    let help = "What the volumes' maps (snapshots and clones, writes scattered over \
+                thin volumes) take in the checkpoints beyond the room usable_bytes \
+                leaves them (in use, as live data is).";
     e.one("maps_bytes", "gauge", help, s.maps_bytes as f64);
     let help = "The volumes' sizes together (above usable_bytes: overcommitted).";
     e.one("promised_bytes", "gauge", help, s.promised_bytes as f64);

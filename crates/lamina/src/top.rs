@@ -198,7 +198,7 @@ fn render(old: &Sample, new: &Sample) -> String {
     use std::fmt::Write as _;
     let _ = writeln!(
         o,
-        "live {} of {} usable ({:.1}% in use, snapshot maps included)   free segments {}   write amplification {:.2}   connections {}",
+        "live {} of {} usable ({:.1}% in use, maps included)   free segments {}   write amplification {:.2}   connections {}",
         human(g("lamina_live_bytes") as u64),
         human(g("lamina_usable_bytes") as u64),
         100.0 * (g("lamina_live_bytes") + g("lamina_maps_bytes")) / g("lamina_usable_bytes").max(1.0),
