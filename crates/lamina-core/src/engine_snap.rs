@@ -153,7 +153,7 @@ impl Engine {
         // would not fit beside the data (taking snapshots of a full array used
         // to leave a checkpoint waiting for segments nothing would free).
         // (The copy is of exactly the origin's pages in use.)
-        let from_pages = from.shared.map.used_pages().len() as u64;
+        let from_pages = from.shared.map.used_page_count();
         self.space.admit_maps(from_pages)?;
         let id = self.next_volume_id()?;
         let placement = self.placement_for(name, size_bytes / BLOCK_SIZE_U64, None);
@@ -227,7 +227,7 @@ impl Engine {
         }
         // GC and user writes wait for the checkpoint: it must fit in what is free,
         // every map page written (the volume's pages become the snapshot's).
-        let pages = self.used_map_pages() + self.vol(snap).shared.map.used_pages().len() as u64;
+        let pages = self.used_map_pages() + self.vol(snap).shared.map.used_page_count();
         let need =
             self.user_floor() as u64 + pages.div_ceil(self.geo.data_blocks_per_segment()) + 2;
         if (self.segments.free.len() as u64) < need {

@@ -133,7 +133,7 @@ impl Engine {
             .iter()
             .flatten()
             .filter(|v| v.deleting.is_none())
-            .map(|v| v.shared.map.used_pages().len() as u64)
+            .map(|v| v.shared.map.used_page_count())
             .sum()
     }
 

@@ -221,6 +221,26 @@ struct UnitEntry {
 /// (it is made as each unit's write completes).
 type UnitCrcs = Arc<[UnitEntry]>;
 
+thread_local! {
+    /// A reader thread's buffer for the unit headers it reads (on checksum-cache
+    /// misses), kept so that a miss allocates only the cache entry.
+    static HEADER_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on a zeroed buffer of `blocks` header blocks: the thread's own (a
+/// fresh one if `f` re-enters).
+fn with_header_buf<R>(blocks: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    let len = blocks * BLOCK_SIZE;
+    HEADER_BUF.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut b) => {
+            b.clear();
+            b.resize(len, 0);
+            f(&mut b)
+        }
+        Err(_) => f(&mut vec![0u8; len]),
+    })
+}
+
 /// (segment, incarnation, unit offset) of a cached unit header.
 type UnitKey = (u32, u64, u32);
 type CrcShard = Mutex<HashMap<UnitKey, UnitCrcs>>;
@@ -998,14 +1018,17 @@ impl Shared {
             return Ok(false);
         };
         if self.crc_cache.get(&key).is_none() {
-            // The header is likely at hand too (a miss costs one allocation per
-            // unit, not per request).
-            let mut hdr = vec![0u8; self.geo.header_blocks as usize * BLOCK_SIZE];
+            // The header is likely at hand too (a miss costs the cache entry's
+            // allocation, once per unit).
             let (hdev, hoff) = self.geo.locate(seg, unit_start);
-            if !self.devices[hdev].try_read_at(&mut hdr, hoff)? {
-                return Ok(false);
-            }
-            let Ok(c) = self.parse_unit_crcs(seg, unit_start, incarnation, &hdr) else {
+            let blocks = self.geo.header_blocks as usize;
+            let parsed: Result<Option<UnitCrcs>, ReadError> = with_header_buf(blocks, |hdr| {
+                if !self.devices[hdev].try_read_at(hdr, hoff)? {
+                    return Ok(None);
+                }
+                Ok(self.parse_unit_crcs(seg, unit_start, incarnation, hdr).ok())
+            });
+            let Some(c) = parsed? else {
                 return Ok(false);
             };
             self.read_stats
@@ -1296,14 +1319,14 @@ impl Shared {
         without: Option<usize>,
     ) -> Result<UnitCrcs, ReadError> {
         let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
-        let h = self.geo.header_blocks as usize;
-        let mut hdr = vec![0u8; h * BLOCK_SIZE];
         let (dev, byte_off) = self.geo.locate(seg, unit_start);
-        match (without, self.parity_at(dev)) {
-            (Some(m), Some(st)) => st.read_without(&mut hdr, byte_off, m)?,
-            _ => self.devices[dev].read_at(&mut hdr, byte_off)?,
-        }
-        self.parse_unit_crcs(seg, unit_start, incarnation, &hdr)
+        with_header_buf(self.geo.header_blocks as usize, |hdr| {
+            match (without, self.parity_at(dev)) {
+                (Some(m), Some(st)) => st.read_without(hdr, byte_off, m)?,
+                _ => self.devices[dev].read_at(hdr, byte_off)?,
+            }
+            self.parse_unit_crcs(seg, unit_start, incarnation, hdr)
+        })
     }
 
     /// Caches the checksums of the unit at `unit_start` of `seg` from its header as
