@@ -794,16 +794,18 @@ impl Shared {
     }
 
     /// Finishes a read [`Shared::read_start`] started: `result` is what reading
-    /// `read` into `buf` returned (bytes read). Releases the read's pin. A read
-    /// that failed, came back short or does not verify is read again the way that
-    /// waits ([`Shared::read_blocks`]: parity rebuild, error reports).
+    /// `read` into `buf` returned (bytes read). Releases the read's pin. True when
+    /// `buf` holds the data; false for a read that failed, came back short or
+    /// does not verify, which the caller reads again the way that waits
+    /// ([`Shared::read`]: parity rebuild, error reports), off the thread that
+    /// must not wait.
     pub fn read_finish(
         &self,
         vol: &VolumeShared,
         read: DeviceRead,
         buf: &mut [u8],
         result: std::io::Result<usize>,
-    ) -> Result<(), ReadError> {
+    ) -> bool {
         let DeviceRead {
             seg,
             seg_off,
@@ -825,7 +827,7 @@ impl Shared {
                 .is_ok();
         self.seg_pins.unpin(seg.0);
         if !ok {
-            return self.read_blocks(vol, first_lba, buf);
+            return false;
         }
         let mut tally = ReadTally::default();
         self.count_read(
@@ -839,7 +841,7 @@ impl Shared {
         self.read_stats
             .device_reads_async
             .fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        true
     }
 
     /// How many blocks from `lba` (whose entry `e` names block `seg_off` of its

@@ -10,6 +10,6 @@ pub mod tls;
 
 pub use server::{
     serve, serve_connection, Backend, Command, Completion, Conn, DeviceRead, ExportInfo, Extent,
-    Listener, ReadPool, ReadStart, MAX_EXTENTS,
+    Finished, Listener, ReadPool, ReadStart, MAX_EXTENTS,
 };
 pub use tls::TlsPolicy;

@@ -137,6 +137,17 @@ pub enum ReadStart {
     Wait,
 }
 
+/// What [`Backend::finish_read`] made of a device read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// Served: the buffer holds the data, or the read failed (with this error).
+    Done(Result<(), u32>),
+    /// Needs more than a check (it failed, or does not verify: to be read again,
+    /// rebuilt, reported): the request goes to a read thread as a plain
+    /// [`Backend::read`], so that the connection's other reads go on meanwhile.
+    Again,
+}
+
 /// What serves the data.
 pub trait Backend: Send + Sync + 'static {
     type Export: Send + Sync + 'static;
@@ -177,18 +188,18 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Finishes a read [`Backend::start_read`] started: `result` is what the
     /// device read of `read` into `buf` returned (bytes read). Called exactly once
-    /// for every [`ReadStart::Device`], on the reader thread: whatever the read
-    /// held (a pin) is released here, and a read that failed or does not verify is
-    /// dealt with here (read again, rebuilt, reported), waiting if it must.
+    /// for every [`ReadStart::Device`], on the reader thread, which must not wait:
+    /// whatever the read held (a pin) is released here, and a read that failed or
+    /// does not verify is [`Finished::Again`] (read again on a read thread).
     fn finish_read(
         &self,
         export: &Self::Export,
         read: DeviceRead,
         buf: &mut [u8],
         result: io::Result<usize>,
-    ) -> Result<(), u32> {
+    ) -> Finished {
         let _ = (export, read, buf, result);
-        Err(EIO)
+        Finished::Done(Err(EIO))
     }
     /// The allocation status of the export from `offset` on (the `base:allocation`
     /// metadata context: [`STATE_HOLE`], [`STATE_ZERO`]), appended to `out` as at
@@ -1504,7 +1515,29 @@ fn transmission<B: Backend>(
     // Finished reads wait here to be answered together (`reply`).
     let done = RefCell::new(Vec::<ReadDone>::with_capacity(MAX_INFLIGHT));
     let finished = |slot: u16, offset: u64, read: DeviceRead, mut buf: Vec<u8>, res| {
-        let result = backend.finish_read(export, read, &mut buf, res);
+        let result = match backend.finish_read(export, read, &mut buf, res) {
+            Finished::Done(result) => result,
+            Finished::Again => {
+                // Read again where waiting is fine (a connection with a ring
+                // has a read pool); the job answers it.
+                let job = ReadJob {
+                    export: export.clone(),
+                    offset,
+                    slot,
+                    buf,
+                    sink: sink.clone(),
+                };
+                match reads.map(|pool| pool.jobs.send(job)) {
+                    Some(Ok(())) => return,
+                    Some(Err(e)) => {
+                        let job = e.into_inner();
+                        buf = job.buf;
+                    }
+                    None => unreachable!("a device read without a read pool"),
+                }
+                Err(EIO)
+            }
+        };
         done.borrow_mut().push(ReadDone {
             slot,
             offset,

@@ -12,7 +12,7 @@ mod common;
 use lamina_nbd::client::Client;
 use lamina_nbd::proto::{CMD_READ, EIO};
 use lamina_nbd::server::ReplySink;
-use lamina_nbd::{Backend, Command, Completion, DeviceRead, ExportInfo, ReadStart};
+use lamina_nbd::{Backend, Command, Completion, DeviceRead, ExportInfo, Finished, ReadStart};
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::io::{AsRawFd, FromRawFd};
@@ -60,13 +60,13 @@ impl Backend for Piped {
         read: DeviceRead,
         buf: &mut [u8],
         result: std::io::Result<usize>,
-    ) -> Result<(), u32> {
+    ) -> Finished {
         assert_eq!(read.tag[1], 7, "the tag comes back as it was given");
         self.finished.fetch_add(1, Ordering::SeqCst);
-        match result {
+        Finished::Done(match result {
             Ok(n) if n == buf.len() => Ok(()),
             _ => Err(EIO),
-        }
+        })
     }
     fn submit(&self, _: &(), handle: u64, _: Command, reply: &Arc<ReplySink>) {
         reply.complete(&mut vec![Completion {
@@ -147,4 +147,99 @@ fn one_connection_keeps_its_device_reads_in_flight() {
     wait_for("every read finished", || {
         backend.finished.load(Ordering::SeqCst) == N + 8
     });
+}
+
+/// Like [`Piped`], but the read at offset 0 does not verify (`Finished::Again`):
+/// it is read again by `read`, which waits until every other read has finished.
+struct Retried {
+    piped: Piped,
+    /// The thread `read` ran on.
+    read_on: std::sync::Mutex<Option<String>>,
+}
+
+const RETRIED: u8 = 0xcd;
+
+impl Backend for Retried {
+    type Export = ();
+    fn exports(&self) -> Vec<ExportInfo> {
+        self.piped.exports()
+    }
+    fn open_export(&self, name: &str) -> Option<((), ExportInfo)> {
+        self.piped.open_export(name)
+    }
+    fn read(&self, _: &(), offset: u64, buf: &mut [u8]) -> Result<(), u32> {
+        assert_eq!(offset, 0, "only the retried read is read again");
+        *self.read_on.lock().unwrap() = std::thread::current().name().map(String::from);
+        // Were this the reader's thread, the other reads could not finish.
+        let t0 = Instant::now();
+        while self.piped.finished.load(Ordering::SeqCst) < 9 {
+            if t0.elapsed() > Duration::from_secs(5) {
+                return Err(EIO);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        buf.fill(RETRIED);
+        Ok(())
+    }
+    fn device_reads(&self) -> bool {
+        true
+    }
+    fn start_read(&self, e: &(), offset: u64, buf: &mut [u8]) -> ReadStart {
+        self.piped.start_read(e, offset, buf)
+    }
+    fn finish_read(
+        &self,
+        e: &(),
+        read: DeviceRead,
+        buf: &mut [u8],
+        result: std::io::Result<usize>,
+    ) -> Finished {
+        let offset = read.tag[0];
+        let f = self.piped.finish_read(e, read, buf, result);
+        if offset == 0 {
+            Finished::Again
+        } else {
+            f
+        }
+    }
+    fn submit(&self, e: &(), handle: u64, cmd: Command, reply: &Arc<ReplySink>) {
+        self.piped.submit(e, handle, cmd, reply)
+    }
+}
+
+/// A read that fails or does not verify is read again on a read thread: the
+/// connection's other reads are finished and answered meanwhile (the read again
+/// waits for them, which it could not do on the connection's reader).
+#[test]
+fn a_read_that_does_not_verify_is_read_again_off_the_reader() {
+    let (rx, mut tx) = pipe();
+    let backend = Arc::new(Retried {
+        piped: Piped {
+            rx,
+            started: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+        },
+        read_on: Default::default(),
+    });
+    let (sock, _stop) = common::serve_unix(backend.clone(), "ring-retried");
+    let mut c = Client::connect_unix(&sock, "v").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let n = 9;
+    let handles: Vec<u64> = (0..n)
+        .map(|i| c.send(CMD_READ, 0, i as u64 * 4096, 4096, &[]).unwrap())
+        .collect();
+    c.push().unwrap();
+    feed(&mut tx, n);
+    for _ in 0..n {
+        let r = c.recv().unwrap();
+        assert_eq!(r.error, 0, "handle {}", r.handle);
+        let want = if r.handle == handles[0] {
+            RETRIED
+        } else {
+            FILL
+        };
+        assert!(r.data.len() == 4096 && r.data.iter().all(|&b| b == want));
+    }
+    let on = backend.read_on.lock().unwrap().clone().unwrap_or_default();
+    assert!(on.starts_with("nbd-read"), "read again on thread {on:?}");
 }

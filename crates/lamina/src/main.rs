@@ -1531,7 +1531,9 @@ fn offline_all(dir: &Path, reqs: impl IntoIterator<Item = Request>) -> Result<()
     )?;
     for req in reqs {
         let token = lamina_core::Token { conn: 0, handle: 1 };
-        match lamina_core::call_inline(&mut engine, token, req, 1) {
+        // A few rounds: what waits on the clock (a rollback waiting for GC to
+        // free space, refused after a minute) gets its answer rather than none.
+        match lamina_core::call_inline(&mut engine, token, req, 3) {
             Some(r) => r.result?,
             None => bail!("request did not complete"),
         }

@@ -604,7 +604,7 @@ impl Backend for LaminaBackend {
         read: DeviceRead,
         buf: &mut [u8],
         result: std::io::Result<usize>,
-    ) -> Result<(), u32> {
+    ) -> lamina_nbd::Finished {
         let vol = &export.vol;
         let d = lamina_core::DeviceRead {
             fd: read.fd,
@@ -614,11 +614,13 @@ impl Backend for LaminaBackend {
             seg_off: read.tag[0] as u32,
             first_lba: lamina_core::Lba(read.tag[1]),
         };
-        let offset = d.first_lba.0 * lamina_core::BLOCK_SIZE as u64;
-        self.rt
-            .shared
-            .read_finish(vol, d, buf, result)
-            .map_err(|e| read_failed(vol, offset, buf.len(), e))
+        // Failed or damaged: read again on a read thread (`read`, which
+        // rebuilds and reports), so that the connection's other reads go on.
+        if self.rt.shared.read_finish(vol, d, buf, result) {
+            lamina_nbd::Finished::Done(Ok(()))
+        } else {
+            lamina_nbd::Finished::Again
+        }
     }
 
     /// NBD_CMD_CACHE: the device blocks of the range are read ahead into the page
