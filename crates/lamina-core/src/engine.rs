@@ -905,6 +905,22 @@ impl Engine {
     }
 
     pub fn submit(&mut self, token: Token, req: Request) {
+        // Shutting down: the final checkpoint is under way, and what would need
+        // one of its own after it is refused (flushes and checkpoints are served;
+        // writes are refused by `check_io`, rollbacks by `request_rollback`).
+        if self.shutting_down
+            && matches!(
+                req,
+                Request::CreateVolume { .. }
+                    | Request::DeleteVolume { .. }
+                    | Request::ResizeVolume { .. }
+                    | Request::RenameVolume { .. }
+                    | Request::CreateSnapshot { .. }
+                    | Request::ReplaceMember { .. }
+            )
+        {
+            return self.reply(token, Err(EngineError::ShuttingDown), None);
+        }
         match req {
             Request::Write {
                 volume,
@@ -1376,9 +1392,9 @@ impl Engine {
         self.end_rollback_wait(Some(EngineError::Failed(msg)));
     }
 
-    /// The server is shutting down: writes and rollbacks are refused from now on
-    /// (a rollback waiting for free space included), so that nothing starts
-    /// after the final checkpoint.
+    /// The server is shutting down: writes, rollbacks and the requests that change
+    /// volumes or members are refused from now on (a rollback waiting for free
+    /// space included), so that nothing starts after the final checkpoint.
     pub fn begin_shutdown(&mut self) {
         self.shutting_down = true;
         self.end_rollback_wait(Some(EngineError::ShuttingDown));

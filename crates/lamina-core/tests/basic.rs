@@ -1027,3 +1027,51 @@ fn scattered_writes_to_a_thin_volume_leave_room_for_their_checkpoint() {
     lamina_core::fsck::check(&e, true, &mut r);
     assert!(r.findings.is_empty(), "fsck: {:?}", r.findings);
 }
+
+/// Once the server begins to shut down, what would need a checkpoint after the
+/// final one is refused with ESHUTDOWN (writes, new volumes, snapshots); flushes
+/// and the final checkpoint are served, and what was written before is kept.
+#[test]
+fn after_shutdown_begins_only_flushes_and_checkpoints_are_served() {
+    let d: Arc<dyn BlockDevice> = Arc::new(MemDevice::new("mem0", device_bytes(64)));
+    let devs = vec![d];
+    format_devices(&devs, &small_params());
+    let mut e = open_rw(&devs, small_config());
+    let v = create_volume(&mut e, "v", 1 << 20);
+    write_block(&mut e, v, 3, 1, false).unwrap();
+    e.begin_shutdown();
+    let refused = |r: Result<(), lamina_core::EngineError>| {
+        assert!(
+            matches!(r, Err(lamina_core::EngineError::ShuttingDown)),
+            "{r:?}"
+        )
+    };
+    refused(write_block(&mut e, v, 4, 1, false));
+    refused(
+        call(
+            &mut e,
+            Request::CreateVolume {
+                name: "w".into(),
+                size_bytes: 1 << 20,
+            },
+        )
+        .result,
+    );
+    refused(
+        call(
+            &mut e,
+            Request::CreateSnapshot {
+                origin: "v".into(),
+                name: "s".into(),
+                writable: false,
+            },
+        )
+        .result,
+    );
+    call(&mut e, Request::Flush).result.unwrap();
+    call(&mut e, Request::Checkpoint).result.unwrap();
+    drop(e);
+    let e = open_rw(&devs, small_config());
+    assert_eq!(decode_pattern(3, &read_block(&e, v, 3)), Ok(1));
+    assert!(e.shared().volume("w").is_none() && e.shared().volume("s").is_none());
+}
