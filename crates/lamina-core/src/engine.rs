@@ -478,6 +478,44 @@ pub(crate) enum Pending {
     },
 }
 
+impl Pending {
+    /// The volume the request names, the bytes of it the request covers, and
+    /// whether it was admitted against the usable space yet.
+    pub(crate) fn span(&self) -> (VolumeId, std::ops::Range<u64>, bool) {
+        match self {
+            Pending::Write {
+                volume,
+                offset,
+                data,
+                checked_space,
+                ..
+            } => (
+                *volume,
+                *offset..*offset + data.len() as u64,
+                *checked_space,
+            ),
+            Pending::Zero {
+                volume,
+                offset,
+                length,
+                checked_space,
+                ..
+            } => (*volume, *offset..*offset + *length, *checked_space),
+            Pending::Blocks {
+                volume,
+                lba,
+                count,
+                checked_space,
+                ..
+            } => (
+                *volume,
+                lba.0 * BLOCK_SIZE_U64..(lba.0 + *count) * BLOCK_SIZE_U64,
+                *checked_space,
+            ),
+        }
+    }
+}
+
 /// Resources a step could not get; the request waits and is retried.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Blocked;

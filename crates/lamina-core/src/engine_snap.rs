@@ -38,8 +38,13 @@ pub(crate) struct RollbackWait {
 pub(crate) enum Rolled {
     /// Done: the checkpoint to make it durable is due.
     Done,
-    /// Nothing yet: its checkpoint needs this many free segments.
-    NeedsSegments(usize),
+    /// Nothing yet: its checkpoint needs `need` free segments. The volume and
+    /// the snapshot it found (ids and creation versions).
+    NeedsSegments {
+        need: usize,
+        vol: (VolumeId, Version),
+        snap: (VolumeId, Version),
+    },
 }
 
 /// The most volumes a family may have, whatever the geometry: beyond a few dozen,
@@ -231,7 +236,12 @@ impl Engine {
         let need =
             self.user_floor() as u64 + pages.div_ceil(self.geo.data_blocks_per_segment()) + 2;
         if (self.segments.free.len() as u64) < need {
-            return Ok(Rolled::NeedsSegments(need as usize));
+            let named = |v: VolumeId| (v, self.vol(v).created_version);
+            return Ok(Rolled::NeedsSegments {
+                need: need as usize,
+                vol: named(id),
+                snap: named(snap),
+            });
         }
         let ghost = self.next_volume_id()?;
         self.start_flush();
@@ -282,7 +292,7 @@ impl Engine {
         }
         match self.rollback(&name, &snapshot) {
             Ok(Rolled::Done) => self.start_checkpoint(Some(token)),
-            Ok(Rolled::NeedsSegments(need)) => {
+            Ok(Rolled::NeedsSegments { need, vol, snap }) => {
                 let free = self.segments.free.len();
                 // What GC could free at most: the dead blocks of closed segments.
                 let per_seg = self.geo.data_blocks_per_segment().max(1);
@@ -296,15 +306,6 @@ impl Engine {
                 tracing::info!(
                     "rollback of volume {name:?} to {snapshot:?} waits for garbage collection to free {need} segments ({free} free)"
                 );
-                let ids = |n: &str| {
-                    let v =
-                        self.volumes.iter().flatten().find(|v| {
-                            *v.shared.name() == *n && v.deleting.is_none() && v.published
-                        });
-                    let v = v.expect("rollback() found it");
-                    (v.shared.id, v.created_version)
-                };
-                let (vol, snap) = (ids(&name), ids(&snapshot));
                 self.vol_mut(vol.0).rollback_waiting = true;
                 self.space.set_reserve(need);
                 self.rollback_wait = Some(RollbackWait {

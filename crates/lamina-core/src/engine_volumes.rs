@@ -65,11 +65,7 @@ impl Engine {
 
     /// Refuses a change to volume `id` while requests of it wait in the engine.
     pub(crate) fn check_no_requests(&self, name: &str, id: VolumeId) -> Result<(), EngineError> {
-        if self.pending.iter().any(|p| match p {
-            Pending::Write { volume, .. }
-            | Pending::Zero { volume, .. }
-            | Pending::Blocks { volume, .. } => *volume == id,
-        }) {
+        if self.pending.iter().any(|p| p.span().0 == id) {
             return Err(EngineError::Invalid(format!(
                 "volume {name:?} has requests in progress"
             )));
@@ -84,41 +80,12 @@ impl Engine {
         let per = crate::map::PAGE_ENTRIES as u64;
         self.pending
             .iter()
-            .filter_map(|p| match p {
-                Pending::Write {
-                    volume,
-                    offset,
-                    data,
-                    checked_space: true,
-                    ..
-                } => Some((
-                    *volume,
-                    *offset / BLOCK_SIZE_U64,
-                    (*offset + data.len() as u64).div_ceil(BLOCK_SIZE_U64),
-                )),
-                Pending::Zero {
-                    volume,
-                    offset,
-                    length,
-                    checked_space: true,
-                    ..
-                } => Some((
-                    *volume,
-                    *offset / BLOCK_SIZE_U64,
-                    (*offset + *length).div_ceil(BLOCK_SIZE_U64),
-                )),
-                Pending::Blocks {
-                    volume,
-                    lba,
-                    count,
-                    checked_space: true,
-                    ..
-                } => Some((*volume, lba.0, lba.0 + *count)),
-                _ => None,
-            })
-            .filter_map(|(volume, start, end)| {
+            .map(Pending::span)
+            .filter(|&(_, _, admitted)| admitted)
+            .filter_map(|(volume, bytes, _)| {
                 let map = &self.volumes.get(volume.0 as usize)?.as_ref()?.shared.map;
-                let pages = (start / per..end.div_ceil(per))
+                let blocks = bytes.start / BLOCK_SIZE_U64..bytes.end.div_ceil(BLOCK_SIZE_U64);
+                let pages = (blocks.start / per..blocks.end.div_ceil(per))
                     .filter(|&page| !map.page_used(Lba(page * per)))
                     .count();
                 Some(pages as u64)
@@ -575,23 +542,9 @@ impl Engine {
             // tail (the map would no longer have room for them); elsewhere they
             // may go on.
             let id = vol.shared.id;
-            let bs = BLOCK_SIZE_U64;
-            if self.pending.iter().any(|p| match p {
-                Pending::Write {
-                    volume,
-                    offset,
-                    data,
-                    ..
-                } => *volume == id && offset + data.len() as u64 > size_bytes,
-                Pending::Zero {
-                    volume,
-                    offset,
-                    length,
-                    ..
-                } => *volume == id && offset + length > size_bytes,
-                Pending::Blocks {
-                    volume, lba, count, ..
-                } => *volume == id && (lba.0 + count) * bs > size_bytes,
+            if self.pending.iter().any(|p| {
+                let (volume, bytes, _) = p.span();
+                volume == id && bytes.end > size_bytes
             }) {
                 return Err(EngineError::Invalid(format!(
                     "volume {name:?} has requests in progress beyond {size_bytes} bytes"

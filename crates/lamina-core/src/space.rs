@@ -81,11 +81,6 @@ pub(crate) struct Space {
     /// Blocks the volumes may map in all, and blocks mapped now.
     pub usable: u64,
     pub live: u64,
-    /// Blocks the checkpoints take beyond the room `usable` leaves them: every
-    /// checkpoint writes every volume's map (snapshots and clones included), and
-    /// the one before stays until it commits. Counted as in use, so that writes
-    /// and new snapshots are refused before a checkpoint could find no room.
-    pub maps_extra: u64,
     /// Map pages one checkpoint has room for without `maps_extra`.
     ckpt_room: u64,
     /// The pages the last checkpoint wrote (and those requests admitted then
@@ -123,7 +118,6 @@ impl Space {
         let mut s = Space {
             usable,
             live: 0,
-            maps_extra: 0,
             ckpt_room: u64::MAX,
             map_pages: 0,
             enforce,
@@ -166,7 +160,15 @@ impl Space {
     /// Blocks counted as in use against `usable`: the mapped ones and the maps'
     /// extra room in the checkpoints.
     pub fn in_use_blocks(&self) -> u64 {
-        self.live + self.maps_extra
+        self.live + self.maps_extra()
+    }
+
+    /// Blocks the checkpoints take beyond the room `usable` leaves them: every
+    /// checkpoint writes every volume's map (snapshots and clones included), and
+    /// the one before stays until it commits. Counted as in use, so that writes
+    /// and new snapshots are refused before a checkpoint could find no room.
+    pub fn maps_extra(&self) -> u64 {
+        self.maps_extra_for(self.map_pages)
     }
 
     /// The fullness level now (the maps' room counts: writes of new blocks are
@@ -230,10 +232,10 @@ impl Space {
     }
 
     fn in_use(&self) -> String {
-        let maps = if self.maps_extra > 0 {
+        let maps = if self.maps_extra() > 0 {
             format!(
                 " (of them {} by the volumes' maps in the checkpoints: snapshots and clones, or writes scattered over a thin volume)",
-                self.maps_extra
+                self.maps_extra()
             )
         } else {
             String::new()
@@ -258,7 +260,6 @@ impl Space {
     /// The volumes' maps are `pages` pages now (see `maps_extra`).
     pub fn set_map_pages(&mut self, pages: u64) {
         self.map_pages = pages;
-        self.maps_extra = self.maps_extra_for(pages);
     }
 
     /// ENOSPC unless `more` map pages fit beside the mapped blocks (a new
@@ -270,7 +271,7 @@ impl Space {
             return Err(EngineError::NoSpace(format!(
                 "{}; the checkpoints would need {} more blocks for the new map",
                 self.in_use(),
-                extra.saturating_sub(self.maps_extra)
+                extra.saturating_sub(self.maps_extra())
             )));
         }
         Ok(())

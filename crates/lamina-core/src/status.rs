@@ -461,7 +461,7 @@ impl Engine {
             capacity_bytes: self.geo.usable_segments() as u64 * self.geo.segment_blocks as u64 * bs,
             usable_bytes: self.space.usable * bs,
             live_bytes: self.space.live * bs,
-            maps_bytes: self.space.maps_extra * bs,
+            maps_bytes: self.space.maps_extra() * bs,
             promised_bytes: self.promised_bytes(),
             volume_ids_left: self.volume_ids_left(),
             space_state: self.space.fullness().name().into(),

@@ -948,6 +948,35 @@ impl<B: Backend> ReadPool<B> {
         }
         Ok(Arc::new(ReadPool { jobs: tx }))
     }
+
+    /// Runs a read of `buf.len()` bytes at `offset` on a read thread, which
+    /// answers it. False when the read threads are gone: the read is answered
+    /// with EIO here, giving its slot back (or the connection's end would wait
+    /// for it for ever).
+    fn hand_over(
+        &self,
+        export: &Arc<B::Export>,
+        offset: u64,
+        slot: u16,
+        buf: Vec<u8>,
+        sink: &Arc<ReplySink>,
+    ) -> bool {
+        let job = ReadJob {
+            export: export.clone(),
+            offset,
+            slot,
+            buf,
+            sink: sink.clone(),
+        };
+        match self.jobs.send(job) {
+            Ok(()) => true,
+            Err(e) => {
+                let job = e.into_inner();
+                sink.complete_read(job.slot, job.offset, Err(EIO), job.buf);
+                false
+            }
+        }
+    }
 }
 
 /// Returns a read's share of the global budget when the read is done (or fails).
@@ -1519,23 +1548,10 @@ fn transmission<B: Backend>(
             Finished::Done(result) => result,
             Finished::Again => {
                 // Read again where waiting is fine (a connection with a ring
-                // has a read pool); the job answers it.
-                let job = ReadJob {
-                    export: export.clone(),
-                    offset,
-                    slot,
-                    buf,
-                    sink: sink.clone(),
-                };
-                match reads.map(|pool| pool.jobs.send(job)) {
-                    Some(Ok(())) => return,
-                    Some(Err(e)) => {
-                        let job = e.into_inner();
-                        buf = job.buf;
-                    }
-                    None => unreachable!("a device read without a read pool"),
-                }
-                Err(EIO)
+                // has a read pool), which answers it.
+                let pool = reads.expect("a device read without a read pool");
+                pool.hand_over(export, offset, slot, buf, &sink);
+                return;
             }
         };
         done.borrow_mut().push(ReadDone {
@@ -1760,18 +1776,7 @@ fn transmission<B: Backend>(
                             (ReadStart::Wait, _) => {}
                         }
                         drop(g);
-                        let job = ReadJob {
-                            export: export.clone(),
-                            offset,
-                            slot,
-                            buf,
-                            sink: sink.clone(),
-                        };
-                        if let Err(e) = pool.jobs.send(job) {
-                            // The read fails and gives its slot back, or the
-                            // connection's end would wait for it for ever.
-                            let job = e.into_inner();
-                            sink.complete_read(job.slot, job.offset, Err(EIO), job.buf);
+                        if !pool.hand_over(export, offset, slot, buf, &sink) {
                             return Err(io::Error::other("the read threads are gone"));
                         }
                         continue;

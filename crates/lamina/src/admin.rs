@@ -584,14 +584,11 @@ fn rollback_volume(rt: &Runtime, name: &str, snapshot: &str, force: bool) -> Res
             }
         }
     }
-    let vol = rt.shared.volume(name);
-    if let Some(v) = &vol {
+    let closed = Closed(rt.shared.volume(name));
+    if let Some(v) = &closed.0 {
         v.closed_to_clients
             .store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-    let _closed = Closed(vol);
-    if let Some(v) = rt.shared.volume(name) {
-        let n = rt.clients.count(&v);
+        let n = rt.clients.count(v);
         if n > 0 && !force {
             return Err(format!(
                 "volume {name:?} is in use by {n} client connection(s); disconnect them \
@@ -599,8 +596,8 @@ fn rollback_volume(rt: &Runtime, name: &str, snapshot: &str, force: bool) -> Res
             ));
         }
         if n > 0 {
-            let closed = rt.clients.disconnect(&v);
-            tracing::warn!("volume {name:?}: disconnected {closed} client(s) to roll it back");
+            let gone = rt.clients.disconnect(v);
+            tracing::warn!("volume {name:?}: disconnected {gone} client(s) to roll it back");
         }
     }
     rt.call(Request::Rollback {

@@ -291,10 +291,7 @@ fn prometheus_metrics() {
         &["--segment-size", "1M", "--write-unit", "128K"],
     );
     create_volume(&dir, "v", "8M");
-    let array = status_json(&dir)["array"]["name"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let array = array_name(&dir);
     // Find a free port, then hand it to the server.
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");

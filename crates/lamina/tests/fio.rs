@@ -223,10 +223,7 @@ fn the_data_path_allocates_next_to_nothing_per_request() {
     }
     let t = TempDir::new("fio-alloc");
     let (dir, vol) = array_at_80_percent(&t);
-    let array = status_json(&dir)["array"]["name"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let array = array_name(&dir);
     let port = free_port();
     let s = Server::start_with(&dir, &[], &["--metrics", &format!("127.0.0.1:{port}")]);
     let allocations = || sample(&scrape(port), &array, "heap_allocations_total", "");

@@ -624,6 +624,15 @@ pub fn kill9_after_flush(s: Server, name: &str, vol: u64) -> Server {
     s
 }
 
+/// The array's name (`status --json`), which labels its metrics.
+#[allow(dead_code)]
+pub fn array_name(dir: &Path) -> String {
+    status_json(dir)["array"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 /// A free TCP port on 127.0.0.1, for a server's `--metrics`.
 #[allow(dead_code)]
 pub fn free_port() -> u16 {
