@@ -567,6 +567,9 @@ pub struct Engine {
     pub(crate) failed: Option<String>,
     pub(crate) now_ms: u64,
     pub(crate) shutting_down: bool,
+    /// The final checkpoint committed ([`Engine::finish_shutdown`]): every request
+    /// is refused, and GC starts no new victim, while what is under way completes.
+    pub(crate) closed: bool,
     /// No checkpoint starts by itself (recovery holds them while it moves the blocks
     /// of rows a crash left without parity; see `recovery::open`).
     pub(crate) hold_checkpoints: bool,
@@ -742,6 +745,7 @@ impl Engine {
             failed: None,
             now_ms: 0,
             shutting_down: false,
+            closed: false,
             hold_checkpoints: false,
             rollback_until: None,
             rollback_wait: None,
@@ -943,6 +947,13 @@ impl Engine {
     }
 
     pub fn submit(&mut self, token: Token, req: Request) {
+        if self.closed {
+            let data = match req {
+                Request::Write { data, .. } => Some(data),
+                _ => None,
+            };
+            return self.reply(token, Err(EngineError::ShuttingDown), data);
+        }
         // Shutting down: the final checkpoint is under way, and what would need
         // one of its own after it is refused (flushes and checkpoints are served;
         // writes are refused by `check_io`, rollbacks by `request_rollback`).
@@ -1419,15 +1430,20 @@ impl Engine {
         for (token, buf) in waiters {
             self.reply(token, Err(EngineError::Failed(msg.clone())), buf);
         }
+        self.refuse_pending(|| EngineError::Failed(msg.clone()));
+        self.ckpt.fail_waiters(self.out.replies(), &msg);
+        self.end_rollback_wait(Some(EngineError::Failed(msg)));
+    }
+
+    /// Answers every request waiting for resources with `err`.
+    fn refuse_pending(&mut self, err: impl Fn() -> EngineError) {
         while let Some(p) = self.pending.pop_front() {
             let (token, buf) = match p {
                 Pending::Write { token, data, .. } => (token, Some(data)),
                 Pending::Zero { token, .. } | Pending::Blocks { token, .. } => (token, None),
             };
-            self.reply(token, Err(EngineError::Failed(msg.clone())), buf);
+            self.reply(token, Err(err()), buf);
         }
-        self.ckpt.fail_waiters(self.out.replies(), &msg);
-        self.end_rollback_wait(Some(EngineError::Failed(msg)));
     }
 
     /// The server is shutting down: writes, rollbacks and the requests that change
@@ -1436,6 +1452,31 @@ impl Engine {
     pub fn begin_shutdown(&mut self) {
         self.shutting_down = true;
         self.end_rollback_wait(Some(EngineError::ShuttingDown));
+    }
+
+    /// The final checkpoint committed: from now on every request is refused and GC
+    /// picks no new victim. Requests still waiting for space are refused now;
+    /// flushes and FUA writes waiting for a sync already wanted or sent are
+    /// answered when it completes. The host stops once [`Engine::quiesced`] says
+    /// so, not before: a sync it stopped waiting for would leave a flush
+    /// unanswered.
+    pub fn finish_shutdown(&mut self) {
+        self.shutting_down = true;
+        self.closed = true;
+        self.refuse_pending(|| EngineError::ShuttingDown);
+        self.progress();
+    }
+
+    /// Nothing is in flight or waiting: no device operation, no reply to drain, no
+    /// flush waiting for a sync, no checkpoint under way. After [`Engine::finish_shutdown`] nothing
+    /// new starts, so this stays true once it is.
+    pub fn quiesced(&self) -> bool {
+        self.out.queued() == 0
+            && self.out.in_flight() == 0
+            && !self.out.has_replies()
+            && !self.durability.has_waiters()
+            && self.durability.sync_idle()
+            && self.ckpt.is_idle()
     }
 
     // ---------------------------------------------------------------- progress

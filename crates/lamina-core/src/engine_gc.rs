@@ -408,6 +408,10 @@ impl Engine {
         if self.failed.is_some() || self.rollback_until.is_some() {
             return;
         }
+        // Shut down: a victim under way is finished, no new one is picked.
+        if self.closed && matches!(self.gc.phase, Phase::Idle) {
+            return;
+        }
         match &self.gc.phase {
             Phase::Idle => {
                 let free = self.segments.free.len();

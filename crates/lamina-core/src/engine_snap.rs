@@ -23,7 +23,8 @@ const FREE_SPACE_FIRST: &str = "free space first (trim, or delete snapshots)";
 
 /// A rollback that waits for GC to free `need` segments (see
 /// [`Engine::request_rollback`]): of volume `vol` to snapshot `snap` (ids and
-/// creation versions), asked at engine time `since_ms`.
+/// creation versions), asked at engine time `since_ms` when `user_blocks` user
+/// blocks had been written.
 pub(crate) struct RollbackWait {
     token: Token,
     name: String,
@@ -32,6 +33,7 @@ pub(crate) struct RollbackWait {
     snap: (VolumeId, Version),
     need: usize,
     since_ms: u64,
+    user_blocks: u64,
 }
 
 /// What [`Engine::rollback`] did.
@@ -316,6 +318,7 @@ impl Engine {
                     snap,
                     need,
                     since_ms: self.now_ms,
+                    user_blocks: self.counters.user_blocks,
                 });
             }
             Err(e) => self.reply(token, Err(e), None),
@@ -326,7 +329,7 @@ impl Engine {
     /// checkpoint is being written: asked before a due checkpoint starts, so
     /// that checkpoints one after the other cannot keep it waiting). Refuses it
     /// with ENOSPC when GC can free no more, or has not within
-    /// [`ROLLBACK_WAIT_MS`] (writes elsewhere took what it freed); when the
+    /// [`ROLLBACK_WAIT_MS`] while writes elsewhere took what it freed; when the
     /// engine shuts down; when its volume or snapshot went meanwhile. (A failed
     /// engine answers it in [`Engine::fail`].)
     pub(crate) fn progress_rollback_wait(&mut self) {
@@ -337,6 +340,10 @@ impl Engine {
             return;
         }
         let (need, since_ms) = (w.need, w.since_ms);
+        // Only writes can take what GC frees: without any (an offline rollback,
+        // whose clock jumps an hour per round) the wait ends when GC has freed
+        // enough or can free no more.
+        let written = self.counters.user_blocks > w.user_blocks;
         let same = |(id, created): (VolumeId, Version), name: &str| {
             self.volumes
                 .get(id.0 as usize)
@@ -364,7 +371,7 @@ impl Engine {
             Some(EngineError::NoSpace(format!(
                 "a rollback needs {need} free segments and garbage collection can free no more than {free}: {FREE_SPACE_FIRST}"
             )))
-        } else if self.now_ms.saturating_sub(since_ms) >= ROLLBACK_WAIT_MS {
+        } else if written && self.now_ms.saturating_sub(since_ms) >= ROLLBACK_WAIT_MS {
             Some(EngineError::NoSpace(format!(
                 "a rollback needs {need} free segments and garbage collection got {free} in {} s while writes took the rest: {FREE_SPACE_FIRST}, or try again when writes are fewer",
                 ROLLBACK_WAIT_MS / 1000

@@ -83,6 +83,11 @@ impl Outbox {
         &mut self.replies
     }
 
+    /// Replies made and not yet drained.
+    pub fn has_replies(&self) -> bool {
+        !self.replies.is_empty()
+    }
+
     pub fn drain_replies(&mut self, out: &mut Vec<Reply>) {
         out.append(&mut self.replies);
     }

@@ -1075,3 +1075,81 @@ fn after_shutdown_begins_only_flushes_and_checkpoints_are_served() {
     assert_eq!(decode_pattern(3, &read_block(&e, v, 3)), Ok(1));
     assert!(e.shared().volume("w").is_none() && e.shared().volume("s").is_none());
 }
+
+/// A flush that a connection sends while the final checkpoint commits is answered
+/// once its sync completes, even when that is after the checkpoint's answer: the
+/// engine says it is quiesced only when no flush waits and nothing is in flight,
+/// and the server stops only then (it used to stop at the checkpoint's answer and
+/// drop the sync's completion, so such a flush was never answered). Once closed,
+/// every request is refused.
+#[test]
+fn a_flush_sent_during_the_final_checkpoint_is_answered_before_the_engine_stops() {
+    use lamina_core::Token;
+    use std::collections::HashSet;
+    let mut late = 0;
+    for seed in 0..16 {
+        let devs = mem_array(64);
+        let mut e = open_rw(&devs, small_config());
+        let v = create_volume(&mut e, "v", 1 << 20);
+        for k in 0..40 {
+            write_block(&mut e, v, k, 1, false).unwrap();
+        }
+        e.begin_shutdown();
+        let ckpt = Token { conn: 9, handle: 0 };
+        e.submit(ckpt, Request::Checkpoint);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut driver = Driver::new();
+        let mut open = HashSet::new();
+        let mut replies = Vec::new();
+        let mut answer = |e: &mut lamina_core::Engine, open: &mut HashSet<u64>| {
+            let mut checkpointed = false;
+            e.drain_replies(&mut replies);
+            for r in replies.drain(..) {
+                r.result.unwrap();
+                if r.token == ckpt {
+                    checkpointed = true;
+                } else {
+                    assert!(open.remove(&r.token.handle), "{:?} answered twice", r.token);
+                }
+            }
+            checkpointed
+        };
+        // Another connection flushes before every device operation completes.
+        for step in 1u64.. {
+            assert!(step < 100_000, "the final checkpoint never committed");
+            e.submit(
+                Token {
+                    conn: 10,
+                    handle: step,
+                },
+                Request::Flush,
+            );
+            open.insert(step);
+            driver.step(&mut e, &mut rng, 1);
+            if answer(&mut e, &mut open) {
+                break;
+            }
+        }
+        late += open.len();
+        e.finish_shutdown();
+        let refused = call(&mut e, Request::Flush).result;
+        assert!(
+            matches!(refused, Err(lamina_core::EngineError::ShuttingDown)),
+            "{refused:?}"
+        );
+        let mut steps = 0;
+        while !e.quiesced() {
+            steps += 1;
+            assert!(steps < 100_000, "the engine never quiesced");
+            driver.step(&mut e, &mut rng, 1);
+            answer(&mut e, &mut open);
+        }
+        assert!(
+            open.is_empty(),
+            "seed {seed}: flushes {open:?} never answered"
+        );
+    }
+    // The case this is about happened: flushes were still waiting when the
+    // checkpoint answered.
+    assert!(late > 0);
+}

@@ -743,11 +743,19 @@ fn power_cuts_while_snapshots_are_taken_and_deleted() {
 /// checkpoint needs (the user floor, the checkpoint, 2 more): the rollback waits
 /// for GC to free them, refusing writes to the volume meanwhile, then runs. It
 /// used to be refused with ENOSPC.
-#[test]
-fn a_rollback_on_a_busy_array_waits_for_gc_to_free_its_segments() {
-    use lamina_core::Token;
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+/// A small busy array on which a rollback of volume "v" to snapshot "s" must wait
+/// for GC (see below): the device, the engine, v, its blocks, the generation
+/// written last, and a second volume "w".
+fn busy_array_for_rollback(
+    rng: &mut impl rand::Rng,
+) -> (
+    Arc<lamina_device::crash::CrashDevice>,
+    lamina_core::Engine,
+    lamina_core::VolumeId,
+    u64,
+    u64,
+    lamina_core::VolumeId,
+) {
     // GC stops one segment short of what the rollback needs (the floor, its
     // checkpoint's one segment, 2 more): the rollback's reserve makes it go on.
     let cfg = lamina_core::EngineConfig {
@@ -767,19 +775,29 @@ fn a_rollback_on_a_busy_array_waits_for_gc_to_free_its_segments() {
         last = 2 + i;
         write_block(&mut e, v, lba, last, false).unwrap();
     }
+    (dev, e, v, blocks, last, w)
+}
+
+fn rollback_v_to_s() -> Request {
+    Request::Rollback {
+        name: "v".into(),
+        snapshot: "s".into(),
+    }
+}
+
+#[test]
+fn a_rollback_on_a_busy_array_waits_for_gc_to_free_its_segments() {
+    use lamina_core::Token;
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (dev, mut e, v, blocks, last, w) = busy_array_for_rollback(&mut rng);
     // The block written last, found by its generation.
     let newest = (0..blocks / 2)
         .find(|&lba| decode_pattern(lba, &read_block(&e, v, lba)) == Ok(last))
         .unwrap();
     let t = |handle| Token { conn: 1, handle };
     let victims = e.status().gc_victims;
-    e.submit(
-        t(1),
-        Request::Rollback {
-            name: "v".into(),
-            snapshot: "s".into(),
-        },
-    );
+    e.submit(t(1), rollback_v_to_s());
     // It waits: the map is not the snapshot's yet (a rollback that runs takes
     // it at once), and writes to the volume are refused; another volume's are
     // taken.
@@ -826,6 +844,57 @@ fn a_rollback_on_a_busy_array_waits_for_gc_to_free_its_segments() {
     }
     drop(e);
     fsck_clean(&[dev2]).unwrap();
+}
+
+/// A waiting rollback is refused for time only when writes took what GC freed: an
+/// offline rollback (no writes; its clock jumps an hour per round) waits however
+/// long GC takes, while one that waited 60 s as writes to another volume went on
+/// is refused with ENOSPC.
+#[test]
+fn a_waiting_rollback_times_out_only_while_writes_take_the_space() {
+    use lamina_core::Token;
+    use rand::SeedableRng;
+    let t = |handle| Token { conn: 1, handle };
+    let answer = |e: &mut lamina_core::Engine, t| {
+        let mut replies = Vec::new();
+        e.drain_replies(&mut replies);
+        replies.into_iter().find(|r| r.token == t).map(|r| r.result)
+    };
+    // No writes: an hour passes before GC runs, and the rollback still runs.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (_, mut e, v, blocks, _, _) = busy_array_for_rollback(&mut rng);
+    e.submit(t(1), rollback_v_to_s());
+    let now = e.now_ms();
+    e.tick(now + 3_600_000);
+    assert!(answer(&mut e, t(1)).is_none(), "it waits");
+    lamina_core::recovery::run_inline(&mut e);
+    answer(&mut e, t(1))
+        .expect("answered")
+        .expect("GC freed what it needs");
+    for lba in 0..blocks {
+        assert_eq!(decode_pattern(lba, &read_block(&e, v, lba)).unwrap(), 1);
+    }
+    // Writes to another volume meanwhile, and 60 s: refused.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (_, mut e, _, _, _, w) = busy_array_for_rollback(&mut rng);
+    e.submit(t(1), rollback_v_to_s());
+    e.submit(
+        t(2),
+        Request::Write {
+            volume: w,
+            offset: 0,
+            data: pattern(0, 7),
+            fua: false,
+        },
+    );
+    assert!(answer(&mut e, t(1)).is_none(), "it waits");
+    let now = e.now_ms();
+    e.tick(now + 60_000);
+    let err = answer(&mut e, t(1))
+        .expect("answered")
+        .expect_err("refused")
+        .to_string();
+    assert!(err.contains("while writes took the rest"), "{err}");
 }
 
 /// A rollback is all or nothing across a power cut: cut before its checkpoint

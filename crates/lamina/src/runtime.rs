@@ -72,6 +72,12 @@ const ROUND: usize = 4096;
 const LENT_ROUNDS: usize = 4;
 /// How often the engine is ticked (idle units sealed, periodic syncs, GC pacing).
 const TICK: Duration = Duration::from_millis(10);
+/// How long a stopping engine waits for device operations still under way after
+/// its final checkpoint.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
+/// Where the answer to a shutdown request goes.
+type Done = Sender<Result<(), EngineError>>;
 
 /// The engine, run by whichever thread brings it work (see [`crate::combine`]).
 type Host = Combiner<Core>;
@@ -85,7 +91,10 @@ struct Core {
     ops: Vec<IoOp>,
     replies: Vec<lamina_core::Reply>,
     /// The shutdown request, and the token slot of its checkpoint.
-    shutdown: Option<(Sender<Result<(), EngineError>>, u64)>,
+    shutdown: Option<(Done, u64)>,
+    /// The final checkpoint answered: the shutdown request, that answer, and how
+    /// long to wait at most for what is still in flight (see [`Core::close`]).
+    closing: Option<(Done, Result<(), EngineError>, Instant)>,
     /// Completions of this round, grouped by connection so each gets one write;
     /// emptied vectors are kept in `spare` for the next round.
     batches: Vec<(Arc<ReplySink>, Vec<Completion>)>,
@@ -198,9 +207,8 @@ impl Core {
             if self.shutdown.as_ref().is_some_and(|(_, s)| *s == slot) {
                 let (done, _) = self.shutdown.take().unwrap();
                 self.free_routes.push(slot);
-                // Dropping the I/O queue ends the I/O threads once they are idle.
-                self.io_tx = None;
-                let _ = done.send(r.result);
+                self.engine.finish_shutdown();
+                self.closing = Some((done, r.result, Instant::now() + CLOSE_WAIT));
                 continue;
             }
             let Some(to) = self.routes[slot as usize].take() else {
@@ -237,6 +245,30 @@ impl Core {
             sink.complete(&mut cs);
             self.spare.push(cs);
         }
+        self.close();
+    }
+
+    /// Stops the engine once the final checkpoint has committed and nothing it
+    /// started is still under way: a flush whose sync was sent after the
+    /// checkpoint's (a connection flushed while the checkpoint committed) is
+    /// answered when that sync completes, not dropped with it. After
+    /// [`CLOSE_WAIT`] it stops regardless (a device that never answers).
+    fn close(&mut self) {
+        let Some((_, _, deadline)) = &self.closing else {
+            return;
+        };
+        if !self.engine.quiesced() {
+            if Instant::now() < *deadline {
+                return;
+            }
+            tracing::warn!(
+                "stopping with device operations or flushes still under way after {CLOSE_WAIT:?}"
+            );
+        }
+        let (done, result, _) = self.closing.take().unwrap();
+        // Dropping the I/O queue ends the I/O threads once they are idle.
+        self.io_tx = None;
+        let _ = done.send(result);
     }
 }
 
@@ -339,6 +371,7 @@ impl Runtime {
             ops: Vec::new(),
             replies: Vec::new(),
             shutdown: None,
+            closing: None,
             batches: Vec::new(),
             spare: Vec::new(),
             io_tx: Some(io_tx),
