@@ -1457,19 +1457,25 @@ impl Engine {
     /// The final checkpoint committed: from now on every request is refused and GC
     /// picks no new victim. Requests still waiting for space are refused now;
     /// flushes and FUA writes waiting for a sync already wanted or sent are
-    /// answered when it completes. The host stops once [`Engine::quiesced`] says
-    /// so, not before: a sync it stopped waiting for would leave a flush
-    /// unanswered.
+    /// answered when it completes. Writes that waited for space before the
+    /// shutdown began and went in after the checkpoint's own flush are flushed
+    /// too. The host stops once [`Engine::quiesced`] says so, not before: a sync
+    /// it stopped waiting for would leave a flush unanswered.
     pub fn finish_shutdown(&mut self) {
         self.shutting_down = true;
         self.closed = true;
         self.refuse_pending(|| EngineError::ShuttingDown);
+        if self.failed.is_none() {
+            self.start_flush();
+        }
         self.progress();
     }
 
     /// Nothing is in flight or waiting: no device operation, no reply to drain, no
-    /// flush waiting for a sync, no checkpoint under way. After [`Engine::finish_shutdown`] nothing
-    /// new starts, so this stays true once it is.
+    /// flush waiting for a sync, no checkpoint under way. After
+    /// [`Engine::finish_shutdown`] only what is under way goes on (GC's victim,
+    /// releases, the tick's periodic sync), so the host stops at the first time
+    /// this is true.
     pub fn quiesced(&self) -> bool {
         self.out.queued() == 0
             && self.out.in_flight() == 0

@@ -275,12 +275,27 @@ impl CrcCache {
     fn get(&self, key: &UnitKey) -> Option<UnitCrcs> {
         self.shard(key).lock().unwrap().get(key).cloned()
     }
-    fn insert(&self, key: UnitKey, v: UnitCrcs) {
+    /// Caches `v` under `key`. A full shard first drops the units of segments'
+    /// earlier incarnations (`current(segment, incarnation)` is false for them):
+    /// nothing reads those again. Under random overwrites they are most of what
+    /// was cached, and evicting at random among them threw out the live units'
+    /// entries too, so after a long write run cold reads missed the cache and
+    /// read every header again (`basic::after_a_long_write_run_the_header_cache_holds_the_live_units`).
+    /// If more than seven eighths of the shard is left, arbitrary entries go down
+    /// to that (hash order is as good as random here), so that the pass over the
+    /// shard comes once per eighth of it inserted at most, not on every insert.
+    fn insert(&self, key: UnitKey, v: UnitCrcs, current: impl Fn(u32, u64) -> bool) {
         let mut m = self.shard(&key).lock().unwrap();
         if m.len() >= self.per_shard {
-            // Evict an arbitrary entry: hash order is as good as random here.
-            if let Some(k) = m.keys().next().copied() {
-                m.remove(&k);
+            m.retain(|k, _| current(k.0, k.1));
+            let keep = self.per_shard - (self.per_shard / 8).max(1);
+            let mut excess = m.len().saturating_sub(keep);
+            if excess > 0 {
+                m.retain(|_, _| {
+                    let drop = excess > 0;
+                    excess = excess.saturating_sub(1);
+                    !drop
+                });
             }
         }
         m.insert(key, v);
@@ -1036,7 +1051,7 @@ impl Shared {
             self.read_stats
                 .crc_cache_misses
                 .fetch_add(1, Ordering::Relaxed);
-            self.crc_cache.insert(key, c);
+            self.cache_crcs(key, c);
         }
         let (dev, byte_off) = self.geo.locate(seg, seg_off);
         if !self.devices[dev].try_read_at(dst, byte_off)? {
@@ -1295,7 +1310,7 @@ impl Shared {
             .crc_cache_misses
             .fetch_add(1, Ordering::Relaxed);
         let c = self.decode_unit_crcs(seg, unit_start, None)?;
-        self.crc_cache.insert(key, c.clone());
+        self.cache_crcs(key, c.clone());
         Ok(c)
     }
 
@@ -1331,12 +1346,19 @@ impl Shared {
         })
     }
 
+    /// Caches a unit's checksums (see [`CrcCache::insert`]).
+    fn cache_crcs(&self, key: UnitKey, c: UnitCrcs) {
+        self.crc_cache.insert(key, c, |seg, incarnation| {
+            self.seg_incarnation[seg as usize].load(Ordering::Relaxed) == incarnation
+        });
+    }
+
     /// Caches the checksums of the unit at `unit_start` of `seg` from its header as
     /// written (the engine, when the unit's write completed).
     pub(crate) fn remember_unit(&self, seg: SegmentId, unit_start: u32, hdr: &[u8]) {
         let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
         if let Ok(c) = self.parse_unit_crcs(seg, unit_start, incarnation, hdr) {
-            self.crc_cache.insert((seg.0, incarnation, unit_start), c);
+            self.cache_crcs((seg.0, incarnation, unit_start), c);
         }
     }
 

@@ -254,7 +254,7 @@ impl Space {
 
     /// What the checkpoints of maps of `pages` pages in all take beyond their room.
     pub fn maps_extra_for(&self, pages: u64) -> u64 {
-        2 * pages.saturating_sub(self.ckpt_room)
+        maps_extra_of(pages, self.ckpt_room)
     }
 
     /// The volumes' maps are `pages` pages now (see `maps_extra`).
@@ -354,6 +354,13 @@ pub fn map_room_of(count: u64, per_seg: u64) -> u64 {
 /// more.
 pub fn checkpoint_blocks_of(count: u64, per_seg: u64) -> u64 {
     map_room_of(count, per_seg) + count / 100 + 4
+}
+
+/// What the checkpoints of maps of `pages` pages take beyond a checkpoint room of
+/// `room` pages: every checkpoint writes every map, and the previous one stays
+/// until the next commits.
+pub fn maps_extra_of(pages: u64, room: u64) -> u64 {
+    2 * pages.saturating_sub(room)
 }
 
 /// [`Space::usable_blocks`] of `count` segments of `per_seg` data blocks with

@@ -208,6 +208,9 @@ pub struct StatusReport {
     /// Device reads carried out by the client's connection (io_uring), without a
     /// read thread.
     pub reads_by_connection: u64,
+    /// Unit headers read from a device because their checksums were not in the
+    /// header cache (`[engine] header_cache`).
+    pub header_cache_misses: u64,
     pub blocks_read_from_devices: u64,
     pub durable_version: u64,
     pub failed: Option<String>,
@@ -524,6 +527,7 @@ impl Engine {
             corrupt_blocks: c.corrupt_blocks,
             read_checksum_errors: rs.checksum_errors.load(Relaxed),
             reads_by_connection: rs.device_reads_async.load(Relaxed),
+            header_cache_misses: rs.crc_cache_misses.load(Relaxed),
             blocks_read_from_devices: rs.blocks_read.load(Relaxed),
             durable_version: self.durable_version.0,
             failed: self.failed.clone(),

@@ -474,6 +474,50 @@ fn a_replace_that_cannot_finish_changes_nothing() {
 
 // ---------------------------------------------------------------- evacuate
 
+/// An evacuation is refused when the other members could hold the array's live
+/// blocks but not the room its maps take in the checkpoints: a thin volume
+/// written one block per map page, whose blocks alone fit easily.
+#[test]
+fn an_evacuation_counts_the_maps_room_in_the_checkpoints() {
+    let m: Vec<_> = (0..3).map(|i| mem(&format!("p{i}"), 24)).collect();
+    format_devices(&dyn_devs(&m), &layout_params(Layout::Jbod));
+    let mut e = open_rw(&dyn_devs(&m), small_config());
+    let vol = create_volume(&mut e, "v", 4 << 30);
+    let mut written = 0;
+    // One block per map page (1024 blocks) until the array is full.
+    while write_block(&mut e, vol, written * 1024, 1, false).is_ok() {
+        written += 1;
+    }
+    let st = e.status();
+    // The blocks alone would fit on two members of three.
+    assert!(written * (BS as u64) < usable(&e) / 2, "{written} blocks");
+    assert!(st.maps_bytes > 0);
+    call(&mut e, lamina_core::Request::Flush).result.unwrap();
+    drop(e);
+    let err = evacuate(
+        dyn_devs(&m),
+        &small_config(),
+        0,
+        &mut |_, _| {},
+        &mut || Ok(()),
+    )
+    .expect_err("refused")
+    .to_string();
+    assert!(
+        err.contains("cannot hold what the array stores") && err.contains("the maps' room"),
+        "{err}"
+    );
+    // Nothing changed: every member is in service and every block is there.
+    let e = open_rw(&dyn_devs(&m), small_config());
+    assert!(e.status().members.iter().all(|m| m.state != "removed"));
+    for k in 0..written {
+        assert_eq!(
+            decode_pattern(k * 1024, &read_block(&e, vol, k * 1024)),
+            Ok(1)
+        );
+    }
+}
+
 /// A member evacuated: everything it held moves to the others, it is marked
 /// removed, its device is not needed any more and never written again, the
 /// array's capacity shrinks by it, and nothing acknowledged is lost across crashes

@@ -436,6 +436,7 @@ pub fn status_from_json(v: &Value) -> Result<StatusReport> {
         corrupt_blocks: u("corrupt_blocks"),
         read_checksum_errors: u("read_checksum_errors"),
         reads_by_connection: u("reads_by_connection"),
+        header_cache_misses: u("header_cache_misses"),
         failed: s["failed"].as_str().map(String::from),
         members: a["members"]
             .as_array()

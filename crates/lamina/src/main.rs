@@ -1531,11 +1531,11 @@ fn offline_all(dir: &Path, reqs: impl IntoIterator<Item = Request>) -> Result<()
     )?;
     for req in reqs {
         let token = lamina_core::Token { conn: 0, handle: 1 };
-        // A few rounds: what waits on the clock (a rollback waiting for GC to
-        // free space, refused after a minute) gets its answer rather than none.
-        match lamina_core::call_inline(&mut engine, token, req, 3) {
+        // Rounds of an hour each: what waits for GC (a rollback that needs free
+        // segments) gets its answer rather than none.
+        match lamina_core::call_inline(&mut engine, token, req, 64) {
             Some(r) => r.result?,
-            None => bail!("request did not complete"),
+            None => bail!("request did not complete: garbage collection could not free what it needs in 64 rounds"),
         }
     }
     Ok(())

@@ -84,6 +84,7 @@ pub fn status_json(s: &StatusReport, running: bool) -> Value {
         "corrupt_blocks": s.corrupt_blocks,
         "read_checksum_errors": s.read_checksum_errors,
         "reads_by_connection": s.reads_by_connection,
+        "header_cache_misses": s.header_cache_misses,
         "failed": s.failed,
         "volumes": s.volumes.iter().map(|v| json!({
             "id": v.id,
@@ -644,7 +645,7 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
             c.compactions as f64,
         );
     }
-    let counters: [(&str, &str, u64); 15] = [
+    let counters: [(&str, &str, u64); 16] = [
         (
             "user_bytes_written_total",
             "Bytes written by clients.",
@@ -702,6 +703,11 @@ fn array_metrics(e: &mut Exposition, s: &StatusReport) {
             "reads_by_connection_total",
             "Device reads carried out by the client's connection through io_uring.",
             s.reads_by_connection,
+        ),
+        (
+            "header_cache_misses_total",
+            "Unit headers read from a device because the header cache did not hold their checksums.",
+            s.header_cache_misses,
         ),
         (
             "pad_bytes_written_total",

@@ -497,11 +497,25 @@ pub fn evacuate(
         ));
     }
     let usable_after = crate::space::Space::usable_blocks(&after, &sb);
-    let live = engine.space.live;
-    if live > usable_after {
+    // What the array holds counts its maps' room in the checkpoints too, against
+    // the checkpoint room of the smaller array, as the engine will count it
+    // after: the live blocks alone could fit while the next checkpoint did not.
+    let room_after = crate::space::map_room_of(
+        after.usable_segments() as u64,
+        after.data_blocks_per_segment(),
+    );
+    let maps = crate::space::maps_extra_of(engine.space.map_pages, room_after);
+    let in_use = engine.space.live + maps;
+    if in_use > usable_after {
+        let of_maps = if maps > 0 {
+            format!(" ({maps} of them the maps' room in the checkpoints)")
+        } else {
+            String::new()
+        };
         return invalid(format!(
-            "the other members cannot hold what the array stores: {} blocks are in use and they would offer {usable_after}; free space first (trim, delete a volume) or add a member",
-            live
+            "the other members cannot hold what the array stores: {in_use} blocks are in use{of_maps} \
+             and they would offer {usable_after}; free space first (trim, delete a volume or snapshot) \
+             or add a member",
         ));
     }
     let in_use = |e: &Engine| {
