@@ -278,6 +278,10 @@ pub fn status_text(s: &StatusReport, running: bool) -> String {
         s.checkpoints, s.checkpoint_generation, s.flushes, s.syncs, s.corrupt_blocks, s.read_checksum_errors
     );
     o += &format!(
+        "  device reads by connections {}, unit headers read for the header cache {}\n",
+        s.reads_by_connection, s.header_cache_misses
+    );
+    o += &format!(
         "\n{:<20} {:>10} {:>10} {:>14} {:>14} {:>8}\n",
         "VOLUME", "SIZE", "LIVE", "USER WRITTEN", "GC RELOCATED", "WA"
     );
