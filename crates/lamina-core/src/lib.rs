@@ -50,7 +50,7 @@ pub use recovery::{
     EvacuateReport, FormatParams, GrowParams, OpenMode, RecoveryReport, ReplaceReport,
     RECOVERY_TOKEN,
 };
-pub use shared::{DeviceRead, ReadError, ReadStart, Shared, VolumeShared};
+pub use shared::{DeviceRead, HeaderRead, ReadError, ReadStart, Shared, VolumeShared};
 pub use space::{check_overcommit, check_thresholds, usable_blocks_of};
 pub use status::{CacheStatus, ClassStatus, MemberStatus, StatusReport, VolumeStatus};
 pub use types::{Lba, Pba, SegmentId, Version, VolumeId, BLOCK_SIZE};

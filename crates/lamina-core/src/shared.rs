@@ -167,6 +167,19 @@ pub struct DeviceRead {
     pub seg: SegmentId,
     pub seg_off: u32,
     pub first_lba: Lba,
+    /// The unit's header, when its checksums are not cached: to be read beside
+    /// the data and handed to [`Shared::read_finish`] with it.
+    pub header: Option<HeaderRead>,
+}
+
+/// Where a unit header lies: `len` bytes of descriptor `fd` at `offset`
+/// (`direct`: opened with O_DIRECT).
+#[derive(Debug, Clone, Copy)]
+pub struct HeaderRead {
+    pub fd: std::os::unix::io::RawFd,
+    pub offset: u64,
+    pub len: u32,
+    pub direct: bool,
 }
 
 /// How [`Shared::read_start`] started a read.
@@ -241,6 +254,19 @@ fn with_header_buf<R>(blocks: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
     })
 }
 
+/// Where [`Shared::verify_run`] takes a unit's checksums from.
+enum Checksums {
+    /// The header cache, or the header on the device (then cached).
+    Header,
+    /// The header cache only: a miss fails (on a thread that must not wait).
+    Cached,
+    /// The header with member `m` rebuilt from parity (not cached: the plain
+    /// reading is what later reads see first).
+    Without(usize),
+    /// These, from a header just read beside the data.
+    Given(UnitCrcs),
+}
+
 /// (segment, incarnation, unit offset) of a cached unit header.
 type UnitKey = (u32, u64, u32);
 type CrcShard = Mutex<HashMap<UnitKey, UnitCrcs>>;
@@ -274,6 +300,9 @@ impl CrcCache {
     }
     fn get(&self, key: &UnitKey) -> Option<UnitCrcs> {
         self.shard(key).lock().unwrap().get(key).cloned()
+    }
+    fn contains(&self, key: &UnitKey) -> bool {
+        self.shard(key).lock().unwrap().contains_key(key)
     }
     /// Caches `v` under `key`. A full shard first drops the units of segments'
     /// earlier incarnations (`current(segment, incarnation)` is false for them):
@@ -741,8 +770,9 @@ impl Shared {
 
     /// Starts a read for a caller that carries out device reads itself (a
     /// connection's io_uring): [`ReadStart::Device`] when the whole request is one
-    /// run of blocks on a device driven by io_uring whose unit checksums are in
-    /// memory, pinned until [`Shared::read_finish`]; else [`ReadStart::Done`] when
+    /// run of blocks on a device driven by io_uring (with the unit's header to read
+    /// beside it when its checksums are not cached, and the header lies whole on
+    /// such a device too), pinned until [`Shared::read_finish`]; else [`ReadStart::Done`] when
     /// it needed no wait (as [`Shared::read_nowait`]); else [`ReadStart::Wait`]
     /// (the caller reads with [`Shared::read`] where it may wait).
     ///
@@ -788,9 +818,28 @@ impl Shared {
             None => (self.devices[dev].uring_target()?, byte_off),
         };
         // Verifying must not wait for a device either (the caller's thread serves
-        // the connection): the unit's checksums must be at hand. Looked up again,
-        // under the pin, when the read finishes; a miss then reads the header.
-        self.crc_cache.get(&self.unit_key(seg, seg_off)?)?;
+        // the connection): the unit's checksums are at hand, or its header is read
+        // beside the data, on the same ring. Without that, every read of a unit
+        // not cached went to the read pool and read the header first: with direct
+        // I/O, on an array larger than the cache covers, two device reads one
+        // after the other and a hand-off (docs/benchmarks.md, "The header cache").
+        let key = self.unit_key(seg, seg_off)?;
+        let header = if self.crc_cache.contains(&key) {
+            None
+        } else {
+            let len = self.geo.header_blocks as usize * BLOCK_SIZE;
+            let (hdev, hoff) = self.geo.locate(seg, key.2);
+            let (t, hoff) = match self.striped_at(hdev) {
+                Some(st) => st.read_target(hoff, len)?,
+                None => (self.devices[hdev].uring_target()?, hoff),
+            };
+            Some(HeaderRead {
+                fd: t.fd,
+                offset: hoff,
+                len: len as u32,
+                direct: t.direct,
+            })
+        };
         let valid = self.seg_pins.pin_run(seg.0, &vol.map, first, e, n);
         if valid < n {
             if valid > 0 {
@@ -805,26 +854,30 @@ impl Shared {
             seg,
             seg_off,
             first_lba: first,
+            header,
         })
     }
 
     /// Finishes a read [`Shared::read_start`] started: `result` is what reading
-    /// `read` into `buf` returned (bytes read). Releases the read's pin. True when
-    /// `buf` holds the data; false for a read that failed, came back short or
-    /// does not verify, which the caller reads again the way that waits
-    /// ([`Shared::read`]: parity rebuild, error reports), off the thread that
-    /// must not wait.
+    /// `read` into `buf` returned (bytes read), `header` the unit header and what
+    /// reading it returned, if `read` asked for it. Releases the read's pin. True
+    /// when `buf` holds the data; false for a read that failed, came back short or
+    /// does not verify (its header included), which the caller reads again the
+    /// way that waits ([`Shared::read`]: parity rebuild, error reports), off the
+    /// thread that must not wait.
     pub fn read_finish(
         &self,
         vol: &VolumeShared,
         read: DeviceRead,
         buf: &mut [u8],
         result: std::io::Result<usize>,
+        header: Option<(&[u8], std::io::Result<usize>)>,
     ) -> bool {
         let DeviceRead {
             seg,
             seg_off,
             first_lba,
+            header: wanted,
             ..
         } = read;
         let read_ok = matches!(result, Ok(n) if n == buf.len());
@@ -836,9 +889,50 @@ impl Shared {
                 st.target_read_done(voff, buf.len(), read_ok);
             }
         }
+        // The header read beside the data: its checksums, cached for the reads
+        // that follow. The pin keeps the segment's incarnation what it was when
+        // the read started, so the key is the header's.
+        // Without a header read, the checksums were cached when the read started;
+        // if they were evicted since, the read is done again off this thread
+        // rather than reading the header here, where nothing may wait.
+        let mut given = Checksums::Cached;
+        if let Some(h) = wanted {
+            let Some((hdr, res)) = header else {
+                self.seg_pins.unpin(seg.0);
+                return false;
+            };
+            let hdr_ok = matches!(res, Ok(n) if n == h.len as usize) && hdr.len() == h.len as usize;
+            if self.striped.is_some() {
+                let (dev, _) = self.geo.locate(seg, seg_off);
+                if let Some(st) = self.striped_at(dev) {
+                    let unit_start = self.unit_start_of(self.geo.pba(seg, seg_off));
+                    if let Some(u) = unit_start {
+                        let (_, voff) = self.geo.locate(seg, u);
+                        st.target_read_done(voff, h.len as usize, hdr_ok);
+                    }
+                }
+            }
+            let parsed = self
+                .unit_key(seg, seg_off)
+                .filter(|_| hdr_ok)
+                .and_then(|key| {
+                    self.parse_unit_crcs(seg, key.2, key.1, hdr)
+                        .ok()
+                        .map(|c| (key, c))
+                });
+            let Some((key, c)) = parsed else {
+                self.seg_pins.unpin(seg.0);
+                return false;
+            };
+            self.read_stats
+                .crc_cache_misses
+                .fetch_add(1, Ordering::Relaxed);
+            self.cache_crcs(key, c.clone());
+            given = Checksums::Given(c);
+        }
         let ok = read_ok
             && self
-                .verify_run(vol, first_lba, seg, seg_off, buf, None)
+                .verify_run(vol, first_lba, seg, seg_off, buf, given)
                 .is_ok();
         self.seg_pins.unpin(seg.0);
         if !ok {
@@ -1058,7 +1152,7 @@ impl Shared {
             return Ok(false);
         }
         Ok(self
-            .verify_run(vol, first_lba, seg, seg_off, dst, None)
+            .verify_run(vol, first_lba, seg, seg_off, dst, Checksums::Header)
             .is_ok())
     }
 
@@ -1084,7 +1178,8 @@ impl Shared {
                 .fetch_add(1, Ordering::Relaxed);
             return Err(e.into());
         }
-        let first_bad = match self.verify_run(vol, first_lba, seg, seg_off, dst, None) {
+        let first_bad = match self.verify_run(vol, first_lba, seg, seg_off, dst, Checksums::Header)
+        {
             Ok(()) => return Ok(()),
             Err((k, e)) => match self.parity_at(dev) {
                 Some(_) => k,
@@ -1096,14 +1191,19 @@ impl Shared {
             let block = &mut dst[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE];
             let off = seg_off + k as u32;
             let lba = first_lba + k as u64;
-            if self.verify_run(vol, lba, seg, off, block, None).is_ok() {
+            if self
+                .verify_run(vol, lba, seg, off, block, Checksums::Header)
+                .is_ok()
+            {
                 continue;
             }
             let (_, boff) = self.geo.locate(seg, off);
             let mut fixed = false;
             for m in 0..st.shape().members() {
                 if st.read_without(block, boff, m).is_ok()
-                    && self.verify_run(vol, lba, seg, off, block, Some(m)).is_ok()
+                    && self
+                        .verify_run(vol, lba, seg, off, block, Checksums::Without(m))
+                        .is_ok()
                 {
                     tracing::warn!(
                         volume = vol.id.0,
@@ -1123,7 +1223,9 @@ impl Shared {
                 // What the plain reading says is the error to report.
                 let mut plain = [0u8; BLOCK_SIZE];
                 let e = match self.devices[dev].read_at(&mut plain, boff) {
-                    Ok(()) => self.verify_run(vol, lba, seg, off, &plain, None).err(),
+                    Ok(()) => self
+                        .verify_run(vol, lba, seg, off, &plain, Checksums::Header)
+                        .err(),
                     Err(e) => return Err(e.into()),
                 };
                 let e = e.map(|(_, e)| e).unwrap_or_else(|| ReadError::Corrupt {
@@ -1228,9 +1330,8 @@ impl Shared {
     }
 
     /// Verifies the blocks of `dst` (read from `seg` at `seg_off`, holding
-    /// `first_lba` on) against their unit header; the header is read with member
-    /// `without` rebuilt from parity when given (and then not cached). On failure,
-    /// the index of the first bad block and why.
+    /// `first_lba` on) against their unit's checksums, taken where `crcs` says. On
+    /// failure, the index of the first bad block and why.
     fn verify_run(
         &self,
         vol: &VolumeShared,
@@ -1238,7 +1339,7 @@ impl Shared {
         seg: SegmentId,
         seg_off: u32,
         dst: &[u8],
-        without: Option<usize>,
+        crcs: Checksums,
     ) -> Result<(), (usize, ReadError)> {
         let corrupt = |lba: Lba, detail: String| ReadError::Corrupt {
             volume: vol.id.0,
@@ -1255,9 +1356,20 @@ impl Shared {
                 corrupt(first_lba, "no unit header precedes the block".into()),
             )
         })?;
-        let crcs = match without {
-            None => self.unit_crcs(seg, unit_start),
-            Some(m) => self.unit_crcs_without(seg, unit_start, m),
+        let crcs = match crcs {
+            Checksums::Given(c) => Ok(c),
+            Checksums::Cached => {
+                let incarnation = self.seg_incarnation[seg.0 as usize].load(Ordering::SeqCst);
+                self.crc_cache
+                    .get(&(seg.0, incarnation, unit_start))
+                    .ok_or_else(|| ReadError::Corrupt {
+                        volume: vol.id.0,
+                        lba: first_lba.0,
+                        detail: "the unit's checksums left the cache".into(),
+                    })
+            }
+            Checksums::Header => self.unit_crcs(seg, unit_start),
+            Checksums::Without(m) => self.unit_crcs_without(seg, unit_start, m),
         }
         .map_err(|e| match e {
             ReadError::Corrupt { detail, .. } => (0, corrupt(first_lba, detail)),

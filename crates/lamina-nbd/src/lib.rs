@@ -10,6 +10,6 @@ pub mod tls;
 
 pub use server::{
     serve, serve_connection, Backend, Command, Completion, Conn, DeviceRead, ExportInfo, Extent,
-    Finished, Listener, ReadPool, ReadStart, MAX_EXTENTS,
+    Finished, HeaderRead, Listener, ReadPool, ReadStart, MAX_EXTENTS,
 };
 pub use tls::TlsPolicy;

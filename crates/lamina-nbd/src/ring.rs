@@ -17,14 +17,21 @@
 //! **Buffers.** A read's buffer is moved into its slot here and handed back only
 //! when the kernel has completed the read, so the kernel never writes into freed or
 //! reused memory; dropping the ring waits for every read still in flight.
+//!
+//! **Headers.** A read may come with a second one the backend needs to verify it
+//! ([`crate::server::HeaderRead`]: a unit header whose checksums it has not
+//! cached). Both go in at once, into the request's buffer and one of the ring's
+//! own header buffers (kept for reuse), and the request completes when both have.
 
 use crate::server::DeviceRead;
 use io_uring::{opcode, types, IoUring};
 use std::io;
 use std::os::unix::io::RawFd;
 
-/// The `user_data` of the socket's poll; reads use their slot number.
+/// The `user_data` of the socket's poll; reads use their slot number, and the
+/// header read beside one its slot number with this bit.
 const POLL_TAG: u64 = u64::MAX;
+const HEADER_TAG: u64 = 1 << 32;
 
 /// A read in flight: what the completion hands back.
 struct InFlight {
@@ -36,11 +43,42 @@ struct InFlight {
     /// when the descriptor needs aligned memory and `buf` is not).
     len: usize,
     pad: usize,
+    /// The data read's result, once it completed.
+    res: Option<io::Result<usize>>,
+    /// The header read beside it, if any.
+    header: Option<HeaderInFlight>,
 }
 
-/// A completed read: slot, export offset, the backend's read, the buffer, and the
-/// kernel's result (bytes read).
-pub(crate) type Done<'a> = &'a mut dyn FnMut(u16, u64, DeviceRead, Vec<u8>, io::Result<usize>);
+struct HeaderInFlight {
+    buf: Vec<u8>,
+    len: usize,
+    pad: usize,
+    res: Option<io::Result<usize>>,
+}
+
+/// A completed read: slot, export offset, the backend's read, the buffer, the
+/// kernel's result (bytes read), and the header read beside it with its result.
+pub(crate) type Done<'a> = &'a mut dyn FnMut(
+    u16,
+    u64,
+    DeviceRead,
+    Vec<u8>,
+    io::Result<usize>,
+    Option<(&[u8], io::Result<usize>)>,
+);
+
+/// Where in `buf` (grown to `len + align` without an allocation once it has the
+/// capacity) a read of `len` bytes needing `align`-aligned memory goes.
+fn aligned_window(buf: &mut Vec<u8>, len: usize, align: usize) -> usize {
+    if align > 1 {
+        buf.reserve_exact((len + align).saturating_sub(buf.len()));
+        buf.resize(len + align, 0);
+        (align - buf.as_ptr() as usize % align) % align
+    } else {
+        buf.resize(len, 0);
+        0
+    }
+}
 
 pub(crate) struct ConnRing {
     ring: IoUring,
@@ -53,6 +91,8 @@ pub(crate) struct ConnRing {
     /// A poll on the socket is in the ring and has not completed.
     poll_armed: bool,
     sock: RawFd,
+    /// Header buffers not in use.
+    header_bufs: Vec<Vec<u8>>,
 }
 
 impl ConnRing {
@@ -61,7 +101,8 @@ impl ConnRing {
     /// read pool).
     pub(crate) fn new(sock: RawFd, slots: usize) -> Option<Self> {
         let entries = (slots as u32).next_power_of_two().max(8);
-        let ring = match IoUring::new(entries) {
+        // Up to two completions a request (its data and a header) and the poll.
+        let ring = match IoUring::builder().setup_cqsize(4 * entries).build(entries) {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!("no io_uring for the connection ({e}); reads use the read pool");
@@ -75,6 +116,7 @@ impl ConnRing {
             unsubmitted: 0,
             poll_armed: false,
             sock,
+            header_bufs: Vec::new(),
         })
     }
 
@@ -86,19 +128,14 @@ impl ConnRing {
     /// Queues `read` into `buf` for the request in `slot`. It is submitted with the
     /// next [`ConnRing::submit`] (or when the queue is full).
     pub(crate) fn push(&mut self, slot: u16, offset: u64, read: DeviceRead, mut buf: Vec<u8>) {
-        let s = &mut self.slots[slot as usize];
-        assert!(s.is_none(), "slot {slot} already has a read in flight");
+        assert!(
+            self.slots[slot as usize].is_none(),
+            "slot {slot} already has a read in flight"
+        );
         let len = buf.len();
-        let align = read.align as usize;
-        let pad = if align > 1 {
-            // Room for an aligned window (no allocation once the pooled buffer
-            // has it): the kernel reads there, `reap` moves the data to the start.
-            buf.reserve_exact(align);
-            buf.resize(len + align, 0);
-            (align - buf.as_ptr() as usize % align) % align
-        } else {
-            0
-        };
+        // Room for an aligned window (no allocation once the pooled buffer has
+        // it): the kernel reads there, `reap` moves the data to the start.
+        let pad = aligned_window(&mut buf, len, read.align as usize);
         let entry = opcode::Read::new(
             types::Fd(read.fd),
             buf[pad..].as_mut_ptr(),
@@ -107,16 +144,43 @@ impl ConnRing {
         .offset(read.offset)
         .build()
         .user_data(slot as u64);
-        // The buffer's heap memory stays where it is while the Vec sits in the slot.
-        *s = Some(InFlight {
+        let header = read.header.map(|h| {
+            let mut hbuf = self.header_bufs.pop().unwrap_or_default();
+            let len = h.len as usize;
+            let pad = aligned_window(&mut hbuf, len, h.align as usize);
+            let entry = opcode::Read::new(types::Fd(h.fd), hbuf[pad..].as_mut_ptr(), h.len)
+                .offset(h.offset)
+                .build()
+                .user_data(slot as u64 | HEADER_TAG);
+            (
+                HeaderInFlight {
+                    buf: hbuf,
+                    len,
+                    pad,
+                    res: None,
+                },
+                entry,
+            )
+        });
+        let (header, header_entry) = match header {
+            Some((h, e)) => (Some(h), Some(e)),
+            None => (None, None),
+        };
+        // The buffers' heap memory stays where it is while they sit in the slot.
+        self.slots[slot as usize] = Some(InFlight {
             read,
             offset,
             buf,
             len,
             pad,
+            res: None,
+            header,
         });
         self.inflight += 1;
         self.push_entry(&entry);
+        if let Some(e) = header_entry {
+            self.push_entry(&e);
+        }
     }
 
     fn push_entry(&mut self, entry: &io_uring::squeue::Entry) {
@@ -157,21 +221,43 @@ impl ConnRing {
                 socket = true;
                 continue;
             }
-            let slot = cqe.user_data() as u16;
-            let mut f = self.slots[slot as usize]
-                .take()
-                .expect("a completion for a slot without a read");
-            self.inflight -= 1;
-            if f.buf.len() != f.len {
-                f.buf.copy_within(f.pad..f.pad + f.len, 0);
-                f.buf.truncate(f.len);
-            }
+            let slot = (cqe.user_data() & 0xffff) as u16;
             let res = if cqe.result() < 0 {
                 Err(io::Error::from_raw_os_error(-cqe.result()))
             } else {
                 Ok(cqe.result() as usize)
             };
-            done(slot, f.offset, f.read, f.buf, res);
+            let f = self.slots[slot as usize]
+                .as_mut()
+                .expect("a completion for a slot without a read");
+            if cqe.user_data() & HEADER_TAG != 0 {
+                f.header
+                    .as_mut()
+                    .expect("a header completion for a read without one")
+                    .res = Some(res);
+            } else {
+                f.res = Some(res);
+            }
+            // Done when the data and its header (if any) both are.
+            if f.res.is_none() || f.header.as_ref().is_some_and(|h| h.res.is_none()) {
+                continue;
+            }
+            let mut f = self.slots[slot as usize].take().unwrap();
+            self.inflight -= 1;
+            if f.buf.len() != f.len {
+                f.buf.copy_within(f.pad..f.pad + f.len, 0);
+                f.buf.truncate(f.len);
+            }
+            let res = f.res.take().unwrap();
+            match f.header.take() {
+                None => done(slot, f.offset, f.read, f.buf, res, None),
+                Some(mut h) => {
+                    let hres = h.res.take().unwrap();
+                    let bytes = &h.buf[h.pad..h.pad + h.len];
+                    done(slot, f.offset, f.read, f.buf, res, Some((bytes, hres)));
+                    self.header_bufs.push(h.buf);
+                }
+            }
         }
     }
 
@@ -233,7 +319,12 @@ impl Drop for ConnRing {
     fn drop(&mut self) {
         if self.inflight > 0 {
             self.submit();
-            let mut lost = |_: u16, _: u64, _: DeviceRead, _: Vec<u8>, _: io::Result<usize>| {};
+            let mut lost = |_: u16,
+                            _: u64,
+                            _: DeviceRead,
+                            _: Vec<u8>,
+                            _: io::Result<usize>,
+                            _: Option<(&[u8], io::Result<usize>)>| {};
             while self.inflight > 0 {
                 self.wait(false, &mut lost);
             }

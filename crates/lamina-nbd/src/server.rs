@@ -124,6 +124,19 @@ pub struct DeviceRead {
     pub offset: u64,
     pub align: u32,
     pub tag: [u64; 2],
+    /// A second read the backend needs to verify the data (a header), done on
+    /// the same ring at the same time; its bytes go to [`Backend::finish_read`].
+    pub header: Option<HeaderRead>,
+}
+
+/// `len` bytes of descriptor `fd` at `offset`, read beside a [`DeviceRead`] into a
+/// buffer of the connection's (`align` as in [`DeviceRead`]).
+#[derive(Debug, Clone, Copy)]
+pub struct HeaderRead {
+    pub fd: std::os::unix::io::RawFd,
+    pub offset: u64,
+    pub len: u32,
+    pub align: u32,
 }
 
 /// How [`Backend::start_read`] started a read.
@@ -187,18 +200,21 @@ pub trait Backend: Send + Sync + 'static {
         }
     }
     /// Finishes a read [`Backend::start_read`] started: `result` is what the
-    /// device read of `read` into `buf` returned (bytes read). Called exactly once
-    /// for every [`ReadStart::Device`], on the reader thread, which must not wait:
-    /// whatever the read held (a pin) is released here, and a read that failed or
-    /// does not verify is [`Finished::Again`] (read again on a read thread).
+    /// device read of `read` into `buf` returned (bytes read), `header` the bytes
+    /// of `read.header` and what reading them returned, when it asked for one.
+    /// Called exactly once for every [`ReadStart::Device`], on the reader thread,
+    /// which must not wait: whatever the read held (a pin) is released here, and a
+    /// read that failed or does not verify is [`Finished::Again`] (read again on a
+    /// read thread).
     fn finish_read(
         &self,
         export: &Self::Export,
         read: DeviceRead,
         buf: &mut [u8],
         result: io::Result<usize>,
+        header: Option<(&[u8], io::Result<usize>)>,
     ) -> Finished {
-        let _ = (export, read, buf, result);
+        let _ = (export, read, buf, result, header);
         Finished::Done(Err(EIO))
     }
     /// The allocation status of the export from `offset` on (the `base:allocation`
@@ -1543,8 +1559,13 @@ fn transmission<B: Backend>(
     });
     // Finished reads wait here to be answered together (`reply`).
     let done = RefCell::new(Vec::<ReadDone>::with_capacity(MAX_INFLIGHT));
-    let finished = |slot: u16, offset: u64, read: DeviceRead, mut buf: Vec<u8>, res| {
-        let result = match backend.finish_read(export, read, &mut buf, res) {
+    let finished = |slot: u16,
+                    offset: u64,
+                    read: DeviceRead,
+                    mut buf: Vec<u8>,
+                    res: io::Result<usize>,
+                    header: Option<(&[u8], io::Result<usize>)>| {
+        let result = match backend.finish_read(export, read, &mut buf, res, header) {
             Finished::Done(result) => result,
             Finished::Again => {
                 // Read again where waiting is fine (a connection with a ring

@@ -21,12 +21,31 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const FILL: u8 = 0xab;
+const HEADER: u8 = 0x5a;
+const HEADER_LEN: usize = 512;
 
 struct Piped {
     /// The pipe's read end: every read names it.
     rx: File,
     started: AtomicUsize,
     finished: AtomicUsize,
+    /// When given, every other read (odd blocks) asks for a header beside its
+    /// data: HEADER_LEN bytes of this pipe, into an aligned buffer of the ring's;
+    /// `seen` counts those that came.
+    headers: Option<File>,
+    seen: AtomicUsize,
+}
+
+impl Piped {
+    fn new(rx: File, headers: Option<File>) -> Self {
+        Piped {
+            rx,
+            started: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+            headers,
+            seen: AtomicUsize::new(0),
+        }
+    }
 }
 
 impl Backend for Piped {
@@ -52,6 +71,16 @@ impl Backend for Piped {
             // its buffer and moved to the start (the reply shows it was).
             align: if (offset / 4096) % 2 == 1 { 4096 } else { 0 },
             tag: [offset, 7],
+            header: self
+                .headers
+                .as_ref()
+                .filter(|_| (offset / 4096) % 2 == 1)
+                .map(|h| lamina_nbd::HeaderRead {
+                    fd: h.as_raw_fd(),
+                    offset: 0,
+                    len: HEADER_LEN as u32,
+                    align: 4096,
+                }),
         })
     }
     fn finish_read(
@@ -60,8 +89,18 @@ impl Backend for Piped {
         read: DeviceRead,
         buf: &mut [u8],
         result: std::io::Result<usize>,
+        header: Option<(&[u8], std::io::Result<usize>)>,
     ) -> Finished {
         assert_eq!(read.tag[1], 7, "the tag comes back as it was given");
+        match header {
+            Some((bytes, res)) => {
+                assert!(read.header.is_some(), "a header nobody asked for");
+                assert_eq!(res.unwrap(), HEADER_LEN);
+                assert!(bytes.len() == HEADER_LEN && bytes.iter().all(|&b| b == HEADER));
+                self.seen.fetch_add(1, Ordering::SeqCst);
+            }
+            None => assert!(read.header.is_none(), "the header asked for did not come"),
+        }
         self.finished.fetch_add(1, Ordering::SeqCst);
         Finished::Done(match result {
             Ok(n) if n == buf.len() => Ok(()),
@@ -102,11 +141,7 @@ fn feed(tx: &mut File, n: usize) {
 #[test]
 fn one_connection_keeps_its_device_reads_in_flight() {
     let (rx, mut tx) = pipe();
-    let backend = Arc::new(Piped {
-        rx,
-        started: AtomicUsize::new(0),
-        finished: AtomicUsize::new(0),
-    });
+    let backend = Arc::new(Piped::new(rx, None));
     let (sock, _stop) = common::serve_unix(backend.clone(), "ring-reads");
     let mut c = Client::connect_unix(&sock, "v").unwrap();
     c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -193,9 +228,10 @@ impl Backend for Retried {
         read: DeviceRead,
         buf: &mut [u8],
         result: std::io::Result<usize>,
+        header: Option<(&[u8], std::io::Result<usize>)>,
     ) -> Finished {
         let offset = read.tag[0];
-        let f = self.piped.finish_read(e, read, buf, result);
+        let f = self.piped.finish_read(e, read, buf, result, header);
         if offset == 0 {
             Finished::Again
         } else {
@@ -214,11 +250,7 @@ impl Backend for Retried {
 fn a_read_that_does_not_verify_is_read_again_off_the_reader() {
     let (rx, mut tx) = pipe();
     let backend = Arc::new(Retried {
-        piped: Piped {
-            rx,
-            started: AtomicUsize::new(0),
-            finished: AtomicUsize::new(0),
-        },
+        piped: Piped::new(rx, None),
         read_on: Default::default(),
     });
     let (sock, _stop) = common::serve_unix(backend.clone(), "ring-retried");
@@ -242,4 +274,45 @@ fn a_read_that_does_not_verify_is_read_again_off_the_reader() {
     }
     let on = backend.read_on.lock().unwrap().clone().unwrap_or_default();
     assert!(on.starts_with("nbd-read"), "read again on thread {on:?}");
+}
+
+/// A read that asks for a header beside its data completes when both have: not
+/// before its header is read, and with the header's bytes, once each.
+#[test]
+fn a_read_with_a_header_completes_when_both_are_read() {
+    let (rx, mut tx) = pipe();
+    let (hrx, mut htx) = pipe();
+    let backend = Arc::new(Piped::new(rx, Some(hrx)));
+    let (sock, _stop) = common::serve_unix(backend.clone(), "ring-headers");
+    let mut c = Client::connect_unix(&sock, "v").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    const N: usize = 16;
+    for i in 0..N {
+        c.send(CMD_READ, 0, i as u64 * 4096, 4096, &[]).unwrap();
+    }
+    c.push().unwrap();
+    wait_for("every read started", || {
+        backend.started.load(Ordering::SeqCst) == N
+    });
+    // The data of all of them: those without a header complete.
+    feed(&mut tx, N);
+    for _ in 0..N / 2 {
+        let r = c.recv().unwrap();
+        assert_eq!(r.error, 0);
+        assert!(r.data.iter().all(|&b| b == FILL));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(backend.finished.load(Ordering::SeqCst), N / 2);
+    assert_eq!(backend.seen.load(Ordering::SeqCst), 0);
+    // Their headers: the rest complete.
+    for _ in 0..N / 2 {
+        htx.write_all(&[HEADER; HEADER_LEN]).unwrap();
+    }
+    for _ in 0..N / 2 {
+        let r = c.recv().unwrap();
+        assert_eq!(r.error, 0);
+        assert!(r.data.len() == 4096 && r.data.iter().all(|&b| b == FILL));
+    }
+    assert_eq!(backend.seen.load(Ordering::SeqCst), N / 2);
+    assert_eq!(backend.finished.load(Ordering::SeqCst), N);
 }

@@ -617,16 +617,27 @@ impl Backend for LaminaBackend {
             lamina_core::ReadStart::Done(r) => {
                 ReadStart::Done(r.map_err(|e| read_failed(vol, offset, buf.len(), e)))
             }
-            lamina_core::ReadStart::Device(d) => ReadStart::Device(DeviceRead {
-                fd: d.fd,
-                offset: d.offset,
-                align: if d.direct {
-                    lamina_core::BLOCK_SIZE as u32
-                } else {
-                    0
-                },
-                tag: [(d.seg.0 as u64) << 32 | d.seg_off as u64, d.first_lba.0],
-            }),
+            lamina_core::ReadStart::Device(d) => {
+                let align = |direct| {
+                    if direct {
+                        lamina_core::BLOCK_SIZE as u32
+                    } else {
+                        0
+                    }
+                };
+                ReadStart::Device(DeviceRead {
+                    fd: d.fd,
+                    offset: d.offset,
+                    align: align(d.direct),
+                    tag: [(d.seg.0 as u64) << 32 | d.seg_off as u64, d.first_lba.0],
+                    header: d.header.map(|h| lamina_nbd::HeaderRead {
+                        fd: h.fd,
+                        offset: h.offset,
+                        len: h.len,
+                        align: align(h.direct),
+                    }),
+                })
+            }
             lamina_core::ReadStart::Wait => ReadStart::Wait,
         }
     }
@@ -637,6 +648,7 @@ impl Backend for LaminaBackend {
         read: DeviceRead,
         buf: &mut [u8],
         result: std::io::Result<usize>,
+        header: Option<(&[u8], std::io::Result<usize>)>,
     ) -> lamina_nbd::Finished {
         let vol = &export.vol;
         let d = lamina_core::DeviceRead {
@@ -646,10 +658,16 @@ impl Backend for LaminaBackend {
             seg: lamina_core::SegmentId((read.tag[0] >> 32) as u32),
             seg_off: read.tag[0] as u32,
             first_lba: lamina_core::Lba(read.tag[1]),
+            header: read.header.map(|h| lamina_core::HeaderRead {
+                fd: h.fd,
+                offset: h.offset,
+                len: h.len,
+                direct: h.align > 0,
+            }),
         };
         // Failed or damaged: read again on a read thread (`read`, which
         // rebuilds and reports), so that the connection's other reads go on.
-        if self.rt.shared.read_finish(vol, d, buf, result) {
+        if self.rt.shared.read_finish(vol, d, buf, result, header) {
             lamina_nbd::Finished::Done(Ok(()))
         } else {
             lamina_nbd::Finished::Again

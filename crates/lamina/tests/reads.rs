@@ -15,21 +15,21 @@ use std::path::Path;
 
 const BLOCKS: u64 = 2048;
 
-/// Writes BLOCKS blocks of `v` through `sock` and flushes.
-fn write_all(sock: &Path) {
+/// Writes `blocks` blocks of `v` through `sock` and flushes.
+fn write_all(sock: &Path, blocks: u64) {
     let mut c = Client::connect_unix(sock, "v").unwrap();
-    for lba in 0..BLOCKS {
+    for lba in 0..blocks {
         c.write(lba * BS as u64, &pattern(lba, 1), false).unwrap();
     }
     c.flush().unwrap();
 }
 
-/// Reads every block with 64 requests in flight; returns the blocks that came back
-/// with an error (the others must hold their pattern).
-fn read_all(sock: &Path) -> Vec<u64> {
+/// Reads the first `blocks` blocks with 64 requests in flight; returns the blocks
+/// that came back with an error (the others must hold their pattern).
+fn read_all(sock: &Path, blocks: u64) -> Vec<u64> {
     let mut c = Client::connect_unix(sock, "v").unwrap();
     let mut bad = Vec::new();
-    for first in (0..BLOCKS).step_by(64) {
+    for first in (0..blocks).step_by(64) {
         let mut want = std::collections::HashMap::new();
         for lba in first..first + 64 {
             want.insert(
@@ -97,8 +97,8 @@ fn ring_reads(name: &str, engine: &str) {
         .unwrap();
     }
     let s = Server::start(&dir);
-    write_all(&s.sock);
-    assert!(read_all(&s.sock).is_empty());
+    write_all(&s.sock, BLOCKS);
+    assert!(read_all(&s.sock, BLOCKS).is_empty());
     let by_conn = counter(&dir, "reads_by_connection");
     assert!(
         by_conn >= BLOCKS / 2,
@@ -116,9 +116,40 @@ fn ring_reads(name: &str, engine: &str) {
     f.write_all_at(&[0x5a; 16], off + 100).unwrap();
     drop(f);
     let errors = counter(&dir, "read_checksum_errors");
-    assert_eq!(read_all(&s.sock), vec![victim]);
+    assert_eq!(read_all(&s.sock, BLOCKS), vec![victim]);
     assert!(counter(&dir, "read_checksum_errors") > errors);
     assert!(counter(&dir, "reads_by_connection") > by_conn + BLOCKS / 2);
+    s.stop();
+}
+
+/// With a header cache much smaller than the units written (the smallest it
+/// gets: 64 units of 32 blocks, for 8192 blocks in about 265 units), reads of
+/// units it lost still go through the connection's ring: the unit's header is
+/// read beside the data and its checksums cached. They used to go to the read
+/// pool, which read the header first and the data after it.
+#[test]
+fn reads_of_units_the_header_cache_lost_stay_on_the_ring() {
+    let t = TempDir::new("ring-reads-headers");
+    let dir = small_array(&t, "32M");
+    let cfg_path = dir.join("lamina.toml");
+    let cfg = std::fs::read_to_string(&cfg_path).unwrap();
+    std::fs::write(
+        &cfg_path,
+        cfg.replace("\n[engine]\n", "\n[engine]\nheader_cache = \"8K\"\n"),
+    )
+    .unwrap();
+    let s = Server::start(&dir);
+    let blocks = 8192;
+    write_all(&s.sock, blocks);
+    let (misses, by_conn) = (
+        counter(&dir, "header_cache_misses"),
+        counter(&dir, "reads_by_connection"),
+    );
+    assert!(read_all(&s.sock, blocks).is_empty());
+    let misses = counter(&dir, "header_cache_misses") - misses;
+    let by_conn = counter(&dir, "reads_by_connection") - by_conn;
+    assert!(misses > 100, "{misses} headers read for {blocks} blocks");
+    assert_eq!(by_conn, blocks, "reads that left the ring");
     s.stop();
 }
 
@@ -135,8 +166,8 @@ fn with_plain_system_calls_the_read_threads_serve() {
     )
     .unwrap();
     let s = Server::start(&dir);
-    write_all(&s.sock);
-    assert!(read_all(&s.sock).is_empty());
+    write_all(&s.sock, BLOCKS);
+    assert!(read_all(&s.sock, BLOCKS).is_empty());
     assert_eq!(counter(&dir, "reads_by_connection"), 0);
     s.stop();
 }
@@ -178,7 +209,7 @@ fn cache_hints_bring_blocks_into_the_page_cache() {
     let t = TempDir::new("cache-hint");
     let dir = small_array(&t, "32M");
     let s = Server::start(&dir);
-    write_all(&s.sock);
+    write_all(&s.sock, BLOCKS);
     let dev = dir.join("dev.img");
     let (a, b) = (find_block(&dev, 100), find_block(&dev, 1900));
     drop_cached(&dev);
