@@ -227,6 +227,16 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// The write's buffer, if it is one: what goes back with a refusal.
+    fn into_data(self) -> Option<Vec<u8>> {
+        match self {
+            Request::Write { data, .. } => Some(data),
+            _ => None,
+        }
+    }
+}
+
 /// A device handed to the engine (for [`Request::ReplaceMember`]).
 pub struct NewDevice(pub Arc<dyn lamina_device::BlockDevice>);
 
@@ -936,23 +946,15 @@ impl Engine {
             .and_then(|v| v.as_ref())
             .map(|v| v.shared.created_version());
         if current != Some(created) {
-            let data = match req {
-                Request::Write { data, .. } => Some(data),
-                _ => None,
-            };
             let e = EngineError::Invalid(format!("no {volume}: it was deleted"));
-            return self.reply(token, Err(e), data);
+            return self.reply(token, Err(e), req.into_data());
         }
         self.submit(token, req)
     }
 
     pub fn submit(&mut self, token: Token, req: Request) {
         if self.closed {
-            let data = match req {
-                Request::Write { data, .. } => Some(data),
-                _ => None,
-            };
-            return self.reply(token, Err(EngineError::ShuttingDown), data);
+            return self.reply(token, Err(EngineError::ShuttingDown), req.into_data());
         }
         // Shutting down: the final checkpoint is under way, and what would need
         // one of its own after it is refused (flushes and checkpoints are served;

@@ -889,37 +889,33 @@ impl Shared {
                 st.target_read_done(voff, buf.len(), read_ok);
             }
         }
-        // The header read beside the data: its checksums, cached for the reads
-        // that follow. The pin keeps the segment's incarnation what it was when
-        // the read started, so the key is the header's.
         // Without a header read, the checksums were cached when the read started;
         // if they were evicted since, the read is done again off this thread
         // rather than reading the header here, where nothing may wait.
         let mut given = Checksums::Cached;
         if let Some(h) = wanted {
+            // The header read beside the data: its checksums, cached for the reads
+            // that follow. The pin keeps the segment's incarnation what it was when
+            // the read started, so the key is the header's.
             let Some((hdr, res)) = header else {
                 self.seg_pins.unpin(seg.0);
                 return false;
             };
             let hdr_ok = matches!(res, Ok(n) if n == h.len as usize) && hdr.len() == h.len as usize;
-            if self.striped.is_some() {
-                let (dev, _) = self.geo.locate(seg, seg_off);
-                if let Some(st) = self.striped_at(dev) {
-                    let unit_start = self.unit_start_of(self.geo.pba(seg, seg_off));
-                    if let Some(u) = unit_start {
-                        let (_, voff) = self.geo.locate(seg, u);
-                        st.target_read_done(voff, h.len as usize, hdr_ok);
-                    }
+            let key = self.unit_key(seg, seg_off);
+            // Counted against the striped member that holds the header, as the
+            // data read is above.
+            if let Some((_, _, unit_start)) = key.filter(|_| self.striped.is_some()) {
+                let (hdev, hoff) = self.geo.locate(seg, unit_start);
+                if let Some(st) = self.striped_at(hdev) {
+                    st.target_read_done(hoff, h.len as usize, hdr_ok);
                 }
             }
-            let parsed = self
-                .unit_key(seg, seg_off)
-                .filter(|_| hdr_ok)
-                .and_then(|key| {
-                    self.parse_unit_crcs(seg, key.2, key.1, hdr)
-                        .ok()
-                        .map(|c| (key, c))
-                });
+            let parsed = key.filter(|_| hdr_ok).and_then(|key| {
+                self.parse_unit_crcs(seg, key.2, key.1, hdr)
+                    .ok()
+                    .map(|c| (key, c))
+            });
             let Some((key, c)) = parsed else {
                 self.seg_pins.unpin(seg.0);
                 return false;

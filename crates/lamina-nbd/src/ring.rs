@@ -80,6 +80,19 @@ fn aligned_window(buf: &mut Vec<u8>, len: usize, align: usize) -> usize {
     }
 }
 
+/// A read of `fd` at `offset` into `window`, completing with `tag`. The caller
+/// keeps `window`'s memory where it is until the completion is reaped.
+fn read_entry(fd: RawFd, window: &mut [u8], offset: u64, tag: u64) -> io_uring::squeue::Entry {
+    opcode::Read::new(
+        types::Fd(fd),
+        window.as_mut_ptr(),
+        window.len().min(u32::MAX as usize) as u32,
+    )
+    .offset(offset)
+    .build()
+    .user_data(tag)
+}
+
 pub(crate) struct ConnRing {
     ring: IoUring,
     /// By slot: the read in flight there.
@@ -136,36 +149,25 @@ impl ConnRing {
         // Room for an aligned window (no allocation once the pooled buffer has
         // it): the kernel reads there, `reap` moves the data to the start.
         let pad = aligned_window(&mut buf, len, read.align as usize);
-        let entry = opcode::Read::new(
-            types::Fd(read.fd),
-            buf[pad..].as_mut_ptr(),
-            len.min(u32::MAX as usize) as u32,
-        )
-        .offset(read.offset)
-        .build()
-        .user_data(slot as u64);
+        let entry = read_entry(read.fd, &mut buf[pad..pad + len], read.offset, slot as u64);
+        let mut header_entry = None;
         let header = read.header.map(|h| {
             let mut hbuf = self.header_bufs.pop().unwrap_or_default();
             let len = h.len as usize;
             let pad = aligned_window(&mut hbuf, len, h.align as usize);
-            let entry = opcode::Read::new(types::Fd(h.fd), hbuf[pad..].as_mut_ptr(), h.len)
-                .offset(h.offset)
-                .build()
-                .user_data(slot as u64 | HEADER_TAG);
-            (
-                HeaderInFlight {
-                    buf: hbuf,
-                    len,
-                    pad,
-                    res: None,
-                },
-                entry,
-            )
+            header_entry = Some(read_entry(
+                h.fd,
+                &mut hbuf[pad..pad + len],
+                h.offset,
+                slot as u64 | HEADER_TAG,
+            ));
+            HeaderInFlight {
+                buf: hbuf,
+                len,
+                pad,
+                res: None,
+            }
         });
-        let (header, header_entry) = match header {
-            Some((h, e)) => (Some(h), Some(e)),
-            None => (None, None),
-        };
         // The buffers' heap memory stays where it is while they sit in the slot.
         self.slots[slot as usize] = Some(InFlight {
             read,
